@@ -1,0 +1,27 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   creates .venv, installs the pinned dependencies, trains the embedded default
+#   make test   same set-up, then the whole test suite (what .ci/run calls)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: demo test setup clean
+
+setup: $(VENV)/.installed
+
+# torch goes first: pip takes the local CPU wheel for the exact pin, whereas an open range
+# resolved by another package would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+demo: setup
+	$(BIN)/scaletrain train
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs data

@@ -1,0 +1,97 @@
+"""Command line: the only module that reads argv. Bad input ends in one line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from scaletrain import __version__
+from scaletrain.errors import UserError
+
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="scaletrain",
+        description="Plan, run, watch and recover distributed training of language models.",
+        epilog="Under torchrun: torchrun --nproc-per-node N -m scaletrain train [CONFIG.yaml ...] [key=value ...]",
+    )
+    p.add_argument("--version", action="version", version=f"scaletrain {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    t = sub.add_parser(
+        "train",
+        help="train a model (embedded default when no config is given)",
+        description="Train. YAML files are merged in order, then dotted overrides such as train.lr=3e-4 apply.",
+    )
+    t.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+    t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    t.set_defaults(func=_cmd_train)
+
+    d = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    prep = d.add_parser(
+        "prepare",
+        help="tokenize .txt/.jsonl/.parquet files into token shards + manifest",
+        description="Tokenize files into numpy token shards with a manifest (tokenizer, counts, checksums).",
+    )
+    prep.add_argument("--input", nargs="+", required=True, metavar="GLOB", help="files or globs (.txt, .jsonl, .parquet)")
+    prep.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold a dataset yet)")
+    prep.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size when training a tokenizer")
+    prep.add_argument("--tokenizer", metavar="TOKENIZER.json", help="use this tokenizer instead of training one")
+    prep.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.parquet records")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 22, help="tokens per shard file")
+    prep.set_defaults(func=_cmd_data_prepare)
+    return p
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from scaletrain.config import load_config, split_args
+
+    cfg = load_config(*split_args(args.args))
+    if args.print_config:
+        print(cfg.to_yaml(), end="")
+        return 0
+    from scaletrain.trainer import train
+
+    train(cfg)
+    return 0
+
+
+def _cmd_data_prepare(args: argparse.Namespace) -> int:
+    from scaletrain.data import prepare_dataset
+
+    if args.vocab_size < 260:
+        raise UserError(f"--vocab-size {args.vocab_size} is too small; accepted: 260 or more (256 bytes + specials)")
+    if args.shard_tokens < 1:
+        raise UserError(f"--shard-tokens {args.shard_tokens} must be a positive number of tokens")
+    out = prepare_dataset(
+        args.input,
+        Path(args.out),
+        vocab_size=args.vocab_size,
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
+        shard_tokens=args.shard_tokens,
+    )
+    print(f"prepared dataset: {out} (see {out / 'manifest.json'})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        from scaletrain.distributed import launcher_rank
+
+        if launcher_rank() == 0:  # every rank hits the same error; say it once
+            print(f"scaletrain: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("scaletrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Typed run configuration: YAML files merged in order, then dotted overrides, then checks.
+
+One pydantic schema is the single source of the keys, their types, defaults and ranges;
+`scaletrain train --print-config` shows the resolved result. Every problem becomes a
+UserError whose one line names the key, the bad value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from scaletrain.errors import UserError
+
+MODEL_PRESETS = ("tiny", "small", "1b", "7b", "8b", "70b")
+
+
+class Section(BaseModel):
+    # extra="forbid": a misspelt key is an error, never silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    preset: Literal[MODEL_PRESETS] = "tiny"  # type: ignore[valid-type]
+    # Each shape field overrides the preset when set; vocab_size defaults to the tokenizer's.
+    vocab_size: int | None = Field(None, ge=2)
+    dim: int | None = Field(None, ge=8)
+    n_layers: int | None = Field(None, ge=1)
+    n_heads: int | None = Field(None, ge=1)
+    n_kv_heads: int | None = Field(None, ge=1)
+    ffn_dim: int | None = Field(None, ge=1)
+    tie_embeddings: bool | None = None
+    rope_theta: float | None = Field(None, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+
+
+class DataConfig(Section):
+    # Globs of .txt/.jsonl/.parquet files, or a directory made by `scaletrain data prepare`.
+    # Empty: the embedded default, the Python standard library's own source files.
+    paths: list[str] = Field(default_factory=list)
+    seq_len: int = Field(128, ge=8)
+    dir: str = "data"  # where prepared shards and the locally trained tokenizer are cached
+    vocab_size: int = Field(4096, ge=260, le=1_000_000)  # for a tokenizer trained here
+    tokenizer: str | None = None  # an existing tokenizer.json instead of training one
+    text_field: str = "text"  # the field holding the text in .jsonl/.parquet records
+
+    @field_validator("paths", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+class TrainConfig(Section):
+    steps: int = Field(300, ge=1)
+    micro_batch: int = Field(16, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(3e-3, gt=0, le=10)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, ge=0)  # max global grad norm; 0 disables clipping
+    seed: int = Field(1234, ge=0)
+    resume: str = "auto"  # auto | never | PATH of a checkpoint directory
+    log_every: int = Field(10, ge=1)  # steps between metric flushes (one host sync each)
+
+
+class ParallelConfig(Section):
+    strategy: Literal["ddp"] = "ddp"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+
+
+class CheckpointConfig(Section):
+    every: int = Field(100, ge=0)  # steps between checkpoints; 0: only at the end
+    keep: int = Field(3, ge=1)  # newest complete checkpoints kept
+
+
+class RunConfig(Section):
+    dir: str = "runs/demo"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Merge YAML files in order, apply `dotted.key=value` overrides, validate."""
+    merged: dict[str, Any] = {}
+    for f in files:
+        _deep_merge(merged, _read_yaml_file(f))
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(merged, key, value)
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as e:
+        raise UserError(_describe(e, merged)) from None
+
+
+def split_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """Positional CLI words: YAML files first-come, `key=value` overrides."""
+    files, overrides = [], []
+    for a in args:
+        if "=" in a:
+            overrides.append(a)
+        elif a.endswith((".yaml", ".yml")):
+            files.append(a)
+        else:
+            raise UserError(f"argument {a!r} is neither a CONFIG.yaml file nor a dotted.key=value override")
+    return files, overrides
+
+
+def _read_yaml_file(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {path!r} not found (expected a readable .yaml file)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise UserError(f"config file {path!r} is not valid YAML{line}: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path!r} must hold a mapping of sections (model:, data:, train: ...), got {type(data).__name__}")
+    return data
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, _, raw = item.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise UserError(f"override {item!r} needs the form section.key=value, e.g. train.lr=3e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not YAML: keep the text, the schema decides whether it is acceptable
+    return key, value
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            prefix = ".".join(parts[: i + 1])
+            raise UserError(f"override {key}={value!r}: {prefix} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _deep_merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _deep_merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def _describe(err: ValidationError, raw: dict[str, Any]) -> str:
+    """One line per problem: key, value given, what is accepted."""
+    lines = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"]]
+        key = ".".join(loc)
+        if e["type"] == "extra_forbidden":
+            lines.append(_unknown_key_message(loc))
+            continue
+        value = e.get("input")
+        accepted = e["msg"].replace("Input should be ", "expected ")
+        if accepted.startswith(("expected greater", "expected less")):
+            accepted = accepted.replace("expected ", "expected a value ", 1)
+        lines.append(f"config key {key} = {value!r} is invalid: {accepted}")
+    return "; ".join(lines)
+
+
+def _unknown_key_message(loc: list[str]) -> str:
+    section: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = section.model_fields.get(part)
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            break
+        section = annotation
+    accepted = list(section.model_fields)
+    close = difflib.get_close_matches(loc[-1], accepted, n=1)
+    hint = f" (did you mean {'.'.join(loc[:-1] + close)}?)" if close else ""
+    where = ".".join(loc[:-1]) or "the top level"
+    return f"unknown config key {'.'.join(loc)}{hint}; accepted keys in {where}: {', '.join(accepted)}"

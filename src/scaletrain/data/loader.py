@@ -1,0 +1,219 @@
+"""Packed, shuffled, resumable training samples from a prepared token directory.
+
+The whole data position is one integer, the global sample index. Sample g belongs to epoch
+g // samples_per_epoch; within an epoch the shards are concatenated in a (seed, epoch)
+permutation, cut into windows of seq_len + 1 tokens with stride seq_len, and the windows are
+visited in a second (seed, epoch) permutation. Every rank derives the same mapping from the
+same numbers, so no rank ever needs to talk to another about data, and resuming (with any
+data-parallel size) only needs the position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # torch is imported on first use: `scaletrain data prepare` never needs it
+    import torch
+
+from scaletrain.data.prepare import FORMAT, FORMAT_VERSION, MANIFEST
+from scaletrain.errors import UserError
+
+
+class PackedTokens:
+    """Random access to the packed windows of a prepared dataset (memory-mapped, read-only)."""
+
+    def __init__(self, dataset_dir: Path, seq_len: int, seed: int):
+        self.dir = Path(dataset_dir)
+        self.seq_len = int(seq_len)
+        self.seed = int(seed)
+        if self.seq_len < 1:
+            raise UserError(f"data.seq_len = {seq_len} is invalid; accepted: an integer >= 1")
+        self.manifest = _read_manifest(self.dir)
+        m = self.manifest
+        self.vocab_size: int = int(m["vocab_size"])
+        self.eos_id: int = int(m["eos_id"])
+        self.tokenizer_path: Path = self.dir / m["tokenizer"]
+        self.dtype = np.dtype(m["dtype"]).newbyteorder("<")  # prepare writes little-endian
+
+        self._shards: list[np.ndarray] = []
+        for s in m["shards"]:
+            path = self.dir / s["file"]
+            if not path.is_file():
+                raise UserError(f"{self.dir}: shard {s['file']} listed in {MANIFEST} is missing; prepare the data again")
+            expected = int(s["tokens"]) * self.dtype.itemsize
+            actual = path.stat().st_size
+            if actual != expected:
+                raise UserError(
+                    f"{path}: {actual} bytes but {MANIFEST} says {s['tokens']} {m['dtype']} tokens ({expected} bytes); "
+                    "the directory is damaged or mixed with another dataset, prepare the data again"
+                )
+            if s["tokens"] > 0:
+                self._shards.append(np.memmap(path, dtype=self.dtype, mode="r", shape=(int(s["tokens"]),)))
+        self._lengths = np.array([len(a) for a in self._shards], dtype=np.int64)
+        self.total_tokens = int(self._lengths.sum())
+        if self.total_tokens != int(m["total_tokens"]):
+            raise UserError(f"{self.dir}: shards hold {self.total_tokens} tokens but {MANIFEST} says {m['total_tokens']}; prepare the data again")
+        # The last window needs one token beyond its seq_len inputs (the final target).
+        self.samples_per_epoch = (self.total_tokens - 1) // self.seq_len
+        if self.samples_per_epoch < 1:
+            raise UserError(
+                f"{self.dir}: {self.total_tokens} tokens are too few for data.seq_len = {self.seq_len}; "
+                f"accepted: seq_len <= {max(self.total_tokens - 1, 0)} for this data, or more data"
+            )
+        # Only the current epoch's permutations are kept: consumers walk indices in order.
+        self._epoch: int | None = None
+        self._starts = np.zeros(0, dtype=np.int64)
+        self._order: list[np.ndarray] = []
+        self._perm = np.zeros(0, dtype=np.int64)
+
+    # -- epoch layout --------------------------------------------------------------------
+
+    def _layout(self, epoch: int) -> None:
+        if epoch == self._epoch:
+            return
+        # One generator per (seed, epoch): any rank, any time, derives the same layout.
+        rng = np.random.default_rng([self.seed, epoch])
+        shard_order = rng.permutation(len(self._shards))
+        self._order = [self._shards[i] for i in shard_order]
+        self._shard_order = shard_order
+        self._starts = np.concatenate([[0], np.cumsum(self._lengths[shard_order])]).astype(np.int64)
+        self._perm = rng.permutation(self.samples_per_epoch)
+        self._epoch = epoch
+
+    def shard_order(self, epoch: int) -> list[int]:
+        """Indices into the manifest's shard list, in the order epoch `epoch` concatenates them."""
+        self._layout(epoch)
+        return [int(i) for i in self._shard_order]
+
+    def sample_id(self, global_index: int) -> tuple[int, int]:
+        """(epoch, window index in that epoch's concatenated stream) of a global sample."""
+        if global_index < 0:
+            raise IndexError(f"global sample index {global_index} is negative")
+        epoch, within = divmod(int(global_index), self.samples_per_epoch)
+        self._layout(epoch)
+        return epoch, int(self._perm[within])
+
+    def sample(self, global_index: int) -> np.ndarray:
+        """seq_len + 1 tokens (int64): inputs are [:-1], targets [1:]."""
+        _, window = self.sample_id(global_index)
+        return self._read(window * self.seq_len, self.seq_len + 1)
+
+    def batch(self, global_indices: range | list[int] | np.ndarray) -> np.ndarray:
+        """(len(indices), seq_len + 1) int64 array of samples; equals stacking sample(g).
+
+        Vectorized: windows inside one shard are gathered with one fancy index per shard,
+        only the rare windows that span a shard boundary go through the scalar path.
+        """
+        idx = np.asarray(global_indices, dtype=np.int64).reshape(-1)
+        n = self.seq_len + 1
+        out = np.empty((idx.size, n), dtype=np.int64)
+        if idx.size == 0:
+            return out
+        if idx.min() < 0:
+            raise IndexError(f"global sample index {int(idx.min())} is negative")
+        epochs, within = np.divmod(idx, self.samples_per_epoch)
+        for epoch in np.unique(epochs):  # usually one; two when a step crosses an epoch end
+            rows = np.nonzero(epochs == epoch)[0]
+            self._layout(int(epoch))
+            starts = self._perm[within[rows]] * self.seq_len
+            shard = np.searchsorted(self._starts, starts, side="right") - 1
+            inside = starts + n <= self._starts[shard + 1]
+            for s in np.unique(shard[inside]):
+                sel = inside & (shard == s)
+                offsets = starts[sel] - self._starts[s]
+                out[rows[sel]] = self._order[s][offsets[:, None] + np.arange(n)]
+            for r in np.nonzero(~inside)[0]:
+                out[rows[r]] = self._read(int(starts[r]), n)
+        return out
+
+    def _read(self, start: int, n: int) -> np.ndarray:
+        # Windows may span shard boundaries: locate the shard by its cumulative start offset.
+        out = np.empty(n, dtype=np.int64)
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        filled = 0
+        while filled < n:
+            shard = self._order[i]
+            offset = start + filled - int(self._starts[i])
+            take = min(n - filled, len(shard) - offset)
+            out[filled : filled + take] = shard[offset : offset + take]
+            filled += take
+            i += 1
+        return out
+
+    def verify(self) -> None:
+        """Check every shard's sha256 against the manifest (reads all data; optional)."""
+        for s in self.manifest["shards"]:
+            h = hashlib.sha256((self.dir / s["file"]).read_bytes()).hexdigest()
+            if h != s["sha256"]:
+                raise UserError(f"{self.dir / s['file']}: checksum differs from {MANIFEST}; prepare the data again")
+
+
+def _read_manifest(d: Path) -> dict[str, Any]:
+    path = d / MANIFEST
+    if not path.is_file():
+        raise UserError(f"{str(d)!r} has no {MANIFEST}; accepted: a directory made by `scaletrain data prepare`")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg}); prepare the data again") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise UserError(f"{path}: not a scaletrain token manifest; accepted: a directory made by `scaletrain data prepare`")
+    if m.get("version") != FORMAT_VERSION:
+        raise UserError(f"{path}: manifest version {m.get('version')!r} is not supported; accepted: {FORMAT_VERSION} (prepare the data again)")
+    missing = [k for k in ("tokenizer", "vocab_size", "eos_id", "dtype", "shards", "total_tokens") if k not in m]
+    if missing:
+        raise UserError(f"{path}: manifest lacks {', '.join(missing)}; prepare the data again")
+    if m["dtype"] not in ("uint16", "uint32"):
+        raise UserError(f"{path}: dtype {m['dtype']!r} is not supported; accepted: uint16, uint32")
+    return m
+
+
+class RankBatches:
+    """The micro-batches one data-parallel rank trains on, step by step.
+
+    A step consumes micro_batch * grad_accum * dp_size global samples starting at `position`.
+    Micro-batch m of rank r takes position + (m * dp_size + r) * micro_batch + [0, micro_batch).
+    Hence for one step, concatenating ranks within a micro-batch and then micro-batches gives a
+    contiguous range: world 2 x micro 2 equals world 1 x micro 4, and accumulation 4 x micro 2
+    equals one micro-batch of 8, which keeps losses comparable across layouts.
+    """
+
+    def __init__(self, data: PackedTokens, micro_batch: int, grad_accum: int, dp_rank: int, dp_size: int, start: int = 0):
+        if micro_batch < 1 or grad_accum < 1 or dp_size < 1:
+            raise ValueError(f"micro_batch={micro_batch}, grad_accum={grad_accum}, dp_size={dp_size} must all be >= 1")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, {dp_size})")
+        if start < 0:
+            raise ValueError(f"start={start} must be >= 0")
+        self.data = data
+        self.micro_batch, self.grad_accum = micro_batch, grad_accum
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.position = int(start)  # global index where the next optimizer step starts
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp_size
+
+    def step_indices(self) -> list[range]:
+        """This rank's global sample indices of each micro-batch of the next step."""
+        return [
+            range(b, b + self.micro_batch)
+            for m in range(self.grad_accum)
+            for b in [self.position + (m * self.dp_size + self.dp_rank) * self.micro_batch]
+        ]
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """grad_accum (inputs, targets) pairs of int64 (micro_batch, seq_len); advances position."""
+        import torch
+
+        out = []
+        for idx in self.step_indices():
+            t = torch.from_numpy(self.data.batch(idx))
+            out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+        self.position += self.samples_per_step
+        return out

@@ -1,0 +1,16 @@
+"""Model definitions: Llama-style decoder, shape presets, parameter and FLOP arithmetic."""
+
+from scaletrain.models.llama import Llama, TransformerBlock, build_model, loss_fn
+from scaletrain.models.presets import PRESETS, ModelShape, count_params, flops_per_token, resolve_shape
+
+__all__ = [
+    "PRESETS",
+    "Llama",
+    "ModelShape",
+    "TransformerBlock",
+    "build_model",
+    "count_params",
+    "flops_per_token",
+    "loss_fn",
+    "resolve_shape",
+]

@@ -1,0 +1,210 @@
+"""A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases.
+
+The model is built on the meta device and materialized by `init_weights`, so a 70B shape
+costs nothing until an engine has sharded it. Initialization is a pure function of
+(seed, parameter name): every rank, device and sharding layout gets the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.models.presets import ModelShape
+
+INIT_STD = 0.02
+
+# Wrappers that engines insert into parameter names (activation checkpointing, FSDP1,
+# torch.compile); dropped so that a wrapped model initializes exactly like a bare one.
+_WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32: in bf16 the mean of squares loses the precision that matters.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [max_seq_len, head_dim // 2], computed on CPU in fp64 then fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + head_dim/2) of x [B, T, H, hd] by position (rotate-half form)."""
+    x32 = x.float()
+    x1, x2 = x32.chunk(2, dim=-1)
+    cos = cos[None, :, None, :].float()  # broadcast over batch and heads
+    sin = sin[None, :, None, :].float()
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, shape.n_kv_heads, shape.head_dim
+        self.wq = nn.Linear(shape.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(shape.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(shape.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, shape.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, hd]
+        # enable_gqa lets the fused kernels read each kv head for its group of query heads
+        # instead of materializing repeated copies of k and v.
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.w1 = nn.Linear(shape.dim, shape.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(shape.dim, shape.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(shape.ffn_dim, shape.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm residual block; the unit engines wrap for FSDP and checkpointing."""
+
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.attention_norm = RMSNorm(shape.dim, shape.norm_eps)
+        self.attention = Attention(shape)
+        self.ffn_norm = RMSNorm(shape.dim, shape.norm_eps)
+        self.feed_forward = FeedForward(shape)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, shape: ModelShape, max_seq_len: int):
+        super().__init__()
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len}")
+        self.shape, self.max_seq_len = shape, max_seq_len
+        self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
+        self.layers = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.n_layers))
+        self.norm = RMSNorm(shape.dim, shape.norm_eps)
+        self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        self.tie_weights()
+        # Non-persistent: derived from the shape, so checkpoints need not carry them. On the
+        # meta device these hold no data; init_weights (after to_empty) fills them for real.
+        cos, sin = rope_tables(shape.head_dim, max_seq_len, shape.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when the shape says so.
+
+        `to_empty` allocates each module's parameters separately and so unties them; call
+        this again after any such re-materialization (build_model does).
+        """
+        if self.shape.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens LongTensor[B, T] -> logits [B, T, vocab_size]."""
+        t = tokens.shape[1]
+        if t > self.max_seq_len:
+            raise ValueError(
+                f"sequence length {t} exceeds the model's max_seq_len={self.max_seq_len} "
+                f"(rotary tables are precomputed up to it); build the model with a larger max_seq_len"
+            )
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter and the RoPE tables deterministically.
+
+        Each parameter draws from its own CPU generator seeded by (seed, crc32(name)) in fp32,
+        then is copied into place, so the values do not depend on the device, on the order
+        in which parameters are visited, or on how (or whether) the model is sharded.
+        """
+        cos, sin = rope_tables(self.shape.head_dim, self.max_seq_len, self.shape.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        # Residual-branch output projections are scaled down so that the residual stream's
+        # variance does not grow with depth (GPT-2 / Megatron convention).
+        out_std = INIT_STD / math.sqrt(2 * self.shape.n_layers)
+        # named_parameters yields a tied weight once, under tok_embeddings.weight.
+        for name, param in self.named_parameters():
+            name = canonical_name(name)
+            if name.endswith("norm.weight"):
+                full = torch.ones(param.shape, dtype=torch.float32)
+            else:
+                std = out_std if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
+                gen = torch.Generator(device="cpu")
+                gen.manual_seed(_param_seed(seed, name))
+                full = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            _copy_full(param, full)
+
+
+def canonical_name(name: str) -> str:
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    # torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so the run seed
+    # cannot sit in the high bits; it becomes the CRC's starting value instead. For one name,
+    # that map is a bijection, so distinct seeds below 2**32 always give distinct streams.
+    return zlib.crc32(name.encode(), zlib.crc32((seed & 0xFFFF_FFFF).to_bytes(4, "little")))
+
+
+def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full-size CPU tensor into `param`, which may be a sharded DTensor (FSDP2)."""
+    if hasattr(param, "device_mesh") and hasattr(param, "placements"):
+        from torch.distributed.tensor import distribute_tensor
+
+        # Every rank generated the same full tensor, so each keeps its own shard:
+        # src_data_rank=None means no communication.
+        local_device = param.to_local().device
+        sharded = distribute_tensor(full.to(local_device), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(sharded.to_local())
+    else:
+        param.copy_(full)
+
+
+def build_model(shape: ModelShape, max_seq_len: int, seed: int, device: str | torch.device = "cpu") -> Llama:
+    """Construct on the meta device (no memory), allocate on `device`, then initialize."""
+    with torch.device("meta"):
+        model = Llama(shape, max_seq_len)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(seed)
+    return model
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, in fp32 (bf16 logsumexp over a large vocab is too coarse)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

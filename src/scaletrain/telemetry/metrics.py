@@ -1,0 +1,79 @@
+"""Per-step metrics: recorded without host syncs, reduced across ranks once per interval.
+
+Losses and grad norms stay on the device as 0-d tensors until `flush`, which does one
+all-reduce of the stacked losses and one device-to-host copy for the whole interval;
+metrics.jsonl still gets one JSON object per optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class StepRecorder:
+    def __init__(self, world_size: int, distributed: bool):
+        self.world_size = world_size
+        self.distributed = distributed
+        self._losses: list[torch.Tensor] = []
+        self._norms: list[torch.Tensor] = []
+        self._rows: list[dict[str, Any]] = []
+
+    def record(self, local_loss: torch.Tensor, grad_norm: torch.Tensor, **fields: Any) -> None:
+        self._losses.append(local_loss.detach().float())
+        self._norms.append(grad_norm.detach().float())
+        self._rows.append(fields)
+
+    def flush(self) -> list[dict[str, Any]]:
+        """Every rank must call this at the same steps (it is a collective when distributed)."""
+        if not self._rows:
+            return []
+        losses = torch.stack(self._losses)
+        if self.distributed:
+            dist.all_reduce(losses, op=dist.ReduceOp.SUM)
+            losses /= self.world_size
+        both = torch.stack([losses, torch.stack(self._norms).to(losses.device)]).cpu().tolist()
+        rows = [
+            {"step": row.pop("step"), "loss": loss, "grad_norm": norm, **row}
+            for row, loss, norm in zip(self._rows, both[0], both[1])
+        ]
+        self._losses, self._norms, self._rows = [], [], []
+        return rows
+
+
+class MetricsLog:
+    """metrics.jsonl: append-only during a run; on resume, rows after the checkpoint are dropped."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path = path
+        self.enabled = enabled
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        if not (self.enabled and rows):
+            return
+        with open(self.path, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    def truncate_after(self, step: int) -> None:
+        """Keep rows up to `step`: later ones describe work lost with the process, redone now."""
+        if not (self.enabled and self.path.exists()):
+            return
+        kept = [r for r in read_metrics(self.path) if r["step"] <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill mid-write
+    return rows

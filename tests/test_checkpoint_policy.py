@@ -1,0 +1,71 @@
+"""Checkpoint directory policy: completion marker, newest complete, keep-last-k pruning."""
+
+import torch
+from torch import nn
+
+from scaletrain import checkpoint
+from scaletrain.distributed import World
+
+
+def fake_checkpoint(root, step, complete=True):
+    d = checkpoint.step_dir(root, step)
+    (d / "state").mkdir(parents=True)
+    if complete:
+        (d / checkpoint.MARKER).write_text("{}")
+    return d
+
+
+def test_incomplete_checkpoint_is_ignored(tmp_path):
+    fake_checkpoint(tmp_path, 10)
+    fake_checkpoint(tmp_path, 20, complete=False)  # a save cut short by a kill
+    assert checkpoint.latest_complete(tmp_path) == tmp_path / "step_10"
+    assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path)] == [10]
+
+
+def test_steps_sort_numerically_not_lexically(tmp_path):
+    for s in (9, 10, 100):
+        fake_checkpoint(tmp_path, s)
+    assert checkpoint.latest_complete(tmp_path).name == "step_100"
+
+
+def test_prune_keeps_newest_k_and_drops_stale_incomplete(tmp_path):
+    for s in (10, 20, 30, 40):
+        fake_checkpoint(tmp_path, s)
+    fake_checkpoint(tmp_path, 15, complete=False)
+    fake_checkpoint(tmp_path, 50, complete=False)  # newer than the kept ones: maybe being written now
+    checkpoint.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_30", "step_40", "step_50"]
+
+
+def test_save_load_round_trip_restores_state_and_rng(tmp_path):
+    world = World(0, 1, 0, torch.device("cpu"), None)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    torch.manual_seed(7)
+    path = checkpoint.step_dir(tmp_path, 1)
+    checkpoint.save_checkpoint(path, world, {"model": msd, "optim": osd}, {"step": 1, "world_size": 1}, "x: 1\n")
+    expected_draw = torch.rand(3)
+    assert checkpoint.is_complete(path)
+
+    fresh = nn.Linear(3, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    fmsd, fosd = get_state_dict(fresh, fresh_opt)
+    state = {"model": fmsd, "optim": fosd}
+    torch.manual_seed(99)
+    trainer_state = checkpoint.load_checkpoint(path, world, state)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert trainer_state["step"] == 1
+    assert torch.equal(torch.rand(3), expected_draw)  # RNG continues where the save left it
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    sa, sb = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)
+
+    weights = checkpoint.read_model_weights(path)
+    assert set(weights) == {"weight", "bias"}
+    assert torch.equal(weights["weight"], model.weight) and torch.equal(weights["bias"], model.bias)
