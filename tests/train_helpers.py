@@ -30,12 +30,16 @@ def base_overrides(data_dir: Path, run_dir: Path, steps: int = 10) -> list[str]:
     ]
 
 
-def run_scaletrain(args: list[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_scaletrain(
+    args: list[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 240, one_thread: bool = True
+) -> subprocess.CompletedProcess:
+    """One intra-op thread by default: ranks sharing 2 cores don't oversubscribe, and every
+    run in an equivalence test does its float reductions the same way."""
     if nproc == 1:
         cmd = [sys.executable, "-m", "scaletrain", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "scaletrain", *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if one_thread else {}), **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 

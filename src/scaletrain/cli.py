@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from scaletrain import __version__
+from scaletrain.config import DataConfig
 from scaletrain.errors import UserError
 
 EXIT_USAGE = 2
@@ -38,10 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     prep.add_argument("--input", nargs="+", required=True, metavar="GLOB", help="files or globs (.txt, .jsonl, .parquet)")
     prep.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold a dataset yet)")
-    prep.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size when training a tokenizer")
+    defaults = DataConfig()
+    prep.add_argument("--vocab-size", type=int, default=defaults.vocab_size, help="BPE vocabulary size when training a tokenizer")
     prep.add_argument("--tokenizer", metavar="TOKENIZER.json", help="use this tokenizer instead of training one")
     prep.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.parquet records")
-    prep.add_argument("--shard-tokens", type=int, default=1 << 22, help="tokens per shard file")
+    prep.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens, help="tokens per shard file")
     prep.set_defaults(func=_cmd_data_prepare)
     return p
 
@@ -62,10 +64,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from scaletrain.data import prepare_dataset
 
-    if args.vocab_size < 260:
-        raise UserError(f"--vocab-size {args.vocab_size} is too small; accepted: 260 or more (256 bytes + specials)")
-    if args.shard_tokens < 1:
-        raise UserError(f"--shard-tokens {args.shard_tokens} must be a positive number of tokens")
     out = prepare_dataset(
         args.input,
         Path(args.out),

@@ -44,9 +44,12 @@ class DataConfig(Section):
     paths: list[str] = Field(default_factory=list)
     seq_len: int = Field(128, ge=8)
     dir: str = "data"  # where prepared shards and the locally trained tokenizer are cached
-    vocab_size: int = Field(4096, ge=260, le=1_000_000)  # for a tokenizer trained here
+    vocab_size: int = Field(4096, ge=257, le=1_000_000)  # for a tokenizer trained here
     tokenizer: str | None = None  # an existing tokenizer.json instead of training one
     text_field: str = "text"  # the field holding the text in .jsonl/.parquet records
+    # Tokens per shard file. Shards are what an epoch reorders, so the default keeps even
+    # the 3M-token embedded corpus in several of them.
+    shard_tokens: int = Field(1 << 20, ge=1024)
 
     @field_validator("paths", mode="before")
     @classmethod

@@ -189,6 +189,7 @@ def _print_banner(console: Console, cfg: Config, world: World, shape: Any, data:
         f"data {data.samples_per_epoch:,} samples/epoch of {cfg.data.seq_len} tokens | {tokens_per_step:,} tokens/step"
         + (f" | resuming from {resume_from}" if resume_from else ""),
         highlight=False,
+        soft_wrap=True,
     )
 
 

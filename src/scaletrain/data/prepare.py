@@ -339,6 +339,7 @@ def resolve_dataset_dir(data_cfg: Any) -> tuple[Path, list[str] | None]:
         "vocab_size": data_cfg.vocab_size if data_cfg.tokenizer is None else None,
         "tokenizer": tok_key,
         "text_field": data_cfg.text_field,
+        "shard_tokens": data_cfg.shard_tokens,
     }
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     return Path(data_cfg.dir) / f"{_dataset_name(paths)}-{fingerprint}", inputs
@@ -356,6 +357,7 @@ def ensure_prepared(data_cfg: Any, show_progress: bool = True) -> Path:
             vocab_size=data_cfg.vocab_size,
             tokenizer=data_cfg.tokenizer,
             text_field=data_cfg.text_field,
+            shard_tokens=data_cfg.shard_tokens,
             show_progress=show_progress,
         )
     except UserError:

@@ -5,9 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
-from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
 
 class TrainProgress:
@@ -37,13 +35,15 @@ class TrainProgress:
     def show(self, rows: list[dict[str, Any]]) -> None:
         if not (self.enabled and rows):
             return
+        # Interval means: a single micro-batch's loss is too noisy to read progress from.
         last = rows[-1]
+        loss = sum(r["loss"] for r in rows) / len(rows)
         tps = sum(r["tokens_per_s"] for r in rows) / len(rows)
         if self._bar:
-            self._bar.update(self._task, loss=f"{last['loss']:.4f}", tps=f"{tps:,.0f}")
+            self._bar.update(self._task, loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
         else:
             self.console.print(
-                f"step {last['step']}/{self.total}  loss {last['loss']:.4f}  lr {last['lr']:.2e}  "
+                f"step {last['step']}/{self.total}  loss {loss:.4f}  lr {last['lr']:.2e}  "
                 f"grad_norm {last['grad_norm']:.3f}  {tps:,.0f} tok/s",
                 highlight=False,
             )
@@ -54,9 +54,8 @@ class TrainProgress:
 
 
 def print_summary(console: Console, title: str, items: list[tuple[str, str]]) -> None:
-    table = Table.grid(padding=(0, 2))
-    table.add_column(style="bold")
-    table.add_column()
+    # Plain lines that never wrap, so paths stay whole and copy-pastable on any width.
+    console.rule(title)
+    width = max(len(k) for k, _ in items)
     for key, value in items:
-        table.add_row(key, value)
-    console.print(Panel(table, title=title, expand=False))
+        console.print(f"[bold]{key:<{width}}[/]  {value}", soft_wrap=True, highlight=False)

@@ -1,0 +1,20 @@
+"""Acceptance: the embedded default (what `make demo` runs) learns: final loss >= 1 nat below the first."""
+
+import pytest
+
+from scaletrain import checkpoint
+from train_helpers import check, losses, run_scaletrain
+
+
+@pytest.mark.timeout(600)
+def test_demo_default_learns(tmp_path):
+    run = tmp_path / "demo"
+    # Only where files go differs from `make demo`: every training setting is the embedded default.
+    proc = check(run_scaletrain(["train", f"run.dir={run}", f"data.dir={tmp_path / 'data'}"], timeout=600, one_thread=False))
+    trajectory = losses(run)
+    assert len(trajectory) == 300
+    assert trajectory[-1] <= trajectory[0] - 1.0, (trajectory[0], trajectory[-1])
+    assert "training finished" in proc.stdout and "metrics.jsonl" in proc.stdout
+    assert [s for s, _ in checkpoint.complete_checkpoints(run / "checkpoints")] == [100, 200, 300]
+    assert len(list((tmp_path / "data").glob("*/shard_*.bin"))) >= 2  # several files to reorder per epoch
+    print(f"demo loss {trajectory[0]:.3f} -> {trajectory[-1]:.3f}")
