@@ -43,22 +43,19 @@ def test_save_load_round_trip_restores_state_and_rng(tmp_path):
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    msd, osd = get_state_dict(model, opt)
     torch.manual_seed(7)
     path = checkpoint.step_dir(tmp_path, 1)
-    checkpoint.save_checkpoint(path, world, {"model": msd, "optim": osd}, {"step": 1, "world_size": 1}, "x: 1\n")
+    from scaletrain.engines.dcp_state import load_dcp, save_dcp
+
+    checkpoint.save_checkpoint(path, world, lambda d: save_dcp(model, opt, d), {"step": 1, "world_size": 1}, {"config.yaml": "x: 1\n"})
     expected_draw = torch.rand(3)
     assert checkpoint.is_complete(path)
+    assert (path / "config.yaml").read_text() == "x: 1\n"
 
     fresh = nn.Linear(3, 2)
     fresh_opt = torch.optim.AdamW(fresh.parameters())
-    fmsd, fosd = get_state_dict(fresh, fresh_opt)
-    state = {"model": fmsd, "optim": fosd}
     torch.manual_seed(99)
-    trainer_state = checkpoint.load_checkpoint(path, world, state)
-    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    trainer_state = checkpoint.load_checkpoint(path, world, lambda d: load_dcp(fresh, fresh_opt, d))
     assert trainer_state["step"] == 1
     assert torch.equal(torch.rand(3), expected_draw)  # RNG continues where the save left it
     for a, b in zip(model.parameters(), fresh.parameters()):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from scaletrain.errors import UserError
 
@@ -74,9 +74,40 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1)  # steps between metric flushes (one host sync each)
 
 
+STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+ZERO_STRATEGIES = ("zero1", "zero2", "zero3")
+Offload = Literal["none", "cpu", "nvme"]
+
+
 class ParallelConfig(Section):
-    strategy: Literal["ddp"] = "ddp"
+    strategy: Literal[STRATEGIES] = "ddp"  # type: ignore[valid-type]
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    # FSDP2: False keeps parameters gathered between forward and backward (shard-grad-op,
+    # ZeRO-2-like); dp_replicate > 1 is hybrid sharding: replicate across groups, shard within.
+    reshard_after_forward: bool = True
+    dp_replicate: int = Field(1, ge=1)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    offload_optimizer: Offload = "none"  # DeepSpeed ZeRO
+    offload_params: Offload = "none"  # ZeRO-3 (DeepSpeed); fsdp accepts cpu
+    nvme_path: str | None = None  # required by nvme offload
+    bucket_size: int = Field(50_000_000, ge=1)  # elements per communication bucket (DeepSpeed)
+    # Extra DeepSpeed JSON merged into the generated one; a key we set is a conflict error.
+    deepspeed_extra: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "ParallelConfig":
+        s = self.strategy
+        if self.offload_optimizer != "none" and s not in ZERO_STRATEGIES:
+            raise ValueError(f"parallel.offload_optimizer={self.offload_optimizer} needs strategy zero1, zero2 or zero3, not {s}")
+        if self.offload_params != "none" and not (s == "zero3" or (s == "fsdp" and self.offload_params == "cpu")):
+            raise ValueError(f"parallel.offload_params={self.offload_params} needs strategy zero3 (or fsdp with cpu), not {s}")
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+            raise ValueError("nvme offload needs parallel.nvme_path, a directory on a fast local disk")
+        if self.dp_replicate > 1 and s != "fsdp":
+            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} (hybrid sharding) needs strategy fsdp, not {s}")
+        if self.deepspeed_extra and s not in ZERO_STRATEGIES:
+            raise ValueError(f"parallel.deepspeed_extra is only used by zero1, zero2 and zero3, not {s}")
+        return self
 
 
 class CheckpointConfig(Section):
@@ -186,6 +217,9 @@ def _describe(err: ValidationError, raw: dict[str, Any]) -> str:
         key = ".".join(loc)
         if e["type"] == "extra_forbidden":
             lines.append(_unknown_key_message(loc))
+            continue
+        if e["type"] == "value_error":  # a cross-key check: its message already names the keys
+            lines.append(f"config: {e['msg'].removeprefix('Value error, ')}")
             continue
         value = e.get("input")
         accepted = e["msg"].replace("Input should be ", "expected ")

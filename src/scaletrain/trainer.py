@@ -20,7 +20,7 @@ from scaletrain.data import PackedTokens, RankBatches, ensure_prepared, resolve_
 from scaletrain.distributed import World, init_distributed, on_main_then_all, shutdown
 from scaletrain.engines import Engine, build_engine
 from scaletrain.errors import UserError
-from scaletrain.models import build_model, count_params, flops_per_token, loss_fn, resolve_shape
+from scaletrain.models import build_meta_model, count_params, flops_per_token, loss_fn, materialize, resolve_shape
 from scaletrain.optim import lr_at
 from scaletrain.telemetry import MetricsLog, StepRecorder, TrainProgress, print_summary, read_metrics
 
@@ -65,22 +65,23 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     data = PackedTokens(_prepared_data(cfg, world), cfg.data.seq_len, cfg.train.seed)
     shape = resolve_shape(cfg.model, data.vocab_size)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(shape, max_seq_len=cfg.data.seq_len, seed=cfg.train.seed, device=world.device)
-    engine = build_engine(model, world, cfg)
+    model = build_meta_model(shape, max_seq_len=cfg.data.seq_len)
+    engine = build_engine(model, world, cfg, lambda m, device: materialize(m, device, cfg.train.seed))
+    if main:
+        for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON
+            (paths.root / name).write_text(text)
 
     metrics = MetricsLog(paths.metrics, enabled=main)
     step, position, tokens_seen = 0, 0, 0
     if resume_from is not None:
-        state = engine.state_dict()
-        trainer_state = checkpoint.load_checkpoint(resume_from, world, state)
-        engine.load_state_dict(state)
+        trainer_state = checkpoint.load_checkpoint(resume_from, world, engine.load)
         engine.load_extra_state(trainer_state["engine"])
         step, position, tokens_seen = trainer_state["step"], trainer_state["data_position"], trainer_state["tokens_seen"]
     metrics.truncate_after(step)
 
     tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum * world.world_size * cfg.data.seq_len
     if main:
-        _print_banner(console, cfg, world, shape, data, tokens_per_step, resume_from)
+        _print_banner(console, cfg, world, engine.name, shape, data, tokens_per_step, resume_from)
 
     batches = RankBatches(data, cfg.train.micro_batch, cfg.train.grad_accum, world.rank, world.world_size, start=position)
     recorder = StepRecorder(world.world_size, world.distributed)
@@ -170,7 +171,8 @@ def _save(cfg: Config, world: World, engine: Engine, paths: RunPaths, step: int,
         "engine": engine.extra_state(),
     }
     target = checkpoint.step_dir(paths.checkpoints, step)
-    checkpoint.save_checkpoint(target, world, engine.state_dict(), trainer_state, cfg.to_yaml())
+    files = {"config.yaml": cfg.to_yaml(), **engine.checkpoint_files()}
+    checkpoint.save_checkpoint(target, world, engine.save, trainer_state, files)
     if world.is_main:
         checkpoint.prune(paths.checkpoints, cfg.checkpoint.keep)
 
@@ -180,9 +182,9 @@ def _maybe_inject_fault(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _print_banner(console: Console, cfg: Config, world: World, shape: Any, data: PackedTokens, tokens_per_step: int, resume_from: Path | None) -> None:
+def _print_banner(console: Console, cfg: Config, world: World, engine_name: str, shape: Any, data: PackedTokens, tokens_per_step: int, resume_from: Path | None) -> None:
     params = count_params(shape)
-    where = f"world {world.world_size} x {world.device.type}" + (f" ({world.backend})" if world.backend else "")
+    where = f"{engine_name} | world {world.world_size} x {world.device.type}" + (f" ({world.backend})" if world.backend else "")
     console.print(
         f"[bold]scaletrain[/] model {cfg.model.preset}: {params['total'] / 1e6:.2f}M params, "
         f"{flops_per_token(shape, cfg.data.seq_len) / 1e6:.1f} MFLOPs/token | {where} | {cfg.precision} | "

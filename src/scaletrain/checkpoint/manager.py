@@ -1,7 +1,9 @@
 """Checkpoint directories: atomic writes, finding the newest complete one, keeping the last k.
 
 Layout of `checkpoints/step_<N>/`:
-  state/            model + optimizer via torch.distributed.checkpoint (sharded, resharding-ready)
+  state/            model + optimizer, written by the engine (torch.distributed.checkpoint for
+                    ddp/fsdp; DeepSpeed's own format for ZeRO)
+  <engine files>    e.g. deepspeed_config.json: the exact engine settings
   trainer.json      step, data position (one global sample index), engine extras (loss scaler)
   rng_rank<R>.pt    each rank's RNG states (tensors and ints only: loads with weights_only)
   config.yaml       the resolved config that produced it
@@ -15,9 +17,8 @@ import os
 import random
 import re
 import shutil
-import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from scaletrain.distributed import World, barrier
+from scaletrain.engines.dcp_state import quiet_single_process
 from scaletrain.errors import UserError
 
 MARKER = "COMPLETE"
@@ -57,32 +59,40 @@ def latest_complete(root: Path) -> Path | None:
 
 
 def save_checkpoint(
-    path: Path, world: World, engine_state: dict[str, Any], trainer_state: dict[str, Any], config_yaml: str
+    path: Path,
+    world: World,
+    save_state: Callable[[Path], None],
+    trainer_state: dict[str, Any],
+    files: dict[str, str],
 ) -> None:
-    """Collective: every rank calls it. The marker appears only once all ranks' data is on disk."""
+    """Collective: every rank calls it. The marker appears only once all ranks' data is on disk.
+
+    `save_state(dir)` writes model + optimizer (the engine's job); `files` are small text
+    files rank 0 writes beside them (resolved config, engine JSON).
+    """
     if world.is_main and path.exists():
         shutil.rmtree(path)  # a stale, incomplete attempt at the same step
     barrier(world)
-    with _single_process_dcp_quiet():
-        dcp.save(engine_state, checkpoint_id=str(path / "state"))
+    save_state(path / "state")
+    path.mkdir(parents=True, exist_ok=True)
     torch.save(_rng_state(), path / f"rng_rank{world.rank}.pt")
     if world.is_main:
         _write_atomic(path / "trainer.json", json.dumps(trainer_state, indent=1))
-        _write_atomic(path / "config.yaml", config_yaml)
+        for name, text in files.items():
+            _write_atomic(path / name, text)
     barrier(world)  # every rank's shard and RNG file exists before the marker
     if world.is_main:
         _write_atomic(path / MARKER, json.dumps({"step": trainer_state["step"]}))
 
 
-def load_checkpoint(path: Path, world: World, engine_state: dict[str, Any]) -> dict[str, Any]:
-    """Fill `engine_state` in place from `path`, restore this rank's RNG, return trainer state."""
+def load_checkpoint(path: Path, world: World, load_state: Callable[[Path], None]) -> dict[str, Any]:
+    """Collective: `load_state(dir)` restores model + optimizer; restore this rank's RNG; return trainer state."""
     if not is_complete(path):
         raise UserError(
             f"checkpoint {path} is incomplete (no {MARKER} marker: its save was interrupted); "
             "accepted: a complete checkpoints/step_<N> directory, or train.resume=auto"
         )
-    with _single_process_dcp_quiet():
-        dcp.load(engine_state, checkpoint_id=str(path / "state"))
+    load_state(path / "state")
     trainer_state = json.loads((path / "trainer.json").read_text())
     rng_file = path / f"rng_rank{world.rank}.pt"
     # RNG streams belong to ranks: only restorable when the world size is unchanged.
@@ -104,7 +114,7 @@ def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
         for key, meta in metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
-    with _single_process_dcp_quiet():
+    with quiet_single_process():
         dcp.load(state, storage_reader=reader)
     return {key.removeprefix("model."): t for key, t in state.items()}
 
@@ -147,12 +157,3 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-class _single_process_dcp_quiet(warnings.catch_warnings):
-    """DCP warns that it assumes a single process when no process group exists: that is intended."""
-
-    def __enter__(self) -> Any:
-        out = super().__enter__()
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        return out

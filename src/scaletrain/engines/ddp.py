@@ -3,27 +3,27 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from scaletrain.config import Config
 from scaletrain.distributed import World
-from scaletrain.engines.base import StepStats
+from scaletrain.engines.base import Materialize, StepStats
+from scaletrain.engines.dcp_state import load_dcp, save_dcp
 from scaletrain.engines.precision import autocast_context, make_loss_scaler
 from scaletrain.optim import build_adamw
 
 
 class DDPEngine:
-    def __init__(self, model: nn.Module, world: World, cfg: Config):
+    name = "ddp"
+
+    def __init__(self, model: nn.Module, world: World, cfg: Config, materialize: Materialize):
+        materialize(model, world.device)  # every rank holds the full model
         self.module = model
         self.distributed = world.distributed
         if world.distributed:
@@ -69,12 +69,11 @@ class DDPEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(grad_norm.detach(), loss_scale, skipped)
 
-    def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+    def save(self, path: Path) -> None:
+        save_dcp(self.model, self.optimizer, path)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    def load(self, path: Path) -> None:
+        load_dcp(self.model, self.optimizer, path)
 
     def extra_state(self) -> dict[str, Any]:
         return {"loss_scaler": self.scaler.state_dict()} if self.scaler else {}
@@ -86,3 +85,6 @@ class DDPEngine:
     def full_weights(self) -> dict[str, torch.Tensor]:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=opts)
+
+    def checkpoint_files(self) -> dict[str, str]:
+        return {}

@@ -195,13 +195,23 @@ def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def build_model(shape: ModelShape, max_seq_len: int, seed: int, device: str | torch.device = "cpu") -> Llama:
-    """Construct on the meta device (no memory), allocate on `device`, then initialize."""
+def build_meta_model(shape: ModelShape, max_seq_len: int) -> Llama:
+    """Construct on the meta device: no memory, so engines can wrap/shard before allocating."""
     with torch.device("meta"):
-        model = Llama(shape, max_seq_len)
+        return Llama(shape, max_seq_len)
+
+
+def materialize(model: Llama, device: str | torch.device, seed: int) -> None:
+    """Allocate a meta-device (possibly already sharded) model on `device` and initialize it."""
     model.to_empty(device=device)
     model.tie_weights()
     model.init_weights(seed)
+
+
+def build_model(shape: ModelShape, max_seq_len: int, seed: int, device: str | torch.device = "cpu") -> Llama:
+    """Construct on the meta device (no memory), allocate on `device`, then initialize."""
+    model = build_meta_model(shape, max_seq_len)
+    materialize(model, device, seed)
     return model
 
 
