@@ -31,6 +31,23 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     t.set_defaults(func=_cmd_train)
 
+    la = sub.add_parser(
+        "launch",
+        help="launch `train` on N processes per node via torchrun or the deepspeed launcher",
+        description="Launch `scaletrain train` under torchrun (default) or DeepSpeed's launcher. "
+        "Multi-node: run the same command on every node with its --node-rank, or give a --hostfile.",
+    )
+    la.add_argument("--nproc", type=int, required=True, help="processes (GPUs) per node")
+    la.add_argument("--nnodes", type=int, default=1, help="number of nodes")
+    la.add_argument("--node-rank", type=int, help="this node's rank, 0..nnodes-1")
+    la.add_argument("--master-addr", help="address of node 0")
+    la.add_argument("--master-port", type=int, help="port on node 0 (default 29500)")
+    la.add_argument("--hostfile", help="'hostname slots=N' per line (DeepSpeed/MPI format)")
+    la.add_argument("--launcher", choices=["torchrun", "deepspeed"], default="torchrun")
+    la.add_argument("--dry-run", action="store_true", help="print the launcher command and exit")
+    la.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+    la.set_defaults(func=_cmd_launch)
+
     d = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", metavar="ACTION", required=True)
     prep = d.add_parser(
         "prepare",
@@ -61,6 +78,32 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from scaletrain.config import load_config, split_args
+    from scaletrain.launch import LaunchOptions, exec_launcher, launch_command
+
+    load_config(*split_args(args.args))  # one clear error here, not one per rank
+    cmd = launch_command(
+        LaunchOptions(
+            nproc=args.nproc,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            hostfile=args.hostfile,
+            launcher=args.launcher,
+            train_args=tuple(args.args),
+        )
+    )
+    if args.dry_run:
+        import shlex
+
+        print(shlex.join(cmd))
+        return 0
+    exec_launcher(cmd)
+    return 0  # not reached: exec replaced this process
+
+
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from scaletrain.data import prepare_dataset
 
@@ -77,6 +120,10 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # The deepspeed launcher appends --local_rank=N to each rank's arguments; the same
+    # value is in the LOCAL_RANK environment variable, which is what we read.
+    argv = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]
     args = _parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,154 @@
+"""`scaletrain launch`: one command line that becomes the right torchrun / deepspeed invocation.
+
+The launcher itself stays the real one (torchrun's elastic agent or DeepSpeed's runner);
+this module only builds its argument list from our options, checks the config once
+before N processes would each report the same mistake, and then hands over.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from scaletrain.errors import UserError
+
+
+@dataclass
+class LaunchOptions:
+    nproc: int
+    nnodes: int = 1
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    hostfile: str | None = None
+    launcher: str = "torchrun"
+    train_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int | None
+
+
+def read_hostfile(path: str) -> list[Host]:
+    """DeepSpeed/MPI style: one `hostname [slots=N]` per line, # comments allowed."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--hostfile {path!r} not found; accepted: a file with one 'hostname slots=N' per line")
+    hosts = []
+    for n, raw in enumerate(p.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, *rest = line.split()
+        slots = None
+        for item in rest:
+            key, _, value = item.partition("=")
+            if key != "slots" or not value.isdigit() or int(value) < 1:
+                raise UserError(f"--hostfile {path}:{n}: {item!r} not understood; accepted: 'hostname slots=N' with N >= 1")
+            slots = int(value)
+        hosts.append(Host(name, slots))
+    if not hosts:
+        raise UserError(f"--hostfile {path!r} lists no host; accepted: one 'hostname slots=N' per line")
+    return hosts
+
+
+def launch_command(opts: LaunchOptions) -> list[str]:
+    if opts.launcher == "deepspeed":
+        _check_numbers(opts)
+        return _deepspeed_command(opts)
+    if opts.hostfile:
+        opts = _from_hostfile(opts)
+    _check_numbers(opts)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={opts.nproc}"]
+    if opts.nnodes == 1 and opts.master_addr is None:
+        cmd.append("--standalone")  # a private rendezvous on a free local port
+    else:
+        if opts.node_rank is None or opts.master_addr is None:
+            raise UserError(
+                f"--nnodes {opts.nnodes} needs --node-rank (0..{opts.nnodes - 1}) and --master-addr on each node "
+                "(or --hostfile listing the nodes)"
+            )
+        cmd += [
+            f"--nnodes={opts.nnodes}",
+            f"--node-rank={opts.node_rank}",
+            f"--master-addr={opts.master_addr}",
+            f"--master-port={opts.master_port or 29500}",
+        ]
+    return cmd + ["-m", "scaletrain", "train", *opts.train_args]
+
+
+def _deepspeed_command(opts: LaunchOptions) -> list[str]:
+    ds = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if opts.hostfile:
+        read_hostfile(opts.hostfile)  # validate here: DeepSpeed's own message is a traceback
+        ds += ["--hostfile", opts.hostfile]
+    else:
+        ds += ["--num_gpus", str(opts.nproc), "--num_nodes", str(opts.nnodes)]
+        if opts.nnodes > 1:
+            if opts.node_rank is None or opts.master_addr is None:
+                raise UserError("--launcher deepspeed with --nnodes > 1 needs --hostfile, or --node-rank and --master-addr (runs with --no_ssh)")
+            ds += ["--no_ssh", "--node_rank", str(opts.node_rank)]
+    if opts.master_addr:
+        ds += ["--master_addr", opts.master_addr]
+    if opts.master_port:
+        ds += ["--master_port", str(opts.master_port)]
+    return ds + ["--module", "scaletrain", "train", *opts.train_args]
+
+
+def _from_hostfile(opts: LaunchOptions) -> LaunchOptions:
+    """torchrun has no ssh fan-out: the hostfile gives the node count, master and node rank."""
+    hosts = read_hostfile(opts.hostfile or "")
+    node_rank = opts.node_rank
+    if node_rank is None:
+        me = {socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1"} if len(hosts) == 1 else {socket.gethostname(), socket.getfqdn()}
+        matches = [i for i, h in enumerate(hosts) if h.name in me]
+        if len(matches) != 1:
+            raise UserError(
+                f"cannot tell which --hostfile entry is this machine ({socket.gethostname()}); pass --node-rank, "
+                "and run the same command on every listed node (torchrun does not ssh to them)"
+            )
+        node_rank = matches[0]
+    slots = {h.slots for h in hosts if h.slots}
+    if len(slots) > 1:
+        raise UserError("--launcher torchrun needs the same slots=N on every --hostfile line; use --launcher deepspeed for uneven nodes")
+    return LaunchOptions(
+        nproc=slots.pop() if slots else opts.nproc,
+        nnodes=len(hosts),
+        node_rank=node_rank,
+        master_addr=opts.master_addr or hosts[0].name,
+        master_port=opts.master_port,
+        launcher=opts.launcher,
+        train_args=opts.train_args,
+    )
+
+
+def _check_numbers(opts: LaunchOptions) -> None:
+    if opts.nproc < 1:
+        raise UserError(f"--nproc {opts.nproc} is invalid; accepted: processes per node >= 1")
+    if opts.nnodes < 1:
+        raise UserError(f"--nnodes {opts.nnodes} is invalid; accepted: >= 1")
+    if opts.node_rank is not None and not 0 <= opts.node_rank < opts.nnodes:
+        raise UserError(f"--node-rank {opts.node_rank} is invalid with --nnodes {opts.nnodes}; accepted: 0..{opts.nnodes - 1}")
+    if opts.master_port is not None and not 0 < opts.master_port < 65536:
+        raise UserError(f"--master-port {opts.master_port} is invalid; accepted: 1..65535")
+
+
+def exec_launcher(cmd: list[str]) -> None:
+    """Replace this process with the launcher, so signals (Ctrl-C, SIGTERM) reach it directly."""
+    print("scaletrain launch: " + shlex.join(cmd), file=sys.stderr, flush=True)
+    env = dict(os.environ)
+    if "deepspeed.launcher.runner" in cmd and not _has_cuda():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    os.execvpe(cmd[0], cmd, env)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
