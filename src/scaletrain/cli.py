@@ -31,6 +31,25 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     t.set_defaults(func=_cmd_train)
 
+    pl = sub.add_parser(
+        "plan",
+        help="estimate memory, communication and time for every strategy, and pick one",
+        description="Estimate per-device memory (params, grads, optimizer, activations, loss, buffers), "
+        "communication and step time for every strategy the world allows; choose the fastest that fits.",
+    )
+    pl.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+    pl.add_argument("--gpus-per-node", type=int, default=8)
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--gpu", help="h100 (default), h100-pcie, h200, a100, a100-40gb, l40s, or cpu (this machine)")
+    pl.add_argument("--gpu-memory", help="memory per device, e.g. 80GiB (default: the GPU's)")
+    pl.add_argument("--cpu-memory", help="host memory per node, e.g. 1TiB (checks offload)")
+    pl.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free (default 0.1)")
+    pl.add_argument("--configured-only", action="store_true", help="only the strategy in the config, not all of them")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.add_argument("--emit-deepspeed", metavar="PATH", help="write the chosen plan as DeepSpeed JSON for HF Trainer")
+    pl.add_argument("--measure", action="store_true", help="run 3 real steps and compare measured with predicted peaks")
+    pl.set_defaults(func=_cmd_plan)
+
     la = sub.add_parser(
         "launch",
         help="launch `train` on N processes per node via torchrun or the deepspeed launcher",
@@ -76,6 +95,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     train(cfg)
     return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from scaletrain.config import load_config, split_args
+    from scaletrain.plan.command import run_plan
+
+    if not 0 <= args.headroom < 1:
+        raise UserError(f"--headroom {args.headroom} is invalid; accepted: a fraction in [0, 1)")
+    return run_plan(load_config(*split_args(args.args)), args)
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:

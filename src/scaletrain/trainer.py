@@ -92,7 +92,7 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
         while step < cfg.train.steps:
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.train)
-            loss = _train_step(engine, batches.next_step(), world.device)
+            loss = train_step(engine, batches.next_step(), world.device)
             stats = engine.step(lr)
             step += 1
             tokens_seen += tokens_per_step
@@ -120,7 +120,7 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     return summary
 
 
-def _train_step(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
+def train_step(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
     """Forward/backward over the accumulation window; returns the mean loss (on device, no sync)."""
     total = torch.zeros((), device=device)
     n = len(micro_batches)

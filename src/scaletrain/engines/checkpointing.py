@@ -1,0 +1,18 @@
+"""Activation checkpointing per transformer block, shared by the torch engines."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """Recompute each block's forward during backward instead of keeping its activations.
+
+    Apply before any sharding so a recomputed forward goes through the engine's hooks
+    again. The wrapper adds `_checkpoint_wrapped_module` to parameter names; init_weights
+    and get_state_dict both strip it, so checkpoints keep plain names.
+    """
+    layers = model.layers  # type: ignore[attr-defined]
+    for i, block in enumerate(layers):
+        layers[i] = checkpoint_wrapper(block)

@@ -1,0 +1,127 @@
+"""Activation memory derived from the real model code, not from a hand formula.
+
+One transformer block, and the head (final norm, output projection, loss), run forward on
+fake tensors (FakeTensorMode: shapes, dtypes and kernel choice as on a real CPU, no
+memory). A saved-tensors hook records every tensor autograd keeps for backward; views of
+the same tensor count once. The numbers therefore follow whatever the block does: SwiGLU
+width, grouped-query heads, fp32 norms, the SDPA kernel (flash keeps only a log-sum-exp,
+not the T x T scores), autocast's low-precision copies of inputs and weights.
+
+Checked against real CPU tensors: identical byte counts (tests/test_plan_memory.py).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from scaletrain.models.llama import RMSNorm, TransformerBlock, loss_fn, rope_tables
+from scaletrain.models.presets import ModelShape
+
+# How the engine runs the forward, which decides what dtype everything is saved in:
+#   fp32      everything fp32
+#   autocast  fp32 weights and residual stream, matmuls in bf16/fp16 (torch engines' bf16/fp16)
+#   pure16    weights and activations in 16 bits (FSDP2 MixedPrecisionPolicy, DeepSpeed bf16/fp16)
+REGIMES = ("fp32", "autocast", "pure16")
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    saved: int  # bytes autograd keeps per block until its backward
+    weight_copies: int  # of which: low-precision weight casts (autocast), proportional to params
+    block_input: int  # the residual-stream input: all a checkpointed block keeps
+
+
+@dataclass(frozen=True)
+class HeadActivations:
+    saved: int  # final norm + output projection + loss, kept for backward
+    logits: int  # one copy of the logits in their own dtype (B*T*V)
+    logits_fp32: int  # the fp32 logits the loss works on (also the size of their gradient)
+
+
+def _trace_saved(fn, regime: str) -> tuple[int, int]:
+    """Total and weight-copy bytes saved for backward while `fn` runs on fake tensors."""
+    seen: dict[int, tuple[int, bool]] = {}
+    keep = []  # hold references so ids are not reused during the trace
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if base.requires_grad and base.is_leaf:
+            return t  # a parameter (or a view of one, e.g. a transposed weight): model state
+        keep.append(base)
+        seen[id(base)] = (base.numel() * base.element_size(), base.dim() == 2 and _is_weight_cast(base))
+        return t
+
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if regime == "autocast" else torch.autocast("cpu", enabled=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+        fn()
+    total = sum(n for n, _ in seen.values())
+    weights = sum(n for n, w in seen.values() if w)
+    return total, weights
+
+
+_WEIGHT_SHAPES: set[tuple[int, ...]] = set()
+
+
+def _is_weight_cast(t: torch.Tensor) -> bool:
+    return tuple(t.shape) in _WEIGHT_SHAPES and t.dtype != torch.float32
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Constructing in the target dtype: converting fake parameters afterwards (.to) trips
+    # over weak references that other tooling (MemTracker) may hold on parameters.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _dtypes(regime: str, low: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(parameter dtype, residual-stream dtype) for a regime."""
+    return (low, low) if regime == "pure16" else (torch.float32, torch.float32)
+
+
+@lru_cache(maxsize=256)
+def block_activations(shape: ModelShape, micro_batch: int, seq_len: int, regime: str, low: torch.dtype = torch.bfloat16) -> BlockActivations:
+    param_dtype, act_dtype = _dtypes(regime, low)
+    with FakeTensorMode():
+        with _default_dtype(param_dtype):
+            block = TransformerBlock(shape)
+        _WEIGHT_SHAPES.clear()
+        _WEIGHT_SHAPES.update(tuple(p.shape) for p in block.parameters() if p.dim() == 2)
+        cos, sin = rope_tables(shape.head_dim, seq_len, shape.rope_theta)
+        # A non-leaf input, as in the real model where each block's input is the previous
+        # block's output: the block saves it (for its first norm) and it must be counted.
+        x = torch.empty(micro_batch, seq_len, shape.dim, dtype=act_dtype, requires_grad=True).clone()
+        saved, weights = _trace_saved(lambda: block(x, cos, sin), regime)
+    block_input = micro_batch * seq_len * shape.dim * act_dtype.itemsize
+    return BlockActivations(saved=saved, weight_copies=weights, block_input=block_input)
+
+
+@lru_cache(maxsize=256)
+def head_activations(shape: ModelShape, micro_batch: int, seq_len: int, regime: str, low: torch.dtype = torch.bfloat16) -> HeadActivations:
+    param_dtype, act_dtype = _dtypes(regime, low)
+    with FakeTensorMode():
+        with _default_dtype(param_dtype):
+            norm = RMSNorm(shape.dim, shape.norm_eps)
+            output = torch.nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        _WEIGHT_SHAPES.clear()
+        _WEIGHT_SHAPES.add(tuple(output.weight.shape))
+        x = torch.empty(micro_batch, seq_len, shape.dim, dtype=act_dtype, requires_grad=True).clone()
+        targets = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        saved, _ = _trace_saved(lambda: loss_fn(output(norm(x)), targets), regime)
+    tokens = micro_batch * seq_len
+    logits_dtype = torch.float32 if regime == "fp32" else low
+    return HeadActivations(
+        saved=saved,
+        logits=tokens * shape.vocab_size * logits_dtype.itemsize,
+        logits_fp32=tokens * shape.vocab_size * 4,
+    )

@@ -1,0 +1,79 @@
+"""Devices the planner knows, memory sizes as people write them, and a measured CPU peak."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import torch
+
+from scaletrain.errors import UserError
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory: float  # bytes per device
+    peak_flops_16: float  # dense bf16/fp16 FLOP/s
+    peak_flops_32: float  # dense fp32 FLOP/s (no TF32)
+    intra_node_bw: float  # bytes/s per device within a node (NVLink / shared memory)
+    inter_node_bw: float  # bytes/s per device across nodes (InfiniBand / Ethernet)
+    host_bw: float  # bytes/s device <-> host (offload traffic)
+
+
+# Vendor datasheet figures (dense, no sparsity). Inter-node: one 400 Gb/s NIC per GPU
+# (H100/H200), 200 Gb/s (A100). Host link: PCIe Gen5 x16 ~ 55 GB/s usable, Gen4 ~ 25.
+KNOWN_GPUS = {
+    "h100": Device("H100 SXM", 80 * GiB, 989e12, 67e12, 450e9, 50e9, 55e9),
+    "h100-pcie": Device("H100 PCIe", 80 * GiB, 756e12, 51e12, 64e9, 25e9, 55e9),
+    "h200": Device("H200", 141 * GiB, 989e12, 67e12, 450e9, 50e9, 55e9),
+    "a100": Device("A100 SXM", 80 * GiB, 312e12, 19.5e12, 300e9, 25e9, 25e9),
+    "a100-40gb": Device("A100 SXM 40GB", 40 * GiB, 312e12, 19.5e12, 300e9, 25e9, 25e9),
+    "l40s": Device("L40S", 48 * GiB, 362e12, 91.6e12, 32e9, 25e9, 25e9),
+}
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50}
+
+
+def parse_size(text: str, what: str) -> float:
+    """'80GiB', '80 GB', '1TiB', '512MiB' -> bytes (GB = 1e9, GiB = 2**30)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise UserError(f"{what} {text!r} is not a size; accepted: a number with a unit such as 80GiB, 40GB, 1TiB")
+    unit = (m.group(2) or "").lower().removesuffix("b")
+    return float(m.group(1)) * _UNITS[unit]
+
+
+def gpu(name: str | None, memory: str | None) -> Device:
+    """A known GPU by name, optionally with another memory size; or an H100-class default."""
+    if name is not None and name.lower() not in KNOWN_GPUS:
+        raise UserError(f"--gpu {name!r} is unknown; accepted: {', '.join(KNOWN_GPUS)}")
+    device = KNOWN_GPUS[(name or "h100").lower()]
+    return replace(device, memory=parse_size(memory, "--gpu-memory")) if memory else device
+
+
+@lru_cache(maxsize=1)
+def measured_cpu_peak() -> float:
+    """fp32 matmul FLOP/s of this process's threads: the CPU's 'peak' is what it does."""
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def this_cpu(memory: float | None = None) -> Device:
+    total = memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    peak = measured_cpu_peak()
+    # gloo over loopback / shared memory: a few GB/s is what it sustains here.
+    return Device("CPU (measured)", total, peak, peak, 2e9, 1e9, 10e9)

@@ -1,0 +1,181 @@
+"""Per-device memory of one training step, by component, for each strategy.
+
+Model states follow the ZeRO paper's recipe (arXiv 1910.02054) with the bytes each engine
+really stores; activations come from tracing the real block (activations.py). The peak is
+the larger of two moments, both seen in measurements (docs/planner.md):
+  backward start: resident states + every saved activation + the loss's fp32 temporaries
+  backward end:   resident states + all gradients + the embedding's dense gradient temporaries
+  optimizer step: resident states + all gradients + the optimizer's temporary
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from scaletrain.models.presets import ModelShape, count_params
+from scaletrain.plan.activations import block_activations, head_activations
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the memory depends on: one strategy at one data-parallel size."""
+
+    strategy: str  # ddp | fsdp | zero1 | zero2 | zero3
+    dp: int  # data-parallel ranks sharing the model states
+    micro_batch: int
+    seq_len: int
+    precision: str  # fp32 | bf16 | fp16
+    activation_checkpointing: bool = False
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_params: str = "none"
+    reshard_after_forward: bool = True
+    dp_replicate: int = 1  # fsdp hybrid: states shard over dp / dp_replicate
+    bucket_size: int = 50_000_000  # DeepSpeed bucket elements
+
+    @property
+    def label(self) -> str:
+        parts = [self.strategy]
+        if self.offload_optimizer != "none":
+            parts.append(f"optim->{self.offload_optimizer}")
+        if self.offload_params != "none":
+            parts.append(f"params->{self.offload_params}")
+        if self.strategy == "fsdp" and not self.reshard_after_forward:
+            parts.append("shard-grad-op")
+        if self.dp_replicate > 1:
+            parts.append(f"hybrid {self.dp_replicate}x{self.dp // self.dp_replicate}")
+        if self.activation_checkpointing:
+            parts.append("AC")
+        return " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device at the step's peak, by component; CPU bytes for offloaded state."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    loss: float  # final norm + logits + loss saved tensors and their fp32 gradient temporaries
+    buffers: float  # engine buffers: gathered FSDP units, DeepSpeed buckets, optimizer temporaries
+    peak: float
+    peak_phase: str  # "backward start" or "optimizer step"
+    cpu: float  # host memory for offloaded optimizer state / parameters
+
+    def as_dict(self) -> dict[str, float | str]:
+        return asdict(self)
+
+
+def regime(strategy: str, precision: str) -> str:
+    """How the engine runs its forward (see activations.REGIMES)."""
+    if precision == "fp32":
+        return "fp32"
+    # DDP autocasts over fp32 weights; FSDP2's MixedPrecisionPolicy and DeepSpeed hold
+    # 16-bit weights and activations.
+    return "autocast" if strategy == "ddp" else "pure16"
+
+
+def _state_bytes_per_param(strategy: str, precision: str) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter before sharding."""
+    if strategy in ("ddp", "fsdp"):
+        # torch engines keep fp32 weights (autocast / MixedPrecisionPolicy cast on the fly),
+        # fp32 gradients (fp32 reduce) and AdamW's two fp32 moments.
+        return 4.0, 4.0, 8.0
+    if precision == "fp32":
+        # DeepSpeed's ZeRO optimizer keeps its own fp32 partition besides the moments.
+        return 4.0, 4.0, 12.0
+    return 2.0, 2.0, 12.0  # the paper's mixed-precision recipe: K = 12
+
+
+def estimate(shape: ModelShape, s: Setup) -> Memory:
+    n_params = count_params(shape)["total"]
+    w, g, o = _state_bytes_per_param(s.strategy, s.precision)
+    shard = s.dp // s.dp_replicate if s.strategy == "fsdp" else s.dp
+    params, grads, optim = w * n_params, g * n_params, o * n_params
+    if s.strategy in ("fsdp", "zero3"):
+        params, grads, optim = params / shard, grads / shard, optim / shard
+    elif s.strategy == "zero2":
+        grads, optim = grads / shard, optim / shard
+    elif s.strategy == "zero1":
+        optim = optim / shard
+
+    cpu = 0.0
+    if s.offload_optimizer != "none":
+        # ZeRO-Offload: fp32 master, moments and the fp32 gradient partition live on the host.
+        cpu += optim + 4.0 * n_params / shard
+        optim = 0.0
+    if s.offload_params != "none":
+        cpu += params
+        params = 0.0
+
+    act, loss, recompute = _activations(shape, s)
+    buffers = _engine_buffers(shape, s, n_params, w)
+    # Gradients that persist between steps: DDP's bucket views (only with a DDP wrapper,
+    # world > 1) and DeepSpeed's partitions. Otherwise zero_grad frees them every step.
+    persistent = s.strategy in ("zero1", "zero2", "zero3") or (s.strategy == "ddp" and s.dp > 1)
+    persistent_grads = grads if persistent else 0.0
+    transient_grads = grads - persistent_grads
+    resident = params + optim + buffers + persistent_grads
+    # The embedding's gradient is dense (vocab x dim) and is produced, then added to the
+    # (tied or own) gradient, unsharded: two such temporaries at the end of backward.
+    embedding_temp = 2.0 * shape.vocab_size * shape.dim * g
+    # The single-tensor / fused AdamW step allocates at most one parameter-sized temporary.
+    step_temp = 4.0 * _largest_param(shape) if s.strategy in ("ddp", "fsdp") else 0.0
+    phases = {
+        "backward start": (resident + act + loss, 0.0),
+        # Activation checkpointing: one block's activations are rebuilt later in backward,
+        # once the loss temporaries are gone; count every gradient as already there (upper bound).
+        "block recompute": (resident + act + recompute + transient_grads, 0.0),
+        "backward end": (resident + transient_grads + embedding_temp, embedding_temp),
+        "optimizer step": (resident + transient_grads + step_temp, step_temp),
+    }
+    phase = max(phases, key=lambda k: phases[k][0])
+    peak, extra = phases[phase]
+    return Memory(params, grads, optim, act, loss, buffers + extra, peak, phase, cpu)
+
+
+def _activations(shape: ModelShape, s: Setup) -> tuple[float, float, float]:
+    """(saved activations at backward start, loss-side bytes, one block recomputed under AC)."""
+    low = torch.float16 if s.precision == "fp16" else torch.bfloat16
+    r = regime(s.strategy, s.precision)
+    block = block_activations(shape, s.micro_batch, s.seq_len, r, low)
+    head = head_activations(shape, s.micro_batch, s.seq_len, r, low)
+    recompute = 0.0
+    if s.activation_checkpointing:
+        act = shape.n_layers * block.block_input  # each block keeps only its input
+        recompute = float(block.saved)
+    else:
+        act = shape.n_layers * block.saved
+    # Backward through the loss: the fp32 gradient of the logits and one fp32 temporary
+    # of the same size (softmax gradient) exist together, before any block runs backward.
+    loss = head.saved + 2 * head.logits_fp32
+    return float(act), float(loss), recompute
+
+
+def _engine_buffers(shape: ModelShape, s: Setup, n_params: int, weight_bytes: float) -> float:
+    block_params = _block_params(shape)
+    root_params = n_params - shape.n_layers * block_params
+    if s.strategy == "fsdp":
+        gathered = 2 if s.precision != "fp32" else 4  # MixedPrecisionPolicy param dtype
+        if not s.reshard_after_forward:
+            return float(n_params * gathered)  # every unit stays gathered until its backward
+        # Root unit gathered throughout, plus the current and the prefetched block.
+        return float((root_params + 2 * block_params) * gathered)
+    if s.strategy == "zero3":
+        # DeepSpeed's own estimator: 4 bytes x the largest layer for gathered parameters.
+        return float(4 * max(block_params, root_params))
+    if s.strategy in ("zero1", "zero2"):
+        return float(min(s.bucket_size, n_params) * weight_bytes)  # gradient reduce bucket
+    return 0.0
+
+
+def _largest_param(shape: ModelShape) -> int:
+    return max(shape.vocab_size * shape.dim, shape.dim * shape.ffn_dim, shape.dim * shape.n_heads * shape.head_dim)
+
+
+def _block_params(shape: ModelShape) -> int:
+    d, hd = shape.dim, shape.head_dim
+    attn = d * shape.n_heads * hd * 2 + d * shape.n_kv_heads * hd * 2
+    return attn + 3 * d * shape.ffn_dim + 2 * d

@@ -1,0 +1,222 @@
+"""Which strategy fits, how fast each would be, and why one is chosen.
+
+Step time = compute (FLOPs / (device peak x assumed MFU)) + the communication the
+backward cannot hide + offload work. The assumptions are stated in docs/planner.md; the
+point is a ranking between strategies on the same model, not a promise of wall time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from scaletrain.config import Config
+from scaletrain.errors import UserError
+from scaletrain.models.presets import ModelShape, count_params, flops_per_token
+from scaletrain.plan.hardware import GiB, Device
+from scaletrain.plan.memory import Memory, Setup, estimate
+
+ASSUMED_MFU = 0.45  # torchtitan / llm-foundry report 34-46% on H100 (memory-and-speed-facts)
+OVERLAP = 0.8  # share of the compute time that can hide gradient / parameter traffic
+CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeedCPUAdam, order of magnitude per node
+
+
+@dataclass
+class Candidate:
+    setup: Setup
+    memory: Memory
+    comm_bytes: float  # per device per optimizer step, sent over the network
+    step_time: float  # seconds, estimated
+    fits: bool
+    why_not: str = ""
+
+    def as_dict(self) -> dict:
+        return {
+            "strategy": self.setup.label,
+            "fits": self.fits,
+            "memory": self.memory.as_dict(),
+            "comm_bytes_per_step": self.comm_bytes,
+            "step_time_s": self.step_time,
+            "why_not": self.why_not,
+        }
+
+
+@dataclass
+class Plan:
+    world: int
+    nodes: int
+    device: Device
+    usable: float  # bytes per device the plan may use (memory minus headroom)
+    candidates: list[Candidate]
+    chosen: Candidate
+    reasons: list[str]
+    max_micro_batch: int
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "world": self.world,
+            "nodes": self.nodes,
+            "device": self.device.name,
+            "device_memory": self.device.memory,
+            "usable_memory": self.usable,
+            "chosen": self.chosen.setup.label,
+            "chosen_strategy": self.chosen.setup.strategy,
+            "reasons": self.reasons,
+            "max_micro_batch": self.max_micro_batch,
+            "notes": self.notes,
+            "candidates": [c.as_dict() for c in self.candidates],
+        }
+
+
+def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool) -> list[Setup]:
+    """The configured strategy, or (auto / planning) every strategy this world allows."""
+    p = cfg.parallel
+    base = Setup(
+        strategy=p.strategy, dp=world, micro_batch=cfg.train.micro_batch, seq_len=cfg.data.seq_len,
+        precision=cfg.precision, activation_checkpointing=p.activation_checkpointing,
+        offload_optimizer=p.offload_optimizer, offload_params=p.offload_params,
+        reshard_after_forward=p.reshard_after_forward, dp_replicate=p.dp_replicate, bucket_size=p.bucket_size,
+    )
+    if p.dp_replicate > 1 and world % p.dp_replicate:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        closest = min(divisors, key=lambda d: abs(d - p.dp_replicate))
+        raise UserError(
+            f"parallel.dp_replicate={p.dp_replicate} does not divide the world size {world}; "
+            f"accepted: one of {divisors} (closest: {closest})"
+        )
+    if not all_strategies:
+        return [base]
+    plain = dict(offload_optimizer="none", offload_params="none", reshard_after_forward=True, dp_replicate=1)
+    options = [
+        replace(base, strategy="ddp", **plain),
+        replace(base, strategy="zero1", **plain),
+        replace(base, strategy="zero2", **plain),
+        replace(base, strategy="fsdp", **plain),
+        replace(base, strategy="fsdp", **{**plain, "reshard_after_forward": False}),
+        replace(base, strategy="zero3", **plain),
+        replace(base, strategy="zero2", **{**plain, "offload_optimizer": "cpu"}),
+        replace(base, strategy="zero3", **{**plain, "offload_optimizer": "cpu"}),
+        replace(base, strategy="zero3", **{**plain, "offload_optimizer": "cpu", "offload_params": "cpu"}),
+    ]
+    if nodes > 1 and world % nodes == 0:
+        options.insert(5, replace(base, strategy="fsdp", **{**plain, "dp_replicate": nodes}))
+    # Activation checkpointing trades ~1/3 more compute for memory: a fallback option.
+    if not base.activation_checkpointing:
+        options += [replace(o, activation_checkpointing=True) for o in options]
+    return options
+
+
+def evaluate(shape: ModelShape, s: Setup, cfg: Config, device: Device, nodes: int, usable: float, cpu_per_node: float | None) -> Candidate:
+    mem = estimate(shape, s)
+    comm = comm_bytes_per_step(shape, s, cfg.train.grad_accum)
+    time = step_time(shape, s, cfg, device, nodes, comm)
+    why_not = ""
+    if mem.peak > usable:
+        why_not = f"needs {fmt(mem.peak)} per device > {fmt(usable)} usable"
+    elif cpu_per_node is not None and mem.cpu * (s.dp // nodes) > cpu_per_node:
+        why_not = f"offload needs {fmt(mem.cpu * (s.dp // nodes))} host memory per node > {fmt(cpu_per_node)}"
+    return Candidate(s, mem, comm, time, not why_not, why_not)
+
+
+def comm_bytes_per_step(shape: ModelShape, s: Setup, grad_accum: int) -> float:
+    """Bytes each device sends per optimizer step (ring collectives: (n-1)/n of the buffer)."""
+    n = s.dp
+    if n == 1:
+        return 0.0
+    psi = count_params(shape)["total"]
+    ring = (n - 1) / n
+    torch_engine = s.strategy in ("ddp", "fsdp")
+    grad_bytes = 4 if torch_engine or s.precision == "fp32" else 2
+    param_bytes = 4 if s.precision == "fp32" else 2
+    if s.strategy == "ddp":
+        return 2 * ring * psi * grad_bytes  # all-reduce = reduce-scatter + all-gather
+    if s.strategy in ("zero1", "zero2"):
+        return ring * psi * (grad_bytes + param_bytes)  # reduce-scatter grads, all-gather updated params
+    # zero3 / fsdp: parameters all-gathered in forward and again in backward for every
+    # micro-batch (unless kept gathered: shard-grad-op), gradients reduce-scattered once.
+    gathers = grad_accum * (1 if (s.strategy == "fsdp" and not s.reshard_after_forward) else 2)
+    shard = n // s.dp_replicate
+    total = (shard - 1) / shard * psi * (gathers * param_bytes + grad_bytes)
+    if s.dp_replicate > 1:  # hybrid: all-reduce the gradient shards across replicas
+        r = s.dp_replicate
+        total += 2 * (r - 1) / r * psi / shard * grad_bytes
+    return total
+
+
+def step_time(shape: ModelShape, s: Setup, cfg: Config, device: Device, nodes: int, comm: float) -> float:
+    tokens = s.micro_batch * s.seq_len * cfg.train.grad_accum
+    flops = tokens * flops_per_token(shape, s.seq_len) * (8 / 6 if s.activation_checkpointing else 1)
+    peak = device.peak_flops_32 if s.precision == "fp32" else device.peak_flops_16
+    compute = flops / (peak * ASSUMED_MFU)
+    bw = device.inter_node_bw if nodes > 1 else device.intra_node_bw
+    exposed = max(0.0, comm / bw - OVERLAP * compute)
+    offload = 0.0
+    psi = count_params(shape)["total"]
+    if s.offload_optimizer != "none":
+        # gradients down and parameters up over the host link, and the CPU Adam update
+        offload += 2 * 2 * psi / s.dp / device.host_bw + psi / s.dp / CPU_ADAM_PARAMS_PER_S
+    if s.offload_params != "none":
+        offload += 2 * cfg.train.grad_accum * 2 * psi / s.dp / device.host_bw
+    return compute + exposed + offload
+
+
+def make_plan(
+    cfg: Config, shape: ModelShape, world: int, nodes: int, device: Device,
+    cpu_per_node: float | None = None, headroom: float = 0.1, all_strategies: bool = True,
+) -> Plan:
+    if world < 1 or nodes < 1 or world % nodes:
+        raise UserError(f"{world} devices cannot be split over {nodes} nodes; accepted: devices per node x nodes")
+    usable = device.memory * (1 - headroom)
+    setups = setups_for(cfg, world, nodes, all_strategies)
+    candidates = [evaluate(shape, s, cfg, device, nodes, usable, cpu_per_node) for s in setups]
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: (c.step_time, c.memory.peak))
+    if not fitting:
+        raise UserError(_nothing_fits(shape, cfg, candidates, device, nodes, world, usable))
+    chosen = fitting[0]
+    plan = Plan(world, nodes, device, usable, candidates, chosen, _reasons(chosen, candidates), 0)
+    plan.max_micro_batch = largest_micro_batch(shape, chosen.setup, usable)
+    return plan
+
+
+def largest_micro_batch(shape: ModelShape, s: Setup, usable: float, limit: int = 1 << 14) -> int:
+    """Largest micro-batch whose peak still fits (0 if not even 1 does)."""
+    fits = lambda b: estimate(shape, replace(s, micro_batch=b)).peak <= usable  # noqa: E731
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _reasons(chosen: Candidate, candidates: list[Candidate]) -> list[str]:
+    reasons = []
+    ddp = next((c for c in candidates if c.setup.label == "ddp"), None)
+    for c in candidates:
+        if c.step_time < chosen.step_time and not c.fits and not c.setup.activation_checkpointing:
+            reasons.append(f"{c.setup.label} {c.why_not}")
+    text = f"{chosen.setup.label} needs {fmt(chosen.memory.peak)} per device"
+    if ddp is not None and chosen is not ddp and chosen.setup.dp > 1:
+        more = chosen.comm_bytes / ddp.comm_bytes if ddp.comm_bytes else 1.0
+        text += ", moves no more data than ddp" if more <= 1.0001 else f", moves {more:.1f}x the data of ddp"
+    text += f", estimated {chosen.step_time:.3g} s/step: the fastest that fits: chosen"
+    reasons.append(text)
+    return reasons
+
+
+def _nothing_fits(shape: ModelShape, cfg: Config, candidates: list[Candidate], device: Device, nodes: int, world: int, usable: float) -> str:
+    best = min(candidates, key=lambda c: c.memory.peak)
+    msg = f"no strategy fits {world} x {fmt(device.memory)}: the smallest is {best.setup.label} at {fmt(best.memory.peak)} per device"
+    for more in (2, 4, 8, 16, 32, 64):
+        bigger = world * more
+        probe = replace(best.setup, dp=bigger, dp_replicate=1)
+        if estimate(shape, probe).peak <= usable:
+            return msg + f"; closest feasible: {bigger} devices with {probe.label}, or more memory per device"
+    return msg + "; try a smaller model, model.* overrides, or devices with more memory"
+
+
+def fmt(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB / 10 else f"{nbytes / 2**20:.1f} MiB"
