@@ -14,7 +14,8 @@ import atexit
 import copy
 import logging
 import os
-from contextlib import nullcontext
+import warnings
+from contextlib import nullcontext, redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +39,18 @@ TAG = "zero"
 class DeepSpeedEngine:
     def __init__(self, model: nn.Module, world: World, cfg: Config, materialize: Materialize):
         self.name = cfg.parallel.strategy
-        deepspeed = _import_deepspeed(world.device)
-        _ensure_process_group(world)
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
         self.world_size = world.world_size
         self.precision = cfg.precision
-
+        # First, before anything slow: a conflicting deepspeed_extra key stops here.
         self.ds_config = build_deepspeed_config(cfg, world.world_size)
         self._config_json = to_json(self.ds_config)
+
+        deepspeed = _import_deepspeed(world.device)
+        _ensure_process_group(world)
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
+        if cfg.precision == "fp16" and world.device.type == "cpu":
+            _allow_fp16_on_cpu()
+
         materialize(model, world.device)  # the full model on every rank; ZeRO partitions it below
         self.module = model
         # The weight-decay grouping (none on 1-D norm gains) comes from the one place that
@@ -58,7 +63,7 @@ class DeepSpeedEngine:
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=groups, config=copy.deepcopy(self.ds_config)
         )
-        self.model: nn.Module = self.ds  # forward through the engine: ZeRO-3 gathers in its hooks
+        self.model: nn.Module = self.ds  # forward through the engine: its hooks gather ZeRO-3 params
 
     def accumulate(self, boundary: bool) -> Any:
         # We own the accumulation window, not DeepSpeed's micro-step counter: the flag makes
@@ -97,10 +102,10 @@ class DeepSpeedEngine:
 
     def load(self, path: Path) -> None:
         saved = _saved_world_size(path)
-        if saved != self.world_size:
+        if saved and saved != self.world_size:
             raise UserError(
                 f"checkpoint {path.parent} was written by DeepSpeed ZeRO on {saved} ranks and resumes only on "
-                f"{saved}, not {self.world_size}; accepted: the same number of ranks, or train.resume=never with a new run.dir"
+                f"{saved}, not {self.world_size}; accepted: the same number of ranks, or a new run.dir"
             )
         # load_from_fp32_weights (DeepSpeed's default) restores the exact fp32 master
         # partitions, so the resumed run continues bit-exactly.
@@ -108,7 +113,8 @@ class DeepSpeedEngine:
             str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )
         if loaded is None:
-            raise UserError(f"checkpoint {path.parent} holds no DeepSpeed state under state/{TAG}")
+            raise UserError(f"checkpoint {path.parent} holds no DeepSpeed state in state/{TAG}; accepted: one saved by zero1/2/3")
+        _replay_cpu_adam_steps(self.ds.basic_optimizer)
 
     def extra_state(self) -> dict[str, Any]:
         # The loss scaler is saved inside DeepSpeed's own checkpoint; this copy is for people
@@ -148,7 +154,9 @@ def read_deepspeed_weights(state_dir: Path) -> dict[str, torch.Tensor]:
     _import_deepspeed(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    state = get_fp32_state_dict_from_zero_checkpoint(str(state_dir), tag=TAG)
+    # It reports progress with print() and tqdm: a library call should not.
+    with open(os.devnull, "w") as sink, redirect_stdout(sink), redirect_stderr(sink):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(state_dir), tag=TAG)
     return {name: t.float().contiguous() for name, t in state.items()}
 
 
@@ -161,7 +169,24 @@ def _import_deepspeed(device: torch.device) -> Any:
 
     # Its INFO lines (config dumps, timers) would interleave with our progress output.
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    # DeepSpeed still calls collectives that this torch deprecates, once per bucket: a
+    # warning per call the user can do nothing about.
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", category=FutureWarning
+    )
     return deepspeed
+
+
+def _allow_fp16_on_cpu() -> None:
+    # DeepSpeed's CPU accelerator reports fp16 as unsupported unless oneDNN has native fp16
+    # kernels (AVX512-FP16/AMX-FP16), and refuses to start. torch computes fp16 correctly on
+    # any CPU (slower, through fp32 inside its kernels), and DeepSpeed's loss scaler and
+    # fp32 master weights do not depend on the device, so fp16 runs and is tested on CPU.
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        accelerator.is_fp16_supported = lambda: True
 
 
 def _ensure_process_group(world: World) -> None:
@@ -181,6 +206,33 @@ def _ensure_process_group(world: World) -> None:
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
+def _replay_cpu_adam_steps(optimizer: Any) -> None:
+    """Bring DeepSpeed's C++ CPU Adam to the state an uninterrupted run would have.
+
+    DeepSpeedCPUAdam, and FusedAdam on the CPU accelerator, keep beta1**t and beta2**t
+    inside the C++ optimizer and advance them by one multiplication per step; a fresh
+    process resuming at step t gets std::pow(beta, t) instead, which differs in the last
+    bits, and so would every update after a resume. Stepping the kernel 1..t over empty
+    tensors repeats the uninterrupted run's multiplications exactly (nothing else changes).
+    CUDA's FusedAdam derives the bias correction from the step on every call: nothing to do.
+    """
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+    if not steps:
+        return
+    beta1, beta2 = optimizer.param_groups[0]["betas"]
+    empty = torch.empty(0, dtype=torch.float32)
+    if isinstance(optimizer, DeepSpeedCPUAdam):
+        for t in range(1, max(steps) + 1):
+            optimizer.ds_opt_adam.adam_update(optimizer.opt_id, t, 0.0, beta1, beta2, 1e-8, 0.0, True, empty, empty, empty, empty)
+    elif isinstance(optimizer, FusedAdam) and get_accelerator().device_name() == "cpu":
+        noop = torch.zeros(1, dtype=torch.int)
+        for t in range(1, max(steps) + 1):
+            optimizer.multi_tensor_adam(1, noop, [[empty]] * 4, 0.0, beta1, beta2, 1e-8, t, int(optimizer.adam_w_mode), 1, 0.0)
+
+
 def _saved_world_size(path: Path) -> int:
     # One optimizer-state file per data-parallel rank; ZeRO partitions are tied to that count.
-    return len(list((path / TAG).glob("*zero_pp_rank_*_optim_states.pt"))) or -1
+    return len(list((path / TAG).glob("*zero_pp_rank_*_optim_states.pt")))

@@ -8,6 +8,7 @@ and only then materialized, so no rank ever allocates the full model.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 from collections import defaultdict
 from pathlib import Path
@@ -16,7 +17,6 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from scaletrain.config import Config
 from scaletrain.distributed import World
 from scaletrain.engines.base import Materialize, StepStats
+from scaletrain.engines.checkpointing import checkpoint_blocks
 from scaletrain.engines.dcp_state import load_dcp, save_dcp
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
 from scaletrain.errors import UserError
@@ -38,15 +39,10 @@ class FSDPEngine:
         par = cfg.parallel
         mesh = _mesh(world, par.dp_replicate)
         offload = par.offload_params == "cpu"
-        # Offloaded shards (and the optimizer step on them) live in host memory; FSDP copies
-        # them to the compute device for each all-gather.
-        self.device = torch.device("cpu") if offload else world.device
         if par.activation_checkpointing:
-            # Before fully_shard so that the recomputed forward re-gathers the block's
-            # parameters through FSDP's hooks. The wrapper adds `_checkpoint_wrapped_module`
-            # to parameter names; init_weights and get_state_dict both strip it.
-            for i, block in enumerate(model.layers):
-                model.layers[i] = checkpoint_wrapper(block)
+            # Before fully_shard, so the recomputed forward re-gathers the block's parameters
+            # through FSDP's hooks; state-dict names stay plain (tests check).
+            checkpoint_blocks(model)
 
         # Parameters that share one tensor (the tied embedding / output head) must stay one
         # parameter through sharding and materialization, or the head silently unties.
@@ -57,21 +53,23 @@ class FSDPEngine:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=world.device.type == "cuda") if offload else OffloadPolicy()
         n = len(model.layers)
         for i, block in enumerate(model.layers):
-            # The last block's parameters are needed again right away by backward: keeping
-            # them gathered saves one all-gather per step at no extra peak memory.
+            # Backward starts with the last block: resharding it after forward would only
+            # free its parameters for the length of the loss and all-gather them again.
             fully_shard(block, reshard_after_forward=par.reshard_after_forward and i < n - 1, **kwargs)
-        # The root holds the embedding and the head: a tied weight is one parameter of one
-        # FSDP unit (both modules are outside the blocks), all-gathered and reduced once.
-        fully_shard(model, reshard_after_forward=par.reshard_after_forward, **kwargs)
+        # The root owns what the blocks do not: embedding, final norm, head. A tied weight is
+        # thus one parameter of one FSDP unit, gathered and reduced once. The root is never
+        # resharded after forward for the same reason as the last block (its head runs last).
+        fully_shard(model, reshard_after_forward=False, **kwargs)
 
         # DTensor parameters are swapped in place by to_empty (wrapper subclasses always use
         # swap_tensors), so the tied Parameter object survives; checked, not assumed.
-        materialize(model, self.device)
+        # Offloaded shards (and the optimizer step on them) live in host memory; FSDP copies
+        # them to the compute device for each all-gather.
+        materialize(model, torch.device("cpu") if offload else world.device)
         _check_still_shared(model, tied)
 
         self.model: nn.Module = model
         self.fsdp: FSDPModule = model  # type: ignore[assignment]
-        self.precision = cfg.precision
         self.clip_grad = cfg.train.clip_grad
         # AdamW sees the sharded DTensor parameters: optimizer state is sharded the same way.
         fused = world.device.type == "cuda" and not offload
@@ -159,8 +157,8 @@ def _mesh(world: World, dp_replicate: int) -> DeviceMesh:
     if size % dp_replicate:
         divisors = [d for d in range(1, size + 1) if size % d == 0]
         raise UserError(
-            f"parallel.dp_replicate={dp_replicate} does not divide the world size {size} "
-            f"(dp_replicate x shard group size = world size); accepted: {', '.join(map(str, divisors))}"
+            f"parallel.dp_replicate={dp_replicate} must divide the world size {size} (hybrid sharding: "
+            f"dp_replicate x shard group size = world size); accepted: {', '.join(map(str, divisors))}"
         )
     if not world.distributed:
         _single_rank_group(world.device)
@@ -175,8 +173,6 @@ def _single_rank_group(device: torch.device) -> None:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        import atexit
-
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 

@@ -83,10 +83,12 @@ def _state_bytes_per_param(strategy: str, precision: str) -> tuple[float, float,
         # torch engines keep fp32 weights (autocast / MixedPrecisionPolicy cast on the fly),
         # fp32 gradients (fp32 reduce) and AdamW's two fp32 moments.
         return 4.0, 4.0, 8.0
-    if precision == "fp32":
-        # DeepSpeed's ZeRO optimizer keeps its own fp32 partition besides the moments.
-        return 4.0, 4.0, 12.0
-    return 2.0, 2.0, 12.0  # the paper's mixed-precision recipe: K = 12
+    weights = 4.0 if precision == "fp32" else 2.0
+    # DeepSpeed's ZeRO optimizer keeps an fp32 partition of the weights besides the two
+    # moments (K = 12, also in fp32 runs). ZeRO-3 reduces gradients straight into an fp32
+    # partition; ZeRO-1/2 keep them in the weights' dtype and convert at the step.
+    grads = 4.0 if strategy == "zero3" else weights
+    return weights, grads, 12.0
 
 
 def estimate(shape: ModelShape, s: Setup) -> Memory:
@@ -100,18 +102,22 @@ def estimate(shape: ModelShape, s: Setup) -> Memory:
         grads, optim = grads / shard, optim / shard
     elif s.strategy == "zero1":
         optim = optim / shard
+    # ZeRO-1/2 step: the gradient partition is flattened into fp32 for the optimizer
+    # (DeepSpeed's estimators count it as "4 bytes grads_32bit").
+    fp32_grad_partition = 4.0 * n_params / shard if s.strategy in ("zero1", "zero2") else 0.0
 
     cpu = 0.0
     if s.offload_optimizer != "none":
-        # ZeRO-Offload: fp32 master, moments and the fp32 gradient partition live on the host.
+        # ZeRO-Offload: fp32 master, moments and the fp32 gradient partition live on the
+        # host; reduced gradients go straight there, the device keeps only the buckets.
         cpu += optim + 4.0 * n_params / shard
-        optim = 0.0
+        optim, grads, fp32_grad_partition = 0.0, 0.0, 0.0
     if s.offload_params != "none":
         cpu += params
         params = 0.0
 
     act, loss, recompute = _activations(shape, s)
-    buffers = _engine_buffers(shape, s, n_params, w)
+    buffers = engine_buffers(shape, s)
     # Gradients that persist between steps: DDP's bucket views (only with a DDP wrapper,
     # world > 1) and DeepSpeed's partitions. Otherwise zero_grad frees them every step.
     persistent = s.strategy in ("zero1", "zero2", "zero3") or (s.strategy == "ddp" and s.dp > 1)
@@ -120,9 +126,9 @@ def estimate(shape: ModelShape, s: Setup) -> Memory:
     resident = params + optim + buffers + persistent_grads
     # The embedding's gradient is dense (vocab x dim) and is produced, then added to the
     # (tied or own) gradient, unsharded: two such temporaries at the end of backward.
-    embedding_temp = 2.0 * shape.vocab_size * shape.dim * g
+    embedding_temp = 2.0 * shape.vocab_size * shape.dim * (4.0 if s.strategy in ("ddp", "fsdp") else w)
     # The single-tensor / fused AdamW step allocates at most one parameter-sized temporary.
-    step_temp = 4.0 * _largest_param(shape) if s.strategy in ("ddp", "fsdp") else 0.0
+    step_temp = 4.0 * _largest_param(shape) if s.strategy in ("ddp", "fsdp") else fp32_grad_partition
     phases = {
         "backward start": (resident + act + loss, 0.0),
         # Activation checkpointing: one block's activations are rebuilt later in backward,
@@ -134,6 +140,16 @@ def estimate(shape: ModelShape, s: Setup) -> Memory:
     phase = max(phases, key=lambda k: phases[k][0])
     peak, extra = phases[phase]
     return Memory(params, grads, optim, act, loss, buffers + extra, peak, phase, cpu)
+
+
+def model_state_bytes(shape: ModelShape, s: Setup) -> tuple[float, float]:
+    """(device, host) bytes of weights + gradients + optimizer state at the optimizer step,
+    the quantity the ZeRO paper and DeepSpeed's estimators give, without buffers."""
+    m = estimate(shape, s)
+    n_params = count_params(shape)["total"]
+    shard = s.dp // s.dp_replicate if s.strategy == "fsdp" else s.dp
+    step_grad = 4.0 * n_params / shard if s.strategy in ("zero1", "zero2") and s.offload_optimizer == "none" else 0.0
+    return m.params + m.grads + m.optimizer + step_grad, m.cpu
 
 
 def _activations(shape: ModelShape, s: Setup) -> tuple[float, float, float]:
@@ -154,7 +170,10 @@ def _activations(shape: ModelShape, s: Setup) -> tuple[float, float, float]:
     return float(act), float(loss), recompute
 
 
-def _engine_buffers(shape: ModelShape, s: Setup, n_params: int, weight_bytes: float) -> float:
+def engine_buffers(shape: ModelShape, s: Setup) -> float:
+    """Bytes the engine holds besides model states: gathered units, communication buckets."""
+    n_params = count_params(shape)["total"]
+    weight_bytes = _state_bytes_per_param(s.strategy, s.precision)[0]
     block_params = _block_params(shape)
     root_params = n_params - shape.n_layers * block_params
     if s.strategy == "fsdp":
@@ -164,8 +183,8 @@ def _engine_buffers(shape: ModelShape, s: Setup, n_params: int, weight_bytes: fl
         # Root unit gathered throughout, plus the current and the prefetched block.
         return float((root_params + 2 * block_params) * gathered)
     if s.strategy == "zero3":
-        # DeepSpeed's own estimator: 4 bytes x the largest layer for gathered parameters.
-        return float(4 * max(block_params, root_params))
+        # DeepSpeed gathers per module; its estimator: 4 bytes x the largest layer.
+        return float(4 * _largest_param(shape))
     if s.strategy in ("zero1", "zero2"):
         return float(min(s.bucket_size, n_params) * weight_bytes)  # gradient reduce bucket
     return 0.0

@@ -171,7 +171,7 @@ def make_plan(
     candidates = [evaluate(shape, s, cfg, device, nodes, usable, cpu_per_node) for s in setups]
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: (c.step_time, c.memory.peak))
     if not fitting:
-        raise UserError(_nothing_fits(shape, cfg, candidates, device, nodes, world, usable))
+        raise UserError(_nothing_fits(shape, cfg, candidates, device, nodes, world, usable, cpu_per_node))
     chosen = fitting[0]
     plan = Plan(world, nodes, device, usable, candidates, chosen, _reasons(chosen, candidates), 0)
     plan.max_micro_batch = largest_micro_batch(shape, chosen.setup, usable)
@@ -207,14 +207,21 @@ def _reasons(chosen: Candidate, candidates: list[Candidate]) -> list[str]:
     return reasons
 
 
-def _nothing_fits(shape: ModelShape, cfg: Config, candidates: list[Candidate], device: Device, nodes: int, world: int, usable: float) -> str:
+def _nothing_fits(
+    shape: ModelShape, cfg: Config, candidates: list[Candidate], device: Device, nodes: int, world: int, usable: float,
+    cpu_per_node: float | None,
+) -> str:
     best = min(candidates, key=lambda c: c.memory.peak)
     msg = f"no strategy fits {world} x {fmt(device.memory)}: the smallest is {best.setup.label} at {fmt(best.memory.peak)} per device"
+    if not best.why_not.startswith("needs"):
+        msg += f" ({best.why_not})"
+    # Grow the job node by node (same devices per node): the first size where anything fits.
+    by_peak = sorted(candidates, key=lambda c: c.memory.peak)
     for more in (2, 4, 8, 16, 32, 64):
-        bigger = world * more
-        probe = replace(best.setup, dp=bigger, dp_replicate=1)
-        if estimate(shape, probe).peak <= usable:
-            return msg + f"; closest feasible: {bigger} devices with {probe.label}, or more memory per device"
+        for c in by_peak:
+            probe = replace(c.setup, dp=world * more, dp_replicate=1)
+            if evaluate(shape, probe, cfg, device, nodes * more, usable, cpu_per_node).fits:
+                return msg + f"; closest feasible: {world * more} devices ({nodes * more} nodes) with {probe.label}, or more memory per device"
     return msg + "; try a smaller model, model.* overrides, or devices with more memory"
 
 

@@ -1,0 +1,187 @@
+"""Planner maths: traced activations, ZeRO / DeepSpeed model-state formulas, the well-known
+answers for 7B/8B/70B on 8 x 80 GiB, the choice and its reasons, and clear impossibilities."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from scaletrain.config import ModelConfig, load_config
+from scaletrain.errors import UserError
+from scaletrain.models import build_model, loss_fn, resolve_shape
+from scaletrain.models.presets import count_params
+from scaletrain.plan import make_plan, planning_shape
+from scaletrain.plan.activations import block_activations, head_activations
+from scaletrain.plan.hardware import GiB, gpu, parse_size
+from scaletrain.plan.memory import Setup, _largest_param, engine_buffers, estimate, model_state_bytes
+from scaletrain.plan.planner import largest_micro_batch
+
+H100 = gpu("h100", None)
+
+
+def real_saved_bytes(shape, batch, seq, autocast: bool) -> int:
+    """Bytes autograd keeps for backward in a real CPU forward, counting each storage once."""
+    model = build_model(shape, seq, 0)
+    model_storages = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in model_storages:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = torch.randint(0, shape.vocab_size, (batch, seq))
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+        loss_fn(model(tokens), tokens)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("preset, batch, seq, autocast", [("tiny", 4, 64, False), ("small", 2, 128, False), ("small", 2, 128, True)])
+def test_traced_activations_equal_what_a_real_forward_keeps(preset, batch, seq, autocast):
+    shape = resolve_shape(ModelConfig(preset=preset), 1000)
+    regime = "autocast" if autocast else "fp32"
+    predicted = shape.n_layers * block_activations(shape, batch, seq, regime).saved + head_activations(shape, batch, seq, regime).saved
+    real = real_saved_bytes(shape, batch, seq, autocast)
+    # The fake trace also counts the RoPE slices, which the real model takes from its buffers.
+    assert abs(predicted - real) / real < 0.01, (predicted, real)
+
+
+def test_activation_checkpointing_keeps_only_block_inputs():
+    shape = resolve_shape(ModelConfig(preset="8b"))
+    full = estimate(shape, Setup("fsdp", 8, 1, 4096, "bf16"))
+    ac = estimate(shape, Setup("fsdp", 8, 1, 4096, "bf16", activation_checkpointing=True))
+    assert ac.activations == shape.n_layers * 1 * 4096 * shape.dim * 2  # one bf16 input per block
+    assert full.activations > 10 * ac.activations
+
+
+def zero_setup(strategy, n, **kw):
+    return Setup(strategy, n, 1, 2048, "bf16", **kw)
+
+
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_model_states_follow_the_zero_paper(n):
+    shape = resolve_shape(ModelConfig(preset="7b"))
+    psi = count_params(shape)["total"]
+    resident = lambda s: (lambda m: m.params + m.grads + m.optimizer)(estimate(shape, s))  # noqa: E731
+    k = 12
+    assert resident(zero_setup("ddp", n)) == pytest.approx((2 + 2 + k) * psi)  # torch DDP: 4+4+8, same 16 bytes
+    assert resident(zero_setup("zero1", n)) == pytest.approx(4 * psi + k * psi / n)
+    assert resident(zero_setup("zero2", n)) == pytest.approx(2 * psi + (2 + k) * psi / n)
+    assert resident(zero_setup("fsdp", n)) == pytest.approx((2 + 2 + k) * psi / n)
+
+
+def test_model_states_match_deepspeeds_own_estimators():
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    shape = resolve_shape(ModelConfig(preset="8b"))
+    psi = count_params(shape)["total"]
+    largest_layer = _largest_param(shape)  # the embedding: DeepSpeed gathers module by module
+    for gpus, nodes in [(8, 1), (8, 4)]:
+        n = gpus * nodes
+        per_node = lambda cpu: cpu * gpus  # noqa: E731  ours is per device, DeepSpeed's per node
+        ds_cpu, ds_gpu = estimate_zero2_model_states_mem_needs(psi, gpus, nodes, cpu_offload=False, additional_buffer_factor=1)
+        assert model_state_bytes(shape, zero_setup("zero2", n))[0] == pytest.approx(ds_gpu, rel=1e-6)
+        ds_cpu, ds_gpu = estimate_zero2_model_states_mem_needs(psi, gpus, nodes, cpu_offload=True, additional_buffer_factor=1)
+        dev, host = model_state_bytes(shape, zero_setup("zero2", n, offload_optimizer="cpu"))
+        # DeepSpeed's ZeRO-2 host figure is max(4 x total_gpus, 16) x params: it models every process
+        # loading the full model on the host at start-up. The optimizer-state part is the 16.
+        assert dev == pytest.approx(ds_gpu) and per_node(host) == pytest.approx(psi * 16 / nodes, rel=1e-6)
+        for optim, params in [("none", "none"), ("cpu", "none"), ("cpu", "cpu")]:
+            ds_cpu, ds_gpu, ds_layer = estimate_zero3_model_states_mem_needs(
+                psi, largest_layer, gpus, nodes, cpu_offload=optim == "cpu", cpu_offload_params=params == "cpu", additional_buffer_factor=1
+            )
+            setup = zero_setup("zero3", n, offload_optimizer=optim, offload_params=params)
+            m = estimate(shape, setup)
+            assert engine_buffers(shape, setup) == pytest.approx(ds_layer)  # gathered layer: 4 bytes x largest layer
+            assert m.params + m.grads + m.optimizer + ds_layer == pytest.approx(ds_gpu, rel=1e-6)
+            if optim == "cpu":
+                assert per_node(m.cpu) == pytest.approx(ds_cpu, rel=1e-6)  # both per node
+
+
+def plan_for(preset, gpus=8, nodes=1, memory="80GiB", seq=4096, micro=1, extra=(), cpu=None):
+    cfg = load_config([], [f"model.preset={preset}", f"data.seq_len={seq}", f"train.micro_batch={micro}", "precision=bf16", *extra])
+    return make_plan(cfg, planning_shape(cfg), gpus * nodes, nodes, gpu("h100", memory), cpu_per_node=cpu)
+
+
+def test_70b_on_8_x_80gib_needs_zero3_with_offload_and_explains_why():
+    plan = plan_for("70b")
+    by_label = {c.setup.label: c for c in plan.candidates}
+    for label in ("ddp", "zero1", "zero2", "zero3", "fsdp", "zero3 + AC", "fsdp + AC"):
+        assert not by_label[label].fits, label
+    # 16 bytes x 70.6B / 8 = 141 GB of model state per GPU before any activation: no plain
+    # sharding fits 8 x 80 GiB; offloading the optimizer to the host does.
+    assert by_label["fsdp + AC"].memory.params + by_label["fsdp + AC"].memory.grads + by_label["fsdp + AC"].memory.optimizer > 80 * GiB
+    assert plan.chosen.setup.strategy == "zero3" and plan.chosen.setup.offload_optimizer == "cpu"
+    assert any(r.startswith("ddp needs") and "> 72.0 GiB usable" in r for r in plan.reasons)
+    assert "chosen" in plan.reasons[-1]
+    # With 4 nodes the model states shrink 4x and plain zero3 / fsdp (with AC) fit.
+    big = plan_for("70b", nodes=4)
+    assert {"ddp", "zero1"}.isdisjoint({c.setup.label for c in big.candidates if c.fits})
+    assert any(c.fits for c in big.candidates if c.setup.label in ("zero3 + AC", "fsdp + AC"))
+    assert big.chosen.setup.offload_optimizer == "none"
+
+
+@pytest.mark.parametrize("preset", ["7b", "8b"])
+def test_7b_8b_do_not_fit_ddp_but_fit_sharded(preset):
+    plan = plan_for(preset, seq=2048)
+    fits = {c.setup.label for c in plan.candidates if c.fits}
+    assert "ddp" not in fits  # 16 bytes x 7-8B = 108-128 GB > 80 GiB
+    assert fits & {"zero2", "zero3", "fsdp"}
+    assert plan.chosen.fits and plan.chosen.memory.peak <= plan.usable
+
+
+def test_largest_micro_batch_is_the_boundary():
+    plan = plan_for("8b", seq=2048)
+    s, b = plan.chosen.setup, plan.max_micro_batch
+    assert b >= 1
+    shape = resolve_shape(ModelConfig(preset="8b"))
+    from dataclasses import replace
+
+    assert estimate(shape, replace(s, micro_batch=b)).peak <= plan.usable < estimate(shape, replace(s, micro_batch=b + 1)).peak
+    assert largest_micro_batch(shape, s, 1.0) == 0
+
+
+def test_impossible_requests_name_the_closest_feasible_alternative():
+    # One 24 GiB GPU: only full offload fits on the device, and 256 GiB of host memory
+    # cannot hold 70B x 18 bytes of offloaded state.
+    with pytest.raises(UserError, match=r"no strategy fits 1 x 24.0 GiB.*closest feasible: \d+ devices \(\d+ nodes\)"):
+        plan_for("70b", gpus=1, memory="24GiB", cpu=256 * GiB)
+    assert plan_for("70b", gpus=1, memory="24GiB").chosen.setup.offload_params == "cpu"  # unlimited host: ZeRO-Infinity
+    with pytest.raises(UserError, match=r"parallel.dp_replicate=3 does not divide the world size 8; accepted: one of \[1, 2, 4, 8\] \(closest: 2\)"):
+        plan_for("8b", extra=["parallel.strategy=fsdp", "parallel.dp_replicate=3"])
+    with pytest.raises(UserError, match="not a size"):
+        parse_size("eighty", "--gpu-memory")
+    assert parse_size("80GiB", "x") == 80 * GiB and parse_size("1TB", "x") == 1e12
+
+
+def test_plan_cli_json_and_huggingface_deepspeed_json(tmp_path):
+    out = tmp_path / "ds.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "scaletrain", "plan", "model.preset=8b", "data.seq_len=2048", "precision=bf16",
+         "--gpus-per-node", "8", "--gpu-memory", "80GiB", "--json", "--emit-deepspeed", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    chosen = next(c for c in plan["candidates"] if c["strategy"] == plan["chosen"])
+    assert chosen["fits"] and chosen["memory"]["peak"] <= plan["usable_memory"]
+    ds = json.loads(out.read_text())
+    # Values HF Trainer owns are "auto" so they can never disagree with TrainingArguments.
+    assert ds["train_micro_batch_size_per_gpu"] == "auto" and ds["gradient_accumulation_steps"] == "auto"
+    assert ds["bf16"]["enabled"] == "auto"
+    assert ds["zero_optimization"]["stage"] in (0, 1, 2, 3)
+
+
+def test_plan_cli_rejects_bad_numbers_cleanly():
+    proc = subprocess.run([sys.executable, "-m", "scaletrain", "plan", "--gpu", "tpu9"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--gpu 'tpu9' is unknown; accepted: h100" in proc.stderr and "Traceback" not in proc.stderr
