@@ -20,16 +20,14 @@ import torch
 
 from scaletrain import checkpoint
 from scaletrain.telemetry import read_metrics
-from train_helpers import SMALL_CORPUS, base_overrides, check, final_weights, losses, run_scaletrain
+from train_helpers import base_overrides, check, final_weights, losses, run_scaletrain
 
 FSDP = "parallel.strategy=fsdp"
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data") / "small"
-    check(run_scaletrain(["data", "prepare", "--input", *SMALL_CORPUS, "--out", str(out), "--vocab-size", "512"]))
-    return out
+def prepared(small_dataset):
+    return small_dataset
 
 
 @pytest.fixture(scope="module")

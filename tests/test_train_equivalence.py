@@ -9,14 +9,12 @@ import pytest
 import torch
 
 from scaletrain import checkpoint
-from train_helpers import SMALL_CORPUS, base_overrides, check, final_weights, losses, run_scaletrain
+from train_helpers import base_overrides, check, final_weights, losses, run_scaletrain
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data") / "small"
-    check(run_scaletrain(["data", "prepare", "--input", *SMALL_CORPUS, "--out", str(out), "--vocab-size", "512"]))
-    return out
+def prepared(small_dataset):
+    return small_dataset
 
 
 def assert_weights_close(a: dict, b: dict, rtol: float, atol: float) -> None:

@@ -72,6 +72,16 @@ class TrainConfig(Section):
     seed: int = Field(1234, ge=0)
     resume: str = "auto"  # auto | never | PATH of a checkpoint directory
     log_every: int = Field(10, ge=1)  # steps between metric flushes (one host sync each)
+    # Opt-in LR scaling with the effective (global) batch: lr was tuned at lr_base_batch
+    # sequences; linear (Goyal et al.) or sqrt (Adam-style) scaling to the batch actually run.
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    lr_base_batch: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _scaling_needs_a_base(self) -> "TrainConfig":
+        if self.lr_scaling != "none" and self.lr_base_batch is None:
+            raise ValueError(f"train.lr_scaling={self.lr_scaling} needs train.lr_base_batch, the global batch (sequences) train.lr was tuned for")
+        return self
 
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
@@ -80,7 +90,8 @@ Offload = Literal["none", "cpu", "nvme"]
 
 
 class ParallelConfig(Section):
-    strategy: Literal[STRATEGIES] = "ddp"  # type: ignore[valid-type]
+    # auto: the planner picks the fastest strategy that fits, before anything is allocated.
+    strategy: Literal[STRATEGIES + ("auto",)] = "ddp"  # type: ignore[valid-type]
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     # FSDP2: False keeps parameters gathered between forward and backward (shard-grad-op,
     # ZeRO-2-like); dp_replicate > 1 is hybrid sharding: replicate across groups, shard within.
@@ -93,6 +104,9 @@ class ParallelConfig(Section):
     bucket_size: int = Field(50_000_000, ge=1)  # elements per communication bucket (DeepSpeed)
     # Extra DeepSpeed JSON merged into the generated one; a key we set is a conflict error.
     deepspeed_extra: dict[str, Any] = Field(default_factory=dict)
+    # Written by scaletrain into the run's resolved config when strategy was auto: the
+    # planner's reasons. Informational; ignored as input.
+    auto_choice: str | None = None
 
     @model_validator(mode="after")
     def _combinations(self) -> "ParallelConfig":
@@ -105,7 +119,7 @@ class ParallelConfig(Section):
             raise ValueError("nvme offload needs parallel.nvme_path, a directory on a fast local disk")
         if self.dp_replicate > 1 and s != "fsdp":
             raise ValueError(f"parallel.dp_replicate={self.dp_replicate} (hybrid sharding) needs strategy fsdp, not {s}")
-        if self.deepspeed_extra and s not in ZERO_STRATEGIES:
+        if self.deepspeed_extra and s not in ZERO_STRATEGIES + ("auto",):
             raise ValueError(f"parallel.deepspeed_extra is only used by zero1, zero2 and zero3, not {s}")
         return self
 

@@ -25,15 +25,24 @@ def build_adamw(model: nn.Module, cfg: TrainConfig, fused: bool = False) -> torc
     )
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """LR for optimizer step `step` (0-based): linear warmup, then cosine to lr*min_lr_ratio.
+def scaled_lr(cfg: TrainConfig, global_batch: int) -> float:
+    """Peak LR for the effective batch actually run (opt-in; see train.lr_scaling)."""
+    if cfg.lr_scaling == "none" or cfg.lr_base_batch is None:
+        return cfg.lr
+    ratio = global_batch / cfg.lr_base_batch
+    return cfg.lr * (ratio if cfg.lr_scaling == "linear" else math.sqrt(ratio))
+
+
+def lr_at(step: int, cfg: TrainConfig, peak: float | None = None) -> float:
+    """LR for optimizer step `step` (0-based): linear warmup, then cosine to peak*min_lr_ratio.
 
     A pure function of the step, so the schedule's whole state is the step number and
-    resume can never desynchronise it.
+    resume can never desynchronise it. `peak` defaults to train.lr (see scaled_lr).
     """
+    peak = cfg.lr if peak is None else peak
     if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return peak * (step + 1) / cfg.warmup_steps
     decay_steps = max(1, cfg.steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+    floor = peak * cfg.min_lr_ratio
+    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))

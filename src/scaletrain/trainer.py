@@ -21,7 +21,8 @@ from scaletrain.distributed import World, init_distributed, on_main_then_all, sh
 from scaletrain.engines import Engine, build_engine
 from scaletrain.errors import UserError
 from scaletrain.models import build_meta_model, count_params, flops_per_token, loss_fn, materialize, resolve_shape
-from scaletrain.optim import lr_at
+from scaletrain.optim import lr_at, scaled_lr
+from scaletrain.plan.runtime import plan_run
 from scaletrain.telemetry import MetricsLog, StepRecorder, TrainProgress, print_summary, read_metrics
 
 # Fault injection for recovery tests and drills: SIGKILL this process right after the
@@ -60,10 +61,14 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     resume_from = _resume_point(cfg.train.resume, paths)
     if main:
         paths.root.mkdir(parents=True, exist_ok=True)
-        paths.config.write_text(cfg.to_yaml())
 
     data = PackedTokens(_prepared_data(cfg, world), cfg.data.seq_len, cfg.train.seed)
     shape = resolve_shape(cfg.model, data.vocab_size)
+    cfg, plan_lines = plan_run(cfg, world, shape)  # before any allocation; resolves strategy=auto
+    if main:
+        paths.config.write_text(cfg.to_yaml())
+        for line in plan_lines:
+            console.print(line, highlight=False, soft_wrap=True)
     torch.manual_seed(cfg.train.seed)
     model = build_meta_model(shape, max_seq_len=cfg.data.seq_len)
     engine = build_engine(model, world, cfg, lambda m, device: materialize(m, device, cfg.train.seed))
@@ -79,9 +84,18 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
         step, position, tokens_seen = trainer_state["step"], trainer_state["data_position"], trainer_state["tokens_seen"]
     metrics.truncate_after(step)
 
-    tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum * world.world_size * cfg.data.seq_len
+    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * world.world_size
+    tokens_per_step = global_batch * cfg.data.seq_len
+    peak_lr = scaled_lr(cfg.train, global_batch)
     if main:
         _print_banner(console, cfg, world, engine.name, shape, data, tokens_per_step, resume_from)
+        if peak_lr != cfg.train.lr:
+            console.print(
+                f"lr scaling ({cfg.train.lr_scaling}): train.lr {cfg.train.lr:g} at {cfg.train.lr_base_batch} sequences "
+                f"-> {peak_lr:g} at the global batch of {global_batch}",
+                highlight=False,
+                soft_wrap=True,
+            )
 
     batches = RankBatches(data, cfg.train.micro_batch, cfg.train.grad_accum, world.rank, world.world_size, start=position)
     recorder = StepRecorder(world.world_size, world.distributed)
@@ -91,7 +105,7 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     try:
         while step < cfg.train.steps:
             t0 = time.perf_counter()
-            lr = lr_at(step, cfg.train)
+            lr = lr_at(step, cfg.train, peak_lr)
             loss = train_step(engine, batches.next_step(), world.device)
             stats = engine.step(lr)
             step += 1

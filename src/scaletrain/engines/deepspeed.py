@@ -47,7 +47,10 @@ class DeepSpeedEngine:
 
         deepspeed = _import_deepspeed(world.device)
         _ensure_process_group(world)
-        deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
+        # It adopts the existing group. It also print()s a line on every start (its shared-
+        # memory comm op was loaded); stdout is our progress display, so that line goes.
+        with open(os.devnull, "w") as sink, redirect_stdout(sink):
+            deepspeed.init_distributed(dist_backend=dist.get_backend())
         if cfg.precision == "fp16" and world.device.type == "cpu":
             _allow_fp16_on_cpu()
 

@@ -15,7 +15,6 @@ from scaletrain.models.presets import ModelShape, count_params, flops_per_token
 from scaletrain.plan.hardware import GiB, Device
 from scaletrain.plan.memory import Memory, Setup, estimate
 
-ASSUMED_MFU = 0.45  # torchtitan / llm-foundry report 34-46% on H100 (memory-and-speed-facts)
 OVERLAP = 0.8  # share of the compute time that can hide gradient / parameter traffic
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeedCPUAdam, order of magnitude per node
 
@@ -147,7 +146,7 @@ def step_time(shape: ModelShape, s: Setup, cfg: Config, device: Device, nodes: i
     tokens = s.micro_batch * s.seq_len * cfg.train.grad_accum
     flops = tokens * flops_per_token(shape, s.seq_len) * (8 / 6 if s.activation_checkpointing else 1)
     peak = device.peak_flops_32 if s.precision == "fp32" else device.peak_flops_16
-    compute = flops / (peak * ASSUMED_MFU)
+    compute = flops / (peak * device.assumed_mfu)
     bw = device.inter_node_bw if nodes > 1 else device.intra_node_bw
     exposed = max(0.0, comm / bw - OVERLAP * compute)
     offload = 0.0
@@ -169,10 +168,13 @@ def make_plan(
     usable = device.memory * (1 - headroom)
     setups = setups_for(cfg, world, nodes, all_strategies)
     candidates = [evaluate(shape, s, cfg, device, nodes, usable, cpu_per_node) for s in setups]
-    fitting = sorted((c for c in candidates if c.fits), key=lambda c: (c.step_time, c.memory.peak))
+    fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise UserError(_nothing_fits(shape, cfg, candidates, device, nodes, world, usable, cpu_per_node))
-    chosen = fitting[0]
+    # Estimates within 2% of the fastest are a tie, settled by preferring the engine with
+    # fewer moving parts (the list order: ddp, zero1, zero2, fsdp, zero3, offload; AC last).
+    fastest = min(c.step_time for c in fitting)
+    chosen = next(c for c in fitting if c.step_time <= fastest * 1.02)
     plan = Plan(world, nodes, device, usable, candidates, chosen, _reasons(chosen, candidates), 0)
     plan.max_micro_batch = largest_micro_batch(shape, chosen.setup, usable)
     return plan
@@ -202,7 +204,7 @@ def _reasons(chosen: Candidate, candidates: list[Candidate]) -> list[str]:
     if ddp is not None and chosen is not ddp and chosen.setup.dp > 1:
         more = chosen.comm_bytes / ddp.comm_bytes if ddp.comm_bytes else 1.0
         text += ", moves no more data than ddp" if more <= 1.0001 else f", moves {more:.1f}x the data of ddp"
-    text += f", estimated {chosen.step_time:.3g} s/step: the fastest that fits: chosen"
+    text += f", estimated {chosen.step_time:.3g} s/step: the fastest (or simplest of the equally fast) that fits: chosen"
     reasons.append(text)
     return reasons
 

@@ -1,0 +1,59 @@
+"""The planner inside `scaletrain train`: before anything is allocated, predict this run's
+memory on the devices it really has, and resolve `parallel.strategy: auto`."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from scaletrain.config import Config
+from scaletrain.distributed import World
+from scaletrain.errors import UserError
+from scaletrain.models.presets import ModelShape
+from scaletrain.plan.hardware import KNOWN_GPUS, Device, this_cpu
+from scaletrain.plan.planner import fmt, make_plan
+
+
+def runtime_device(world: World, local_ranks: int) -> Device:
+    if world.device.type == "cuda":
+        props = torch.cuda.get_device_properties(world.device)
+        name = props.name.lower()
+        known = next((d for key, d in KNOWN_GPUS.items() if key.split("-")[0] in name), KNOWN_GPUS["h100"])
+        return Device(props.name, float(props.total_memory), known.peak_flops_16, known.peak_flops_32,
+                      known.intra_node_bw, known.inter_node_bw, known.host_bw, known.assumed_mfu)
+    cpu = this_cpu()
+    return Device(cpu.name, cpu.memory / local_ranks, cpu.peak_flops_16, cpu.peak_flops_32,
+                  cpu.intra_node_bw, cpu.inter_node_bw, cpu.host_bw, cpu.assumed_mfu)
+
+
+def plan_run(cfg: Config, world: World, shape: ModelShape) -> tuple[Config, list[str]]:
+    """(config with the strategy resolved, lines to log). Errors only when auto finds nothing."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
+    nodes = max(1, world.world_size // local)
+    device = runtime_device(world, local)
+    auto = cfg.parallel.strategy == "auto"
+    try:
+        plan = make_plan(cfg, shape, world.world_size, nodes, device, all_strategies=auto)
+    except UserError as e:
+        if auto:
+            raise
+        return cfg, [f"plan: warning: {e}"]
+    chosen, lines = plan.chosen, []
+    if auto:
+        s = chosen.setup
+        parallel = cfg.parallel.model_copy(update=dict(
+            strategy=s.strategy, offload_optimizer=s.offload_optimizer, offload_params=s.offload_params,
+            reshard_after_forward=s.reshard_after_forward, dp_replicate=s.dp_replicate,
+            activation_checkpointing=s.activation_checkpointing, auto_choice="; ".join(plan.reasons),
+        ))
+        cfg = cfg.model_copy(update={"parallel": parallel})
+        lines.append(f"plan: parallel.strategy=auto -> {s.label}: " + "; ".join(plan.reasons))
+    m = chosen.memory
+    lines.append(
+        f"plan: predicted peak {fmt(m.peak)} per device at {m.peak_phase} (of {fmt(device.memory)}): "
+        f"params {fmt(m.params)}, grads {fmt(m.grads)}, optimizer {fmt(m.optimizer)}, "
+        f"activations {fmt(m.activations)}, loss {fmt(m.loss)}, buffers {fmt(m.buffers)}"
+        + (f", host {fmt(m.cpu)}" if m.cpu else "")
+    )
+    return cfg, lines
