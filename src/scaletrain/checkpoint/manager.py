@@ -105,8 +105,15 @@ def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
     """Full (unsharded) model weights of a checkpoint by parameter name, in one process, on CPU.
 
     Works for any world size the checkpoint was written with: the tensors are allocated
-    from DCP's metadata and DCP fills them from whichever shards hold the pieces.
+    from DCP's metadata and DCP fills them from whichever shards hold the pieces. DeepSpeed
+    checkpoints (ZeRO) are reassembled from their fp32 partitions by DeepSpeed's own tool.
     """
+    if not (path / "state" / ".metadata").is_file():
+        from scaletrain.engines.deepspeed import TAG, read_deepspeed_weights
+
+        if (path / "state" / TAG).is_dir():
+            return read_deepspeed_weights(path / "state")
+        raise UserError(f"{path} holds no model state this version can read (no DCP metadata, no DeepSpeed '{TAG}' tag)")
     reader = FileSystemReader(str(path / "state"))
     metadata = reader.read_metadata().state_dict_metadata
     state = {

@@ -105,7 +105,12 @@ class DeepSpeedEngine:
 
     def load(self, path: Path) -> None:
         saved = _saved_world_size(path)
-        if saved and saved != self.world_size:
+        if saved == 0:  # DeepSpeed itself would fail on an assert
+            raise UserError(
+                f"checkpoint {path.parent} holds no DeepSpeed ZeRO state (state/{TAG}/), so another engine wrote it; "
+                "accepted: resuming it with the parallel.strategy that wrote it, or a new run.dir"
+            )
+        if saved != self.world_size:
             raise UserError(
                 f"checkpoint {path.parent} was written by DeepSpeed ZeRO on {saved} ranks and resumes only on "
                 f"{saved}, not {self.world_size}; accepted: the same number of ranks, or a new run.dir"
@@ -116,7 +121,7 @@ class DeepSpeedEngine:
             str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )
         if loaded is None:
-            raise UserError(f"checkpoint {path.parent} holds no DeepSpeed state in state/{TAG}; accepted: one saved by zero1/2/3")
+            raise UserError(f"checkpoint {path.parent}: DeepSpeed could not load state/{TAG}/ (see its warning above)")
         _replay_cpu_adam_steps(self.ds.basic_optimizer)
 
     def extra_state(self) -> dict[str, Any]:
@@ -175,7 +180,9 @@ def _import_deepspeed(device: torch.device) -> Any:
     # DeepSpeed still calls collectives that this torch deprecates, once per bucket: a
     # warning per call the user can do nothing about.
     warnings.filterwarnings(
-        "ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", category=FutureWarning
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning,
     )
     return deepspeed
 
