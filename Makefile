@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m scaletrain.engines.deepspeed_ops
 	touch $@
 
 demo: setup

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -93,3 +94,16 @@ def test_two_node_loopback_launch(data_dir, tmp_path):
     assert "world 2 x cpu (gloo)" in node0.stdout
     assert len(losses(run)) == 4
     assert checkpoint.is_complete(run / "checkpoints" / "step_4")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+def test_launch_nproc_2_runs_the_default_config_on_every_strategy(data_dir, tmp_path, strategy):
+    run = tmp_path / strategy
+    proc = check(run_scaletrain(["launch", "--nproc", "2", *default_config_overrides(data_dir, run), f"parallel.strategy={strategy}"], timeout=420))
+    assert f"| {strategy} | world 2 x cpu (gloo)" in proc.stdout
+    rows = losses(run)
+    assert len(rows) == 4 and all(math.isfinite(r) for r in rows)
+    assert checkpoint.is_complete(run / "checkpoints" / "step_4")
+    if strategy.startswith("zero"):
+        assert (run / "deepspeed_config.json").is_file() and (run / "checkpoints" / "step_4" / "deepspeed_config.json").is_file()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, checkpoint_wrapper
 
 
 def checkpoint_blocks(model: nn.Module) -> None:
@@ -16,3 +16,11 @@ def checkpoint_blocks(model: nn.Module) -> None:
     layers = model.layers  # type: ignore[attr-defined]
     for i, block in enumerate(layers):
         layers[i] = checkpoint_wrapper(block)
+
+
+def plain_name(name: str) -> str:
+    """A parameter name without the wrapper's part, as in an unwrapped model.
+
+    torch's get_state_dict strips it already; DeepSpeed's own state readers do not.
+    """
+    return name.replace(_CHECKPOINT_PREFIX, "")

@@ -26,6 +26,7 @@ from torch import nn
 from scaletrain.config import Config
 from scaletrain.distributed import World
 from scaletrain.engines.base import Materialize, StepStats
+from scaletrain.engines.checkpointing import checkpoint_blocks, plain_name
 from scaletrain.engines.deepspeed_config import build_deepspeed_config, to_json
 from scaletrain.errors import UserError
 from scaletrain.optim import build_adamw
@@ -54,6 +55,8 @@ class DeepSpeedEngine:
         if cfg.precision == "fp16" and world.device.type == "cpu":
             _allow_fp16_on_cpu()
 
+        if cfg.parallel.activation_checkpointing:
+            checkpoint_blocks(model)  # torch's per-block checkpointing; ZeRO-3 re-gathers on recompute
         materialize(model, world.device)  # the full model on every rank; ZeRO partitions it below
         self.module = model
         # The weight-decay grouping (none on 1-D norm gains) comes from the one place that
@@ -146,7 +149,7 @@ class DeepSpeedEngine:
             if id(param) not in done:
                 full = safe_get_full_fp32_param(param)
                 done[id(param)] = (param.detach().float() if full is None else full).detach().cpu().clone()
-            out[name] = done[id(param)]
+            out[plain_name(name)] = done[id(param)]
         return out
 
     def checkpoint_files(self) -> dict[str, str]:
@@ -165,7 +168,7 @@ def read_deepspeed_weights(state_dir: Path) -> dict[str, torch.Tensor]:
     # It reports progress with print() and tqdm: a library call should not.
     with open(os.devnull, "w") as sink, redirect_stdout(sink), redirect_stderr(sink):
         state = get_fp32_state_dict_from_zero_checkpoint(str(state_dir), tag=TAG)
-    return {name: t.float().contiguous() for name, t in state.items()}
+    return {plain_name(name): t.float().contiguous() for name, t in state.items()}
 
 
 def _import_deepspeed(device: torch.device) -> Any:

@@ -98,6 +98,11 @@ def estimate(shape: ModelShape, s: Setup) -> Memory:
     params, grads, optim = w * n_params, g * n_params, o * n_params
     if s.strategy in ("fsdp", "zero3"):
         params, grads, optim = params / shard, grads / shard, optim / shard
+    if s.strategy == "zero3" and s.offload_params == "none":
+        # Tensors under stage3_param_persistence_threshold (DeepSpeed's default 1e5 elements)
+        # are kept whole on every rank instead of being partitioned.
+        small = sum(n for n in param_numels(shape) if n < ZERO3_PERSISTENCE_THRESHOLD)
+        params += w * small * (1 - 1 / shard)
     elif s.strategy == "zero2":
         grads, optim = grads / shard, optim / shard
     elif s.strategy == "zero1":
@@ -120,7 +125,8 @@ def estimate(shape: ModelShape, s: Setup) -> Memory:
     buffers = engine_buffers(shape, s)
     # Gradients that persist between steps: DDP's bucket views (only with a DDP wrapper,
     # world > 1) and DeepSpeed's partitions. Otherwise zero_grad frees them every step.
-    persistent = s.strategy in ("zero1", "zero2", "zero3") or (s.strategy == "ddp" and s.dp > 1)
+    # (ZeRO-1 reduces full gradients through its bucket at the boundary and keeps none.)
+    persistent = s.strategy in ("zero2", "zero3") or (s.strategy == "ddp" and s.dp > 1)
     persistent_grads = grads if persistent else 0.0
     transient_grads = grads - persistent_grads
     resident = params + optim + buffers + persistent_grads
@@ -183,11 +189,26 @@ def engine_buffers(shape: ModelShape, s: Setup) -> float:
         # Root unit gathered throughout, plus the current and the prefetched block.
         return float((root_params + 2 * block_params) * gathered)
     if s.strategy == "zero3":
-        # DeepSpeed gathers per module; its estimator: 4 bytes x the largest layer.
-        return float(4 * _largest_param(shape))
+        # DeepSpeed gathers per module; its estimator: 4 bytes x the largest layer. Plus the
+        # gradient reduce bucket, allocated at full size (measured: one, fp32).
+        return float(4 * _largest_param(shape) + s.bucket_size * 4)
     if s.strategy in ("zero1", "zero2"):
-        return float(min(s.bucket_size, n_params) * weight_bytes)  # gradient reduce bucket
+        # DeepSpeed allocates its gradient bucket at full size whatever the model's size
+        # (measured); with overlap_comm (stage 2) it double-buffers.
+        return float(s.bucket_size * weight_bytes * (2 if s.strategy == "zero2" else 1))
     return 0.0
+
+
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
+
+
+def param_numels(shape: ModelShape) -> list[int]:
+    """Element count of every parameter tensor, as the model defines them."""
+    d, hd = shape.dim, shape.head_dim
+    block = [shape.n_heads * hd * d, shape.n_kv_heads * hd * d, shape.n_kv_heads * hd * d, d * shape.n_heads * hd,
+             shape.ffn_dim * d, shape.ffn_dim * d, d * shape.ffn_dim, d, d]
+    root = [shape.vocab_size * d, d] + ([] if shape.tie_embeddings else [shape.vocab_size * d])
+    return block * shape.n_layers + root
 
 
 def _largest_param(shape: ModelShape) -> int:
