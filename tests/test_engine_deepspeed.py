@@ -137,11 +137,9 @@ def prepared(small_dataset):
 
 
 @pytest.fixture(scope="module")
-def reference(prepared, tmp_path_factory):
-    """DDP, one process, micro-batch 4: the trajectory every 2-rank ZeRO run must follow."""
-    run = tmp_path_factory.mktemp("reference") / "ddp"
-    check(run_scaletrain(["train", *base_overrides(prepared, run), "train.micro_batch=4"]))
-    return losses(run), final_weights(run, 10)
+def reference(reference_run):
+    """The trajectory and final weights every 2-rank ZeRO run must follow."""
+    return losses(reference_run), final_weights(reference_run, 10)
 
 
 def ds_weights(run: Path, step: int) -> dict[str, torch.Tensor]:

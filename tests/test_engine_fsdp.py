@@ -31,11 +31,8 @@ def prepared(small_dataset):
 
 
 @pytest.fixture(scope="module")
-def reference(prepared, tmp_path_factory):
-    """One process, global batch 4: what every world-2 run below must reproduce."""
-    run = tmp_path_factory.mktemp("reference") / "run"
-    check(run_scaletrain(["train", *base_overrides(prepared, run), "train.micro_batch=4"]))
-    return run
+def reference(reference_run):
+    return reference_run
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_PREFIX,
+    checkpoint_wrapper,
+)
 
 
 def checkpoint_blocks(model: nn.Module) -> None:

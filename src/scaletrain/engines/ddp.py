@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from scaletrain.config import Config
 from scaletrain.distributed import World
-from scaletrain.engines.base import Materialize, StepStats
+from scaletrain.engines.base import Materialize
 from scaletrain.engines.checkpointing import checkpoint_blocks
-from scaletrain.engines.dcp_state import load_dcp, save_dcp
+from scaletrain.engines.dcp_state import TorchEngineMixin
 from scaletrain.engines.precision import autocast_context, make_loss_scaler
 from scaletrain.optim import build_adamw
 
 
-class DDPEngine:
+class DDPEngine(TorchEngineMixin):
     name = "ddp"
 
     def __init__(self, model: nn.Module, world: World, cfg: Config, materialize: Materialize):
@@ -52,44 +50,7 @@ class DDPEngine:
     def autocast(self) -> Any:
         return autocast_context(self.precision, self.device)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-
-    def step(self, lr: float) -> StepStats:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
+    def clip_gradients(self) -> torch.Tensor:
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, foreach=True)
-        loss_scale, skipped = None, False
-        if self.scaler:
-            before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # skips the update when gradients overflowed
-            self.scaler.update()
-            loss_scale = self.scaler.get_scale()
-            skipped = loss_scale < before
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(grad_norm.detach(), loss_scale, skipped)
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, foreach=True)
 
-    def save(self, path: Path) -> None:
-        save_dcp(self.model, self.optimizer, path)
-
-    def load(self, path: Path) -> None:
-        load_dcp(self.model, self.optimizer, path)
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"loss_scaler": self.scaler.state_dict()} if self.scaler else {}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        if self.scaler and "loss_scaler" in state:
-            self.scaler.load_state_dict(state["loss_scaler"])
-
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=opts)
-
-    def checkpoint_files(self) -> dict[str, str]:
-        return {}

@@ -21,7 +21,11 @@ def main() -> int:
         print("deepspeed ops: CUDA present, CPU ops not needed")
         return 0
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder
+    from deepspeed.ops.op_builder.cpu import (
+        CPUAdamBuilder,
+        FusedAdamBuilder,
+        ShareMemCommBuilder,
+    )
 
     for builder in (ShareMemCommBuilder, FusedAdamBuilder, CPUAdamBuilder):
         t0 = time.perf_counter()

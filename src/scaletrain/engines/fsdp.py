@@ -11,28 +11,32 @@ from __future__ import annotations
 import atexit
 import contextlib
 from collections import defaultdict
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 
 from scaletrain.config import Config
 from scaletrain.distributed import World
-from scaletrain.engines.base import Materialize, StepStats
+from scaletrain.engines.base import Materialize
 from scaletrain.engines.checkpointing import checkpoint_blocks
-from scaletrain.engines.dcp_state import load_dcp, save_dcp
+from scaletrain.engines.dcp_state import TorchEngineMixin
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
 from scaletrain.errors import UserError
 from scaletrain.optim import build_adamw
 
 
-class FSDPEngine:
+class FSDPEngine(TorchEngineMixin):
     name = "fsdp"
 
     def __init__(self, model: nn.Module, world: World, cfg: Config, materialize: Materialize):
@@ -97,28 +101,7 @@ class FSDPEngine:
         # the low-precision type; loss_fn upcasts the logits to fp32. No autocast on top.
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-
-    def step(self, lr: float) -> StepStats:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = self._clip()
-        loss_scale, skipped = None, False
-        if self.scaler:
-            before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # skips the update (on every rank) after an overflow
-            self.scaler.update()
-            loss_scale = self.scaler.get_scale()
-            skipped = loss_scale < before
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(grad_norm.detach(), loss_scale, skipped)
-
-    def _clip(self) -> torch.Tensor:
+    def clip_gradients(self) -> torch.Tensor:
         # The norm of sharded gradients is a partial DTensor; full_tensor() reduces it once
         # (one collective, no host sync) and the plain total then scales each local shard.
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -130,25 +113,6 @@ class FSDPEngine:
             torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, total, foreach=True)
         return total
 
-    def save(self, path: Path) -> None:
-        save_dcp(self.model, self.optimizer, path)
-
-    def load(self, path: Path) -> None:
-        load_dcp(self.model, self.optimizer, path)
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"loss_scaler": self.scaler.state_dict()} if self.scaler else {}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        if self.scaler and "loss_scaler" in state:
-            self.scaler.load_state_dict(state["loss_scaler"])
-
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=opts)
-
-    def checkpoint_files(self) -> dict[str, str]:
-        return {}
 
 
 def _mesh(world: World, dp_replicate: int) -> DeviceMesh:
