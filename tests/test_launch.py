@@ -107,3 +107,13 @@ def test_launch_nproc_2_runs_the_default_config_on_every_strategy(data_dir, tmp_
     assert checkpoint.is_complete(run / "checkpoints" / "step_4")
     if strategy.startswith("zero"):
         assert (run / "deepspeed_config.json").is_file() and (run / "checkpoints" / "step_4" / "deepspeed_config.json").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_deepspeed_launcher_runs_the_default_config(data_dir, tmp_path):
+    run = tmp_path / "ds-launcher"
+    args = ["launch", "--nproc", "2", "--launcher", "deepspeed", *default_config_overrides(data_dir, run), "parallel.strategy=zero2"]
+    proc = check(run_scaletrain(args, timeout=420))
+    assert "deepspeed.launcher.runner" in proc.stderr  # the real launcher ran, not torchrun
+    assert "| zero2 | world 2 x cpu (gloo)" in proc.stdout
+    assert len(losses(run)) == 4 and checkpoint.is_complete(run / "checkpoints" / "step_4")
