@@ -102,6 +102,7 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     progress = TrainProgress(console, cfg.train.steps, step, enabled=main)
     started = time.perf_counter()
     start_step = step
+    kill_at = _fault_step()
     try:
         while step < cfg.train.steps:
             t0 = time.perf_counter()
@@ -123,7 +124,8 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
                 progress.show(rows)
             if save_now:
                 _save(cfg, world, engine, paths, step, batches.position, tokens_seen)
-            _maybe_inject_fault(step)
+            if step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
     finally:
         progress.close()
 
@@ -191,9 +193,9 @@ def _save(cfg: Config, world: World, engine: Engine, paths: RunPaths, step: int,
         checkpoint.prune(paths.checkpoints, cfg.checkpoint.keep)
 
 
-def _maybe_inject_fault(step: int) -> None:
-    if os.environ.get(KILL_AT_STEP_ENV) == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
+def _fault_step() -> int | None:
+    value = os.environ.get(KILL_AT_STEP_ENV, "")
+    return int(value) if value.isdigit() else None
 
 
 def _print_banner(console: Console, cfg: Config, world: World, engine_name: str, shape: Any, data: PackedTokens, tokens_per_step: int, resume_from: Path | None) -> None:
