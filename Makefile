@@ -1,11 +1,14 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   creates .venv, installs the pinned dependencies, trains the embedded default
 #   make test   same set-up, then the whole test suite (what .ci/run calls)
+# Narrower runs (docs/testing.md):
+#   make test-unit       the unit tier only (under a minute)
+#   make test-numerics   the equivalence tests again under torch's portable CPU kernels
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test setup clean
+.PHONY: demo test test-unit test-numerics setup clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +26,14 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+test-unit: setup
+	$(BIN)/python -m pytest -q -m unit
+
+# Sums round differently with each CPU kernel family (avx512, avx2, default): the
+# tolerances must hold under all of them, not only under this machine's own.
+test-numerics: setup
+	ATEN_CPU_CAPABILITY=$(or $(CAPABILITY),default) $(BIN)/python -m pytest -q -m equivalence
 
 clean:
 	rm -rf $(VENV) runs data

@@ -1,24 +1,58 @@
-"""Fixtures shared across test modules."""
+"""Tiers, deadlines and the runs shared across test modules.
+
+Every test belongs to one tier (a module-level `pytestmark` or its own marker):
+  unit  no process group, no subprocess that trains: `pytest -m unit` takes under a minute
+  dist  engines on several ranks (probes, runs compared with a reference)
+  e2e   the CLI as a user runs it, asserting on what it writes
+`equivalence` marks the tests that compare numbers between layouts or engines; `make
+test-numerics` runs them again under another ATEN_CPU_CAPABILITY.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from train_helpers import SMALL_CORPUS, base_overrides, check, run_scaletrain
+import helpers
+from helpers import SMALL_CORPUS, base_overrides, check, scaletrain, train
+
+TIERS = ("unit", "dist", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tiers = [t for t in TIERS if item.get_closest_marker(t)]
+        if len(tiers) != 1:
+            raise pytest.UsageError(f"{item.nodeid}: needs exactly one tier marker of {TIERS}, has {tiers}")
+
+
+def pytest_runtest_setup(item):
+    # Before any fixture of the test is set up (session fixtures included, which run inside
+    # the first test that needs them): subprocesses are capped by what is left of this.
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout"))
+    helpers.set_deadline(limit)
 
 
 @pytest.fixture(scope="session")
 def small_dataset(tmp_path_factory):
     """A small corpus (three stdlib packages) prepared once per session, vocab 512."""
     out = tmp_path_factory.mktemp("shared-data") / "small"
-    check(run_scaletrain(["data", "prepare", "--input", *SMALL_CORPUS, "--out", str(out), "--vocab-size", "512"]))
+    check(scaletrain(["data", "prepare", "--input", *SMALL_CORPUS, "--out", str(out), "--vocab-size", "512"]))
     return out
 
 
 @pytest.fixture(scope="session")
 def reference_run(small_dataset, tmp_path_factory):
-    """One process, ddp, global batch 4, 10 fp32 steps: what every engine at world 2
-    (2 ranks x micro-batch 2) must reproduce. Returns the run directory."""
+    """One process, ddp, global batch 4, 10 fp32 steps, a checkpoint every 5: what every
+    engine at world 2 (2 ranks x micro-batch 2, or 2 x 1 x 2 accumulated) must reproduce."""
     run = tmp_path_factory.mktemp("reference") / "ddp"
-    check(run_scaletrain(["train", *base_overrides(small_dataset, run), "train.micro_batch=4"]))
+    check(train([*base_overrides(small_dataset, run), "train.micro_batch=4", "checkpoint.every=5"]))
+    return run
+
+
+@pytest.fixture(scope="session")
+def ddp2_run(small_dataset, tmp_path_factory):
+    """DDP at world 2 (2 x 2), same global batch as the reference, a checkpoint every 5."""
+    run = tmp_path_factory.mktemp("ddp2") / "run"
+    check(train([*base_overrides(small_dataset, run), "train.micro_batch=2", "checkpoint.every=5"], nproc=2))
     return run

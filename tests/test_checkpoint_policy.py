@@ -1,10 +1,13 @@
 """Checkpoint directory policy: completion marker, newest complete, keep-last-k pruning."""
 
+import pytest
 import torch
 from torch import nn
 
 from scaletrain import checkpoint
 from scaletrain.distributed import World
+
+pytestmark = pytest.mark.unit
 
 
 def fake_checkpoint(root, step, complete=True):
@@ -66,3 +69,14 @@ def test_save_load_round_trip_restores_state_and_rng(tmp_path):
     weights = checkpoint.read_model_weights(path)
     assert set(weights) == {"weight", "bias"}
     assert torch.equal(weights["weight"], model.weight) and torch.equal(weights["bias"], model.bias)
+
+
+def test_fault_points_parse_and_refuse_bad_values():
+    from scaletrain import faults
+    from scaletrain.errors import UserError
+
+    assert faults.parse("") is None
+    assert faults.parse("save:12") == ("save", 12)
+    for bad in ("save", "save:0", "boom:3", "step:x"):
+        with pytest.raises(UserError, match="SCALETRAIN_KILL_AT=.* accepted: POINT:STEP with POINT one of step, save, prune, metrics"):
+            faults.parse(bad)

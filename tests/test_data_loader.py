@@ -15,6 +15,8 @@ import torch
 from scaletrain.data import PackedTokens, RankBatches, prepare_dataset
 from scaletrain.errors import UserError
 
+pytestmark = pytest.mark.unit
+
 SEQ = 37  # does not divide the shard size, so some windows span two shards
 SHARD = 3000
 

@@ -18,6 +18,8 @@ from scaletrain.config import DataConfig
 from scaletrain.data import default_corpus_files, ensure_prepared, prepare_dataset, resolve_dataset_dir
 from scaletrain.errors import UserError
 
+pytestmark = pytest.mark.unit
+
 # Small, stable stdlib modules: real source text without shipping a fixture corpus.
 _SOURCES = ("bisect.py", "colorsys.py", "heapq.py", "keyword.py", "fnmatch.py", "textwrap.py")
 VOCAB = 400

@@ -2,19 +2,22 @@
 
 import pytest
 
+from helpers import check, losses, run_info, train
 from scaletrain import checkpoint
-from train_helpers import check, losses, run_scaletrain
+
+pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.timeout(600)
 def test_demo_default_learns(tmp_path):
     run = tmp_path / "demo"
     # Only where files go differs from `make demo`: every training setting is the embedded default.
-    proc = check(run_scaletrain(["train", f"run.dir={run}", f"data.dir={tmp_path / 'data'}"], timeout=600, one_thread=False))
+    proc = check(train([f"run.dir={run}", f"data.dir={tmp_path / 'data'}"], timeout=600, one_thread=False))
     trajectory = losses(run)
     assert len(trajectory) == 300
     assert trajectory[-1] <= trajectory[0] - 1.0, (trajectory[0], trajectory[-1])
     assert "training finished" in proc.stdout and "metrics.jsonl" in proc.stdout
     assert [s for s, _ in checkpoint.complete_checkpoints(run / "checkpoints")] == [100, 200, 300]
+    assert run_info(run)["engine"] == "ddp" and run_info(run)["world_size"] == 1
     assert len(list((tmp_path / "data").glob("*/shard_*.bin"))) >= 2  # several files to reorder per epoch
     print(f"demo loss {trajectory[0]:.3f} -> {trajectory[-1]:.3f}")

@@ -7,6 +7,8 @@ import pytest
 from scaletrain.config import TrainConfig
 from scaletrain.optim import lr_at
 
+pytestmark = pytest.mark.unit
+
 
 def test_warmup_is_linear_then_cosine_reaches_the_floor():
     cfg = TrainConfig(steps=110, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)

@@ -22,6 +22,8 @@ from scaletrain.models import (
 )
 from scaletrain.models.llama import apply_rope
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 512
 SEQ = 32
 

@@ -108,9 +108,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     from scaletrain.config import load_config, split_args
-    from scaletrain.launch import LaunchOptions, exec_launcher, launch_command
+    from scaletrain.data import resolve_dataset_dir
+    from scaletrain.launch import LaunchOptions, exec_launcher, launch_command, run_torchrun
 
-    load_config(*split_args(args.args))  # one clear error here, not one per rank
+    # One clear error here, not one per rank after N processes have started.
+    cfg = load_config(*split_args(args.args))
+    resolve_dataset_dir(cfg.data)
     cmd = launch_command(
         LaunchOptions(
             nproc=args.nproc,
@@ -128,6 +131,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
         print(shlex.join(cmd))
         return 0
+    if args.launcher == "torchrun":
+        return run_torchrun(cmd)
     exec_launcher(cmd)
     return 0  # not reached: exec replaced this process
 
@@ -157,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UserError as e:
         from scaletrain.distributed import launcher_rank
+        from scaletrain.launch import report_error
 
-        if launcher_rank() == 0:  # every rank hits the same error; say it once
-            print(f"scaletrain: error: {e}", file=sys.stderr)
+        report_error(str(e), launcher_rank())
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("scaletrain: interrupted", file=sys.stderr)

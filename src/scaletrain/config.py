@@ -8,6 +8,7 @@ UserError whose one line names the key, the bad value and what is accepted.
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,6 +77,19 @@ class TrainConfig(Section):
     # sequences; linear (Goyal et al.) or sqrt (Adam-style) scaling to the batch actually run.
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     lr_base_batch: int | None = Field(None, ge=1)
+    # fp16 dynamic loss scaling, the same two numbers for every engine: the first scale (a
+    # power of two, as DeepSpeed takes its exponent) and the overflow-free steps after which
+    # it doubles. An overflow skips the step and halves the scale (DeepSpeed: its hysteresis
+    # of 2 halves at the second overflow in a row, see engines/deepspeed_config.py).
+    loss_scale_init: float = Field(65536.0, ge=1, le=2.0**64)
+    loss_scale_window: int = Field(1000, ge=1)
+
+    @field_validator("loss_scale_init")
+    @classmethod
+    def _power_of_two(cls, v: float) -> float:
+        if not math.log2(v).is_integer():
+            raise ValueError(f"train.loss_scale_init={v:g} is not a power of two; accepted: 1, 2, 4, ..., e.g. 65536")
+        return v
 
     @model_validator(mode="after")
     def _scaling_needs_a_base(self) -> "TrainConfig":

@@ -8,6 +8,8 @@ no process group at all, so single-process runs pay nothing for distribution.
 from __future__ import annotations
 
 import os
+import platform
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, TypeVar
@@ -90,6 +92,29 @@ def on_main_then_all(world: World, fn: Callable[[], T]) -> T | None:
     if message is not None:
         raise UserError(message)
     return result
+
+
+def all_hostnames(world: World) -> list[str]:
+    """Every rank's host name, by rank (one collective, at start-up)."""
+    me = socket.gethostname()
+    if not world.distributed:
+        return [me]
+    names: list[str] = [""] * world.world_size
+    dist.all_gather_object(names, me)
+    return names
+
+
+def versions() -> dict[str, str | None]:
+    """The versions that decide numerics and formats (without importing DeepSpeed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("scaletrain", "deepspeed"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = None
+    return out
 
 
 def barrier(world: World) -> None:

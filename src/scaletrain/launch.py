@@ -7,14 +7,22 @@ before N processes would each report the same mistake, and then hands over.
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import UserError
+
+# Set by `run_torchrun` for its workers: a rank that stops on a UserError writes its one
+# line into this directory instead of printing it, and the launcher prints each distinct
+# line once. Without it (plain torchrun), rank 0 prints and the others stay quiet.
+ERROR_DIR_ENV = "SCALETRAIN_ERROR_DIR"
+EXIT_USAGE = 2
 
 
 @dataclass
@@ -137,6 +145,55 @@ def _check_numbers(opts: LaunchOptions) -> None:
         raise UserError(f"--node-rank {opts.node_rank} is invalid with --nnodes {opts.nnodes}; accepted: 0..{opts.nnodes - 1}")
     if opts.master_port is not None and not 0 < opts.master_port < 65536:
         raise UserError(f"--master-port {opts.master_port} is invalid; accepted: 1..65535")
+
+
+def run_torchrun(cmd: list[str]) -> int:
+    """Run torchrun's elastic agent in this process; the exit code says how the ranks ended.
+
+    In-process rather than exec'd, so that a bad input stays one line with exit code 2:
+    torchrun itself folds every worker's exit code into 1 and adds a multi-line failure
+    report of its own. Signals still reach the agent (it is this process), which forwards
+    them to the workers as torchrun does.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if cmd[1:3] != ["-m", "torch.distributed.run"]:
+        raise ValueError(f"not a torchrun command: {cmd[:3]}")
+    # The agent's own log lines about failed workers: replaced by the summary below.
+    elastic = logging.getLogger("torch.distributed.elastic")
+    elastic.addHandler(logging.NullHandler())
+    elastic.propagate = False  # torch's own handler sits on the "torch" logger above
+    with tempfile.TemporaryDirectory(prefix="scaletrain-errors-") as errors:
+        os.environ[ERROR_DIR_ENV] = errors
+        try:
+            run(parse_args(cmd[3:]))
+            return 0
+        except ChildFailedError as e:
+            messages = sorted({p.read_text().strip() for p in Path(errors).glob("rank*")})
+            for message in messages:
+                print(f"scaletrain: error: {message}", file=sys.stderr)
+            if messages:
+                return EXIT_USAGE
+            for rank, failure in sorted(e.failures.items()):
+                how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+                print(f"scaletrain launch: rank {rank} (pid {failure.pid}) failed with {how}; its output is above", file=sys.stderr)
+            return 1
+        except SignalException as e:
+            print(f"scaletrain launch: stopped by {e.sigval.name}; the workers were stopped too", file=sys.stderr)
+            return 128 + int(e.sigval)
+        finally:
+            os.environ.pop(ERROR_DIR_ENV, None)
+
+
+def report_error(message: str, rank: int) -> None:
+    """Where a worker's UserError goes: the launcher's error directory, else stderr on rank 0."""
+    directory = os.environ.get(ERROR_DIR_ENV)
+    if directory and Path(directory).is_dir():
+        (Path(directory) / f"rank{rank}").write_text(message)
+    elif rank == 0:  # every rank usually hits the same error; say it once
+        print(f"scaletrain: error: {message}", file=sys.stderr)
 
 
 def exec_launcher(cmd: list[str]) -> None:

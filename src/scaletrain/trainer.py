@@ -4,9 +4,10 @@ world -> run directory -> data -> model -> engine -> resume -> steps (metrics, c
 
 from __future__ import annotations
 
-import os
-import signal
+import gc
+import json
 import time
+from datetime import datetime, timezone
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,21 +15,16 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from scaletrain import checkpoint
+from scaletrain import checkpoint, faults
 from scaletrain.config import Config
 from scaletrain.data import PackedTokens, RankBatches, ensure_prepared, resolve_dataset_dir
-from scaletrain.distributed import World, init_distributed, on_main_then_all, shutdown
+from scaletrain.distributed import World, all_hostnames, init_distributed, on_main_then_all, shutdown, versions
 from scaletrain.engines import Engine, build_engine
 from scaletrain.errors import UserError
 from scaletrain.models import build_meta_model, count_params, flops_per_token, loss_fn, materialize, resolve_shape
 from scaletrain.optim import lr_at, scaled_lr
 from scaletrain.plan.runtime import plan_run
 from scaletrain.telemetry import MetricsLog, StepRecorder, TrainProgress, print_summary, read_metrics
-
-# Fault injection for recovery tests and drills: SIGKILL this process right after the
-# given optimizer step, exactly as an OOM-killer or a preempted node would.
-KILL_AT_STEP_ENV = "SCALETRAIN_KILL_AT_STEP"
-
 
 @dataclass
 class RunPaths:
@@ -46,12 +42,20 @@ class RunPaths:
     def config(self) -> Path:
         return self.root / "config.yaml"
 
+    @property
+    def run_info(self) -> Path:
+        return self.root / "run.json"
+
 
 def train(cfg: Config, console: Console | None = None) -> dict[str, Any]:
     world = init_distributed(cfg.run.device, cfg.parallel.backend)
     try:
         return _train(cfg, world, console or Console())
     finally:
+        # A DDP model still alive at destroy_process_group intermittently aborts gloo
+        # ("terminate called without an active exception"); _train dropped its engine,
+        # and this frees what reference cycles still hold before the group goes.
+        gc.collect()
         shutdown(world)
 
 
@@ -72,9 +76,12 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     torch.manual_seed(cfg.train.seed)
     model = build_meta_model(shape, max_seq_len=cfg.data.seq_len)
     engine = build_engine(model, world, cfg, lambda m, device: materialize(m, device, cfg.train.seed))
+    del model  # the engine holds it (wrapped); see the finally below
+    hosts = all_hostnames(world)
     if main:
         for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON
             (paths.root / name).write_text(text)
+        _write_run_info(paths, cfg, world, engine.name, hosts, resume_from)
 
     metrics = MetricsLog(paths.metrics, enabled=main)
     step, position, tokens_seen = 0, 0, 0
@@ -102,7 +109,6 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     progress = TrainProgress(console, cfg.train.steps, step, enabled=main)
     started = time.perf_counter()
     start_step = step
-    kill_at = _fault_step()
     try:
         while step < cfg.train.steps:
             t0 = time.perf_counter()
@@ -124,10 +130,12 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
                 progress.show(rows)
             if save_now:
                 _save(cfg, world, engine, paths, step, batches.position, tokens_seen)
-            if step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+            faults.kill_at("step", step)
     finally:
         progress.close()
+        # An exception's traceback keeps this frame's locals alive; the engine (a DDP
+        # wrapper, say) must not outlive the process group (see train()).
+        del engine
 
     elapsed = time.perf_counter() - started
     summary = {"run_dir": str(paths.root), "steps": step, "steps_this_run": step - start_step, "elapsed_s": elapsed}
@@ -193,9 +201,20 @@ def _save(cfg: Config, world: World, engine: Engine, paths: RunPaths, step: int,
         checkpoint.prune(paths.checkpoints, cfg.checkpoint.keep)
 
 
-def _fault_step() -> int | None:
-    value = os.environ.get(KILL_AT_STEP_ENV, "")
-    return int(value) if value.isdigit() else None
+def _write_run_info(paths: RunPaths, cfg: Config, world: World, engine_name: str, hosts: list[str], resume_from: Path | None) -> None:
+    """run.json: what ran where, for tools and tests (the banner is for people)."""
+    info = {
+        "engine": engine_name,
+        "world_size": world.world_size,
+        "backend": world.backend,
+        "device": world.device.type,
+        "precision": cfg.precision,
+        "hosts": hosts,  # by rank
+        "versions": versions(),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "resumed_from": str(resume_from) if resume_from else None,
+    }
+    checkpoint.write_atomic(paths.run_info, json.dumps(info, indent=1) + "\n")
 
 
 def _print_banner(console: Console, cfg: Config, world: World, engine_name: str, shape: Any, data: PackedTokens, tokens_per_step: int, resume_from: Path | None) -> None:

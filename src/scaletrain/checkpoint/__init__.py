@@ -10,6 +10,7 @@ from scaletrain.checkpoint.manager import (
     read_model_weights,
     save_checkpoint,
     step_dir,
+    write_atomic,
 )
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "read_model_weights",
     "save_checkpoint",
     "step_dir",
+    "write_atomic",
 ]

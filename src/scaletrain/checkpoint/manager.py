@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from scaletrain import faults
 from scaletrain.distributed import World, barrier
 from scaletrain.engines.dcp_state import quiet_single_process
 from scaletrain.errors import UserError
@@ -77,12 +78,13 @@ def save_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     torch.save(_rng_state(), path / f"rng_rank{world.rank}.pt")
     if world.is_main:
-        _write_atomic(path / "trainer.json", json.dumps(trainer_state, indent=1))
+        write_atomic(path / "trainer.json", json.dumps(trainer_state, indent=1))
         for name, text in files.items():
-            _write_atomic(path / name, text)
+            write_atomic(path / name, text)
     barrier(world)  # every rank's shard and RNG file exists before the marker
+    faults.kill_at("save", trainer_state["step"])
     if world.is_main:
-        _write_atomic(path / MARKER, json.dumps({"step": trainer_state["step"]}))
+        write_atomic(path / MARKER, json.dumps({"step": trainer_state["step"]}))
 
 
 def load_checkpoint(path: Path, world: World, load_state: Callable[[Path], None]) -> dict[str, Any]:
@@ -139,6 +141,7 @@ def prune(root: Path, keep: int) -> list[Path]:
     for p in doomed:
         # Remove the marker first: a crash mid-delete leaves an incomplete dir, never a broken "complete" one.
         (p / MARKER).unlink(missing_ok=True)
+        faults.kill_at("prune", done[-1][0])
         shutil.rmtree(p, ignore_errors=True)
     return doomed
 
@@ -157,7 +160,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)

@@ -156,6 +156,7 @@ def _progress(show: bool) -> Any:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    console = Console(stderr=True)  # stdout stays clean for machine-readable output
     return Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -163,8 +164,10 @@ def _progress(show: bool) -> Any:
         MofNCompleteColumn(),
         TextColumn("files  {task.fields[tokens]:,} tokens"),
         TimeElapsedColumn(),
-        console=Console(stderr=True),  # stdout stays clean for machine-readable output
-        disable=not show,
+        console=console,
+        # Not on a terminal (a log, a pipe) a live display leaves its last frame behind as a
+        # stray line, e.g. before the one line of an error.
+        disable=not show or not console.is_terminal,
     )
 
 

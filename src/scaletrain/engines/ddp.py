@@ -38,7 +38,7 @@ class DDPEngine(TorchEngineMixin):
         self.precision = cfg.precision
         self.clip_grad = cfg.train.clip_grad
         self.optimizer = build_adamw(model, cfg.train, fused=world.device.type == "cuda")
-        self.scaler = make_loss_scaler(cfg.precision, world.device)
+        self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
 
     def accumulate(self, boundary: bool) -> Any:
         # no_sync skips DDP's gradient all-reduce on non-boundary micro-batches; gradients

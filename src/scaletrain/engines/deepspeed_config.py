@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from typing import Any
 
 from scaletrain.config import Config
@@ -33,6 +34,8 @@ _OUR_KEYS = {
     "optimizer.params.eps": "train.adam_eps",
     "optimizer.params.weight_decay": "train.weight_decay",
     "fp16.enabled": "precision",
+    "fp16.initial_scale_power": "train.loss_scale_init",
+    "fp16.loss_scale_window": "train.loss_scale_window",
     "bf16.enabled": "precision",
     "zero_optimization.stage": "parallel.strategy",
     "zero_optimization.offload_optimizer.device": "parallel.offload_optimizer",
@@ -99,8 +102,8 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         generated["fp16"].update(
             {
                 "loss_scale": 0,  # 0: dynamic loss scaling (DeepSpeed's own scaler)
-                "initial_scale_power": 16,  # start at 2**16, as torch's GradScaler
-                "loss_scale_window": 1000,  # overflow-free steps before the scale doubles
+                "initial_scale_power": int(math.log2(t.loss_scale_init)),  # the schema takes powers of two only
+                "loss_scale_window": t.loss_scale_window,  # overflow-free steps before the scale doubles
                 "hysteresis": 2,  # overflows tolerated before the scale halves
                 "min_loss_scale": 1,
             }

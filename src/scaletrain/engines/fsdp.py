@@ -81,7 +81,7 @@ class FSDPEngine(TorchEngineMixin):
         # torch.amp.GradScaler is enough for DTensor gradients: DTensor's handler for
         # _amp_foreach_non_finite_check_and_unscale_ all-reduces found_inf (max) over the
         # mesh, so every rank takes the same skip decision. ShardedGradScaler is for FSDP1.
-        self.scaler = make_loss_scaler(cfg.precision, world.device)
+        self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
 
     def accumulate(self, boundary: bool) -> Any:
         return self._gradient_sync(boundary)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from scaletrain.config import TrainConfig
+
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -18,7 +20,9 @@ def autocast_context(precision: str, device: torch.device) -> Any:
     return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
 
 
-def make_loss_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
+def make_loss_scaler(precision: str, device: torch.device, train: TrainConfig) -> torch.amp.GradScaler | None:
     # fp16's narrow exponent range underflows small gradients: scale the loss up and back
     # the scale off on overflow (dynamic loss scaling). bf16 has fp32's range and needs none.
-    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    if precision != "fp16":
+        return None
+    return torch.amp.GradScaler(device.type, init_scale=train.loss_scale_init, growth_interval=train.loss_scale_window)

@@ -89,8 +89,27 @@ def _dtypes(regime: str, low: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
     return (low, low) if regime == "pure16" else (torch.float32, torch.float32)
 
 
-@lru_cache(maxsize=256)
+# Every tensor autograd saves either has the micro-batch as its leading dimension or does
+# not depend on it at all (autocast's weight casts), so the bytes saved are exactly
+# fixed + micro_batch x per_sample. Two traces (1 and 2 samples) give both parts, and any
+# micro-batch then costs no tracing: the planner's search for the largest micro-batch
+# that fits used to trace ~26 times, seconds at the start of every run
+# (tests/test_plan.py checks the extrapolation against direct traces).
+
+
 def block_activations(shape: ModelShape, micro_batch: int, seq_len: int, regime: str, low: torch.dtype = torch.bfloat16) -> BlockActivations:
+    one, two = (_traced_block(shape, b, seq_len, regime, low) for b in (1, 2))
+    saved, weights = (_linear(a, b, micro_batch) for a, b in zip(one, two))
+    block_input = micro_batch * seq_len * shape.dim * _dtypes(regime, low)[1].itemsize
+    return BlockActivations(saved=saved, weight_copies=weights, block_input=block_input)
+
+
+def _linear(at_one: int, at_two: int, n: int) -> int:
+    return at_one + (n - 1) * (at_two - at_one)
+
+
+@lru_cache(maxsize=256)
+def _traced_block(shape: ModelShape, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> tuple[int, int]:
     param_dtype, act_dtype = _dtypes(regime, low)
     with FakeTensorMode():
         with _default_dtype(param_dtype):
@@ -101,13 +120,22 @@ def block_activations(shape: ModelShape, micro_batch: int, seq_len: int, regime:
         # A non-leaf input, as in the real model where each block's input is the previous
         # block's output: the block saves it (for its first norm) and it must be counted.
         x = torch.empty(micro_batch, seq_len, shape.dim, dtype=act_dtype, requires_grad=True).clone()
-        saved, weights = _trace_saved(lambda: block(x, cos, sin), regime)
-    block_input = micro_batch * seq_len * shape.dim * act_dtype.itemsize
-    return BlockActivations(saved=saved, weight_copies=weights, block_input=block_input)
+        return _trace_saved(lambda: block(x, cos, sin), regime)
+
+
+def head_activations(shape: ModelShape, micro_batch: int, seq_len: int, regime: str, low: torch.dtype = torch.bfloat16) -> HeadActivations:
+    saved = _linear(_traced_head(shape, 1, seq_len, regime, low), _traced_head(shape, 2, seq_len, regime, low), micro_batch)
+    tokens = micro_batch * seq_len
+    logits_dtype = torch.float32 if regime == "fp32" else low
+    return HeadActivations(
+        saved=saved,
+        logits=tokens * shape.vocab_size * logits_dtype.itemsize,
+        logits_fp32=tokens * shape.vocab_size * 4,
+    )
 
 
 @lru_cache(maxsize=256)
-def head_activations(shape: ModelShape, micro_batch: int, seq_len: int, regime: str, low: torch.dtype = torch.bfloat16) -> HeadActivations:
+def _traced_head(shape: ModelShape, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> int:
     param_dtype, act_dtype = _dtypes(regime, low)
     with FakeTensorMode():
         with _default_dtype(param_dtype):
@@ -118,10 +146,4 @@ def head_activations(shape: ModelShape, micro_batch: int, seq_len: int, regime: 
         x = torch.empty(micro_batch, seq_len, shape.dim, dtype=act_dtype, requires_grad=True).clone()
         targets = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         saved, _ = _trace_saved(lambda: loss_fn(output(norm(x)), targets), regime)
-    tokens = micro_batch * seq_len
-    logits_dtype = torch.float32 if regime == "fp32" else low
-    return HeadActivations(
-        saved=saved,
-        logits=tokens * shape.vocab_size * logits_dtype.itemsize,
-        logits_fp32=tokens * shape.vocab_size * 4,
-    )
+    return saved

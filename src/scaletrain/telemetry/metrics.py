@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scaletrain import faults
+
 
 class StepRecorder:
     def __init__(self, world_size: int, distributed: bool):
@@ -56,8 +58,13 @@ class MetricsLog:
     def write(self, rows: list[dict[str, Any]]) -> None:
         if not (self.enabled and rows):
             return
+        text = "".join(json.dumps(r) + "\n" for r in rows)
         with open(self.path, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+            if faults.armed("metrics", rows[-1]["step"]):
+                f.write(text[: len(text) // 2])  # a row cut short, as a kill mid-write leaves it
+                f.flush()
+                faults.kill()
+            f.write(text)
 
     def truncate_after(self, step: int) -> None:
         """Keep rows up to `step`: later ones describe work lost with the process, redone now."""

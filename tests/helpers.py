@@ -1,0 +1,277 @@
+"""How tests start processes, and how they read what a run wrote.
+
+One launcher for everything: the CLI as users run it (`scaletrain train`, `scaletrain
+launch --nproc N`) and the probe programs under tests/probes (torchrun --standalone, so
+torchrun picks its own free port). Each process starts in a session of its own with its
+output going to files (no pipe can fill up and block it), carries a tag in its
+environment, and in a `finally` every process with that tag is SIGKILLed: torchrun's
+workers start sessions of their own and are re-parented when the agent dies, so neither
+the process group nor the parent link finds them all, the tag does. No subprocess
+outlives its test: its timeout is capped by what is left of the test's pytest-timeout
+(set per test in conftest.py), so the launcher kills and reports first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from scaletrain.checkpoint import read_model_weights
+from scaletrain.telemetry import read_metrics
+
+TESTS = Path(__file__).resolve().parent
+PROBES = TESTS / "probes"
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+# A small, fixed corpus every Python has: enough tokens for short runs, quick to tokenize.
+SMALL_CORPUS = [str(STDLIB / "json" / "*.py"), str(STDLIB / "email" / "*.py"), str(STDLIB / "collections" / "*.py")]
+
+_TAG = "SCALETRAIN_TEST_TAG"
+_MARGIN_S = 10.0  # what a test keeps for itself after its last subprocess was killed
+_deadline = float("inf")
+
+
+def set_deadline(seconds_from_now: float) -> None:
+    global _deadline
+    _deadline = time.monotonic() + seconds_from_now
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+class Launched:
+    """A started process tree whose output goes to files."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None, one_thread: bool = True):
+        self.cmd = cmd
+        self.tag = uuid.uuid4().hex
+        self._dir = tempfile.TemporaryDirectory(prefix="scaletrain-test-")
+        self._out = open(Path(self._dir.name) / "stdout", "w+")
+        self._err = open(Path(self._dir.name) / "stderr", "w+")
+        full_env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if one_thread else {}), **(env or {}), _TAG: self.tag}
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err, text=True, env=full_env, start_new_session=True)
+
+    def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        limit = min(timeout, _deadline - time.monotonic() - _MARGIN_S)
+        try:
+            self.proc.wait(timeout=max(limit, 1.0))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"timed out after {limit:.0f} s: {' '.join(self.cmd)}\n{self._read(self._err)[-3000:]}") from None
+        finally:
+            self.kill()
+        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, self._read(self._out), self._read(self._err))
+
+    def kill(self) -> None:
+        for pid in _tagged(self.tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    @staticmethod
+    def _read(f: Any) -> str:
+        f.flush()
+        f.seek(0)
+        return f.read()
+
+    def __del__(self) -> None:
+        self.kill()
+        self._out.close()
+        self._err.close()
+        self._dir.cleanup()
+
+
+def _tagged(tag: str) -> list[int]:
+    needle = f"{_TAG}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                if needle in Path(f"/proc/{entry}/environ").read_bytes():
+                    found.append(int(entry))
+            except OSError:  # gone meanwhile, or not ours
+                pass
+    return found
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 300, one_thread: bool = True) -> subprocess.CompletedProcess:
+    """Run to completion (or to the timeout, then kill the whole tree and fail)."""
+    return Launched(cmd, env, one_thread).wait(timeout)
+
+
+def scaletrain(args: list[str], **kw: Any) -> subprocess.CompletedProcess:
+    """`scaletrain ARGS` in one process, as a user types it."""
+    return run([sys.executable, "-m", "scaletrain", *args], **kw)
+
+
+def train(args: list[str], nproc: int = 1, **kw: Any) -> subprocess.CompletedProcess:
+    """`scaletrain train ARGS`, or `scaletrain launch --nproc N ARGS` for N ranks."""
+    if nproc == 1:
+        return scaletrain(["train", *args], **kw)
+    return scaletrain(["launch", "--nproc", str(nproc), *args], **kw)
+
+
+def torchrun(args: list[str], nproc: int) -> list[str]:
+    """torchrun with a private rendezvous on a port it picks itself."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def probe_command(name: str, args: list[str], nproc: int = 1) -> list[str]:
+    script = str(PROBES / f"{name}.py")
+    return [sys.executable, script, *args] if nproc == 1 else torchrun([script, *args], nproc)
+
+
+def probe(name: str, args: list[str], out: Path, nproc: int = 1, **kw: Any) -> list[dict[str, Any]]:
+    """Run tests/probes/NAME.py on `nproc` ranks; each rank writes `out/rank<R>.json`, returned by rank."""
+    out.mkdir(parents=True, exist_ok=True)
+    check(run(probe_command(name, ["--out", str(out), *args], nproc), **kw))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit code 2, no traceback, exactly one stderr line, holding every fragment."""
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("scaletrain: error:"), proc.stderr[-3000:]
+    missing = [f for f in fragments if f not in lines[0]]
+    assert not missing, f"{missing} not in {lines[0]!r}"
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------- run directories
+
+
+def base_overrides(data_dir: Path, run_dir: Path, steps: int = 10) -> list[str]:
+    return [
+        "model.preset=tiny",
+        f"data.paths={data_dir}",
+        "data.seq_len=64",
+        f"train.steps={steps}",
+        "train.warmup_steps=2",
+        "train.lr=3e-3",
+        "train.log_every=5",
+        "run.device=cpu",
+        f"run.dir={run_dir}",
+    ]
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "one row per optimizer step, in order"
+    return rows
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in metric_rows(run_dir)]
+
+
+def grad_norms(run_dir: Path) -> list[float]:
+    return [r["grad_norm"] for r in metric_rows(run_dir)]
+
+
+def run_info(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return read_model_weights(run_dir / "checkpoints" / f"step_{step}")
+
+
+# ---------------------------------------------------------------------------- equivalence
+#
+# What a correct engine guarantees against one process on the same global batch, in fp32.
+# Measured over every equivalence test (world 2 and 3, accumulation, all engines), under
+# ATEN_CPU_CAPABILITY=avx2 and =default; a factor in the gradient (a loss divided twice
+# by grad_accum, a sum over ranks instead of a mean) moves the grad norm by >= 2x, which
+# AdamW and clipping would hide from the losses.
+#
+# * Step 1 starts from identical weights: loss and grad norm differ only by summation
+#   order (per rank, micro-batch, shard; fp32 unit roundoff 6e-8 per addition).
+#   Measured <= 2.8e-7; rtol 1e-5.
+# * Later steps start from weights that have drifted apart: Adam divides by sqrt(v), so an
+#   element whose gradient is within rounding noise of zero takes a step of up to ~lr
+#   whatever the noise (m/sqrt(v) is O(1) for any tiny g), and two correct engines may end
+#   that element up to lr x steps apart (seen: 1.5e-5 in one element of 49,152 after 10
+#   steps, on one CPU and not another). The loss, a mean over 4 x 64 tokens, hardly feels
+#   it: measured <= 4.9e-7, rtol 1e-5 at every step. The grad norm does at some steps (the
+#   norm of a few dominant entries): measured <= 5.7e-4 (world 3), rtol 5e-3, still 200x
+#   below a factor-of-two bug.
+# * Weights, per tensor, as a relative (Frobenius) difference, not elementwise: the rare
+#   amplified elements leave a tensor <= 2.8e-5 apart (measured, world 3); a tensor the
+#   optimizer skipped is off by ~0.5, one decayed wrongly by >= 2e-3 (lr 3e-3 x decay 0.1
+#   x 10 steps, relative to the weight). Allowed: 2e-4.
+# Gradients after one backward are compared elementwise, in tests/test_gradients.py.
+
+RTOL_FIRST_STEP = 1e-5
+LOSS_RTOL = 1e-5
+GRAD_NORM_RTOL = 5e-3
+WEIGHTS_RTOL = 2e-4
+
+
+def assert_same_training(run: Path, ref: Path, steps: int = 10) -> None:
+    a, b = metric_rows(ref), metric_rows(run)
+    assert len(a) == len(b) == steps
+    losses_a, losses_b = [r["loss"] for r in a], [r["loss"] for r in b]
+    norms_a, norms_b = [r["grad_norm"] for r in a], [r["grad_norm"] for r in b]
+    np.testing.assert_allclose(norms_b[0], norms_a[0], rtol=RTOL_FIRST_STEP, err_msg="grad norm of step 1")
+    np.testing.assert_allclose(losses_b, losses_a, rtol=LOSS_RTOL, err_msg="loss per step")
+    np.testing.assert_allclose(norms_b, norms_a, rtol=GRAD_NORM_RTOL, err_msg="grad norm per step")
+    assert losses_a[-1] < losses_a[0]  # it trained, not just agreed
+    assert_weights_close(final_weights(run, steps), final_weights(ref, steps))
+
+
+def assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float = WEIGHTS_RTOL) -> None:
+    # Key equality: wrappers (activation checkpointing, FSDP, DeepSpeed) leave names plain.
+    assert got.keys() == want.keys()
+    for k in got:
+        assert got[k].shape == want[k].shape, k
+        rel = ((got[k].double() - want[k].double()).norm() / want[k].double().norm()).item()
+        assert rel <= rtol, f"{k}: relative difference {rel:.2e} (up to {rtol:.0e} allowed)"
+
+
+def assert_bit_exact(run: Path, straight: Path, step: int) -> None:
+    """A resumed run equals the uninterrupted one: every metric of every step, every weight."""
+    keys = ("step", "loss", "grad_norm", "lr", "tokens", "loss_scale", "skipped")
+    pick = lambda rows: [{k: r[k] for k in keys if k in r} for r in rows]  # noqa: E731
+    # As JSON text: a skipped fp16 step's grad norm may be NaN, which equals nothing as a float.
+    got, want = (list(map(json.dumps, pick(metric_rows(r)))) for r in (run, straight))
+    assert len(got) == len(want), (len(got), len(want))
+    for g, w in zip(got, want):
+        assert g == w, f"first difference:\n  resumed  {g}\n  straight {w}"
+    a, b = final_weights(run, step), final_weights(straight, step)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# A loss scale that overflows on this model (2**20) and a window of 2: within 10 steps the
+# scale halves (skipped steps) and grows again, before and after the checkpoint at step 5,
+# so the resumed run is only identical if the scaler's whole state came back.
+FP16_MOVING_SCALE = ["precision=fp16", "train.loss_scale_init=1048576", "train.loss_scale_window=2"]
+
+
+def assert_scale_moved(run) -> None:
+    rows = metric_rows(run)
+    scales = [r["loss_scale"] for r in rows]
+    assert any(r["skipped"] for r in rows[:5]), scales  # backed off before the checkpoint at step 5
+    assert len(set(scales[4:])) > 1, scales  # and moved again after it
+    assert np.mean([r["loss"] for r in rows[-3:]]) < rows[0]["loss"] - 0.3  # and it trained

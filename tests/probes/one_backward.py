@@ -1,0 +1,100 @@
+"""Probe: the full gradients each engine holds after one accumulation window.
+
+Run under torchrun. For each named variant: build the engine exactly as `train` does,
+run the trainer's own `train_step` on this rank's share of one fixed global batch (as
+RankBatches splits it), then assemble the full gradient of every parameter (a collective)
+and the mean loss over ranks. Rank 0 saves {variant: {"loss", "grads"}} to OUT/grads.pt;
+the test compares it with one plain backward over the whole batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from scaletrain.config import load_config
+from scaletrain.data import RankBatches
+from scaletrain.distributed import init_distributed, shutdown
+from scaletrain.engines import build_engine
+from scaletrain.engines.checkpointing import plain_name
+from scaletrain.models import build_meta_model, materialize, resolve_shape
+from scaletrain.trainer import train_step
+
+GLOBAL_BATCH, SEQ, VOCAB = 4, 32, 512
+# The model every variant and the test's reference build (tiny preset, seed 0).
+MODEL = ["model.preset=tiny", f"model.vocab_size={VOCAB}", f"data.seq_len={SEQ}", "train.seed=0", "run.device=cpu"]
+Z3_PARTITION_ALL = "parallel.deepspeed_extra={zero_optimization: {stage3_param_persistence_threshold: 0}}"
+# name -> overrides; every variant covers the global batch of 4 on 2 ranks.
+VARIANTS = {
+    "ddp": ["parallel.strategy=ddp", "train.micro_batch=2"],
+    "ddp_accum": ["parallel.strategy=ddp", "train.micro_batch=1", "train.grad_accum=2"],
+    "fsdp": ["parallel.strategy=fsdp", "train.micro_batch=2"],
+    "fsdp_shard_grad_op_accum": ["parallel.strategy=fsdp", "train.micro_batch=1", "train.grad_accum=2", "parallel.reshard_after_forward=false"],
+    "fsdp_hybrid_accum": ["parallel.strategy=fsdp", "train.micro_batch=1", "train.grad_accum=2", "parallel.dp_replicate=2"],
+    "zero1_accum": ["parallel.strategy=zero1", "train.micro_batch=1", "train.grad_accum=2"],
+    "zero2": ["parallel.strategy=zero2", "train.micro_batch=2"],
+    "zero3_accum": ["parallel.strategy=zero3", "train.micro_batch=1", "train.grad_accum=2", Z3_PARTITION_ALL],
+}
+
+
+class FixedBatch:
+    """Stands in for PackedTokens: global sample g is row g of one seeded token array."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen).numpy()
+
+    def batch(self, indices: range) -> np.ndarray:
+        return self.tokens[list(indices)]
+
+
+def full_grads(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient, by plain name (collective for sharded engines)."""
+    out = {}
+    module = getattr(engine, "module", engine.model)
+    for name, p in module.named_parameters():
+        if engine.name.startswith("zero"):
+            from deepspeed.utils import safe_get_full_grad
+
+            g = safe_get_full_grad(p)
+        elif hasattr(p.grad, "full_tensor"):
+            g = p.grad.full_tensor()
+        else:
+            g = p.grad
+        out[plain_name(name)] = g.detach().float().cpu().clone()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("variants", nargs="+")
+    args = ap.parse_args()
+    world = init_distributed("cpu", "gloo")
+    results = {}
+    for variant in args.variants:
+        cfg = load_config([], [*MODEL, *VARIANTS[variant]])
+        shape = resolve_shape(cfg.model)
+        engine = build_engine(build_meta_model(shape, SEQ), world, cfg, lambda m, d: materialize(m, d, cfg.train.seed))
+        batches = RankBatches(FixedBatch(), cfg.train.micro_batch, cfg.train.grad_accum, world.rank, world.world_size)
+        loss = train_step(engine, batches.next_step(), world.device)
+        dist.all_reduce(loss)
+        grads = full_grads(engine)
+        if world.rank == 0:
+            results[variant] = {"loss": loss.item() / world.world_size, "grads": grads}
+        del engine  # no live DDP model at teardown (gloo may abort); DDP holds cycles
+        gc.collect()
+    if world.rank == 0:
+        torch.save(results, Path(args.out) / "grads.pt")
+    (Path(args.out) / f"rank{world.rank}.json").write_text(json.dumps({"variants": args.variants}))
+    shutdown(world)
+
+
+if __name__ == "__main__":
+    main()

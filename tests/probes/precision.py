@@ -1,0 +1,99 @@
+"""Probe: what mixed precision really does inside one engine, on 2 ranks.
+
+For bf16 and fp16: the dtype the first attention projection computed in (a forward hook
+on the module, through every wrapper), and whether the engine's full weights equal the
+plain model's initialization under their plain names. For fp16 additionally: two steps
+whose loss overflows on rank 1 only, then a clean one, each with the skip flag, the loss
+scale after it and whether any weight changed on this rank. Writes OUT/rank<R>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+
+import torch
+
+from scaletrain.config import load_config
+from scaletrain.distributed import init_distributed, shutdown
+from scaletrain.engines import build_engine
+from scaletrain.models import build_meta_model, build_model, loss_fn, materialize, resolve_shape
+from scaletrain.models.llama import canonical_name
+
+SEQ = 16
+MODEL = ["model.vocab_size=67", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
+         "model.ffn_dim=48", f"data.seq_len={SEQ}", "train.micro_batch=2", "run.device=cpu"]
+
+
+def forward_dtype(engine) -> dict[str, str]:
+    module = getattr(engine, "module", engine.model)
+    wq = next(m for n, m in module.named_modules() if canonical_name(n).endswith("layers.0.attention.wq"))
+    seen = {}
+    handle = wq.register_forward_hook(lambda m, inputs, output: seen.update(input=str(inputs[0].dtype), output=str(output.dtype)))
+    try:
+        step(engine, poison=False)
+    finally:
+        handle.remove()
+    return seen
+
+
+def step(engine, poison: bool) -> dict:
+    tokens = torch.randint(0, 67, (2, SEQ + 1), generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    with engine.accumulate(boundary=True):
+        with engine.autocast():
+            loss = loss_fn(engine.model(tokens[:, :-1]), tokens[:, 1:])
+        engine.backward(loss * float("inf") if poison else loss)
+    before = snapshot(engine)
+    stats = engine.step(1e-2)
+    after = snapshot(engine)
+    changed = any(not torch.equal(b, a) for b, a in zip(before, after))
+    return {"skipped": stats.skipped, "scale": stats.loss_scale, "changed": changed}
+
+
+def snapshot(engine) -> list[torch.Tensor]:
+    """Copies of this rank's own part of every parameter: a DDP replica, an FSDP shard
+    (DTensor.to_local), a ZeRO-3 partition (ds_tensor), ZeRO-1/2's low-precision copy."""
+    module = getattr(engine, "module", engine.model)
+    out = []
+    for p in module.parameters():
+        local = p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+        out.append(local.detach().clone())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("strategy")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    world = init_distributed("cpu", "gloo")
+    report = {}
+    for precision in ("bf16", "fp16"):
+        cfg = load_config([], [*MODEL, f"parallel.strategy={args.strategy}", f"precision={precision}", *args.overrides])
+        shape = resolve_shape(cfg.model)
+        engine = build_engine(build_meta_model(shape, SEQ), world, cfg, lambda m, d: materialize(m, d, 7))
+        full = engine.full_weights()  # collective; the torch engines fill it on rank 0 only
+        r = {}
+        if world.rank == 0:  # compared now: unsharded entries may be the live parameters
+            plain = build_model(shape, SEQ, seed=7).state_dict()
+            # DeepSpeed casts the module to 16 bits before it copies fp32 masters from it, so
+            # its masters start at the init rounded to that type; torch engines keep fp32.
+            low = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision] if engine.name.startswith("zero") else torch.float32
+            r["init_keys"] = sorted(full) == sorted(plain)
+            r["init_mismatch"] = [k for k in plain if not torch.equal(full[k].float(), plain[k].to(low).float())]
+        r["forward"] = forward_dtype(engine)
+        if precision == "fp16":
+            r["overflow_on_rank_1"] = [step(engine, poison=world.rank == 1) for _ in range(2)]
+            r["clean"] = step(engine, poison=False)
+        report[precision] = r
+        del engine, full  # no live DDP model at teardown (gloo may abort); DDP holds cycles
+        gc.collect()
+    (Path(args.out) / f"rank{world.rank}.json").write_text(json.dumps(report))
+    shutdown(world)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Acceptance: after one accumulation window every engine holds the gradients of one plain
+backward over the whole global batch, elementwise, under two CPU kernel families.
+
+This is what a correct engine guarantees exactly up to rounding, before any optimizer
+can hide a wrong factor (AdamW ignores a constant scale, clipping normalises it) or
+amplify rounding noise (Adam's division by sqrt(v)). A loss divided twice by grad_accum,
+a sum over ranks instead of a mean, a skipped all-reduce or a missing shard all fail here.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from helpers import PROBES, probe
+from scaletrain.config import load_config
+from scaletrain.models import build_model, loss_fn, resolve_shape
+
+sys.path.insert(0, str(PROBES))
+from one_backward import MODEL, SEQ, VARIANTS, FixedBatch  # noqa: E402
+
+pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
+
+# Tolerance. Each gradient element is a sum over 4 x 32 token positions (and, inside, over
+# the model's reductions), formed in another order by every layout (per rank, per
+# micro-batch, then averaged) and by every CPU kernel family. fp32 rounding of a sum of n
+# terms is up to ~n x 6e-8 of the sum of their absolute values, and that sum is set by the
+# tensor's large terms, not by the element: an element whose terms cancel (a gradient near
+# zero) keeps the absolute error of the big ones. So the bound is absolute, per tensor:
+# 1e-5 of the tensor's largest gradient (n = 128 gives ~8e-6), plus rtol 1e-5. Measured
+# worst: 1.3e-6 of the largest (ATEN_CPU_CAPABILITY=default against avx2), a tenth of what
+# is allowed; a factor-of-two bug is 10^4-10^5 times larger.
+RTOL, ATOL_OF_MAX = 1e-5, 1e-5
+# The machine's own kernels (avx2 or avx512 on x86) and torch's portable ones.
+CAPABILITIES = ["native", "default"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, no engine, the whole global batch in one forward and backward."""
+    cfg = load_config([], MODEL)
+    model = build_model(resolve_shape(cfg.model), SEQ, seed=cfg.train.seed)
+    tokens = torch.from_numpy(FixedBatch().tokens)
+    loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module", params=CAPABILITIES)
+def engine_grads(request, tmp_path_factory):
+    """All variants on 2 ranks under one ATEN_CPU_CAPABILITY (one launch: start-up dominates)."""
+    out = tmp_path_factory.mktemp(f"grads-{request.param}")
+    env = {} if request.param == "native" else {"ATEN_CPU_CAPABILITY": request.param}
+    probe("one_backward", list(VARIANTS), out, nproc=2, env=env)
+    return torch.load(out / "grads.pt", weights_only=True)
+
+
+def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        atol = ATOL_OF_MAX * want[name].abs().max().item()
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gradients_after_one_backward_equal_one_process(engine_grads, reference, variant):
+    ref_loss, ref_grads = reference
+    got = engine_grads[variant]
+    assert got["loss"] == pytest.approx(ref_loss, rel=RTOL)
+    assert_grads_close(got["grads"], ref_grads)
