@@ -2,13 +2,14 @@
 #   make demo   creates .venv, installs the pinned dependencies, trains the embedded default
 #   make test   same set-up, then the whole test suite (what .ci/run calls)
 # Narrower runs (docs/testing.md):
+#   make lint            ruff (lint + format check) and mypy over src/: part of make test
 #   make test-unit       the unit tier only (under a minute)
 #   make test-numerics   the equivalence tests again under torch's portable CPU kernels
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test test-unit test-numerics setup clean
+.PHONY: demo test lint test-unit test-numerics setup clean
 
 setup: $(VENV)/.installed
 
@@ -24,8 +25,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(BIN)/scaletrain train
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
 
 test-unit: setup
 	$(BIN)/python -m pytest -q -m unit

@@ -13,8 +13,10 @@ outlives its test: its timeout is capped by what is left of the test's pytest-ti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,8 +59,10 @@ class Launched:
         self.cmd = cmd
         self.tag = uuid.uuid4().hex
         self._dir = tempfile.TemporaryDirectory(prefix="scaletrain-test-")
-        self._out = open(Path(self._dir.name) / "stdout", "w+")
-        self._err = open(Path(self._dir.name) / "stderr", "w+")
+        # Open for the life of the process (closed in __del__): files, not pipes, so a chatty
+        # process never blocks on a full pipe nobody reads.
+        self._out = open(Path(self._dir.name) / "stdout", "w+")  # noqa: SIM115
+        self._err = open(Path(self._dir.name) / "stderr", "w+")  # noqa: SIM115
         full_env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if one_thread else {}), **(env or {}), _TAG: self.tag}
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err, text=True, env=full_env, start_new_session=True)
 
@@ -68,17 +72,17 @@ class Launched:
             self.proc.wait(timeout=max(limit, 1.0))
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"timed out after {limit:.0f} s: {' '.join(self.cmd)}\n{self._read(self._err)[-3000:]}") from None
+            raise AssertionError(
+                f"timed out after {limit:.0f} s: {' '.join(self.cmd)}\n{self._read(self._err)[-3000:]}"
+            ) from None
         finally:
             self.kill()
         return subprocess.CompletedProcess(self.cmd, self.proc.returncode, self._read(self._out), self._read(self._err))
 
     def kill(self) -> None:
         for pid in _tagged(self.tag):
-            try:
+            with contextlib.suppress(ProcessLookupError):  # gone meanwhile
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -109,7 +113,9 @@ def _tagged(tag: str) -> list[int]:
     return found
 
 
-def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 300, one_thread: bool = True) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], env: dict[str, str] | None = None, timeout: float = 300, one_thread: bool = True
+) -> subprocess.CompletedProcess:
     """Run to completion (or to the timeout, then kill the whole tree and fail)."""
     return Launched(cmd, env, one_thread).wait(timeout)
 
@@ -248,6 +254,13 @@ def assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         assert got[k].shape == want[k].shape, k
         rel = ((got[k].double() - want[k].double()).norm() / want[k].double().norm()).item()
         assert rel <= rtol, f"{k}: relative difference {rel:.2e} (up to {rtol:.0e} allowed)"
+
+
+def copy_until(run: Path, to: Path, step: int) -> None:
+    """A run directory as `run` was after its checkpoint at `step`: what a kill right after it leaves."""
+    (to / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run / "checkpoints" / f"step_{step}", to / "checkpoints" / f"step_{step}")
+    (to / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metric_rows(run)[:step]))
 
 
 def assert_bit_exact(run: Path, straight: Path, step: int) -> None:

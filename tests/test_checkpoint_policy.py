@@ -50,7 +50,13 @@ def test_save_load_round_trip_restores_state_and_rng(tmp_path):
     path = checkpoint.step_dir(tmp_path, 1)
     from scaletrain.engines.dcp_state import load_dcp, save_dcp
 
-    checkpoint.save_checkpoint(path, world, lambda d: save_dcp(model, opt, d), {"step": 1, "world_size": 1}, {"config.yaml": "x: 1\n"})
+    checkpoint.save_checkpoint(
+        path,
+        world,
+        lambda d: save_dcp(model, opt, d),
+        {"step": 1, "world_size": 1, "format": "dcp", "engine": "ddp"},
+        {"config.yaml": "x: 1\n"},
+    )
     expected_draw = torch.rand(3)
     assert checkpoint.is_complete(path)
     assert (path / "config.yaml").read_text() == "x: 1\n"
@@ -78,5 +84,7 @@ def test_fault_points_parse_and_refuse_bad_values():
     assert faults.parse("") is None
     assert faults.parse("save:12") == ("save", 12)
     for bad in ("save", "save:0", "boom:3", "step:x"):
-        with pytest.raises(UserError, match="SCALETRAIN_KILL_AT=.* accepted: POINT:STEP with POINT one of step, save, prune, metrics"):
+        with pytest.raises(
+            UserError, match="SCALETRAIN_KILL_AT=.* accepted: POINT:STEP with POINT one of step, save, prune, metrics"
+        ):
             faults.parse(bad)

@@ -4,10 +4,11 @@ is accepted, exit code 2, no traceback, nothing lost, and no rank left waiting."
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
-from helpers import base_overrides, check, one_line_error, scaletrain, train
+from helpers import SMALL_CORPUS, base_overrides, check, metric_rows, one_line_error, run_info, scaletrain, train
 
 pytestmark = pytest.mark.e2e
 
@@ -18,7 +19,10 @@ pytestmark = pytest.mark.e2e
         (["train", "train.steps=-5"], ["train.steps", "-5", "greater than or equal to 1"]),
         (["train", "nope.yaml"], ["nope.yaml", "not found", "a readable .yaml file"]),
         (["train", "parallel.strategy=magic"], ["parallel.strategy", "'magic'", "'ddp', 'fsdp'"]),
-        (["train", "data.paths=/nonexistent/*.txt", "run.device=cpu"], ["data.paths", "/nonexistent/*.txt", "matches no file", "accepted"]),
+        (
+            ["train", "data.paths=/nonexistent/*.txt", "run.device=cpu"],
+            ["data.paths", "/nonexistent/*.txt", "matches no file", "accepted"],
+        ),
         (["train", "train.lr_scaling=linear"], ["train.lr_scaling=linear", "train.lr_base_batch"]),
         (["plan", "--gpu", "tpu9"], ["--gpu 'tpu9' is unknown", "accepted: h100"]),
         (["launch", "--nproc", "2", "train.steps=zero"], ["train.steps", "'zero'", "valid integer"]),
@@ -39,8 +43,11 @@ def test_launch_data_broken_only_rank_0_finds_is_one_line_no_hang(tmp_path):
     # The error reaches that rank as the same clean exit, and the launcher says it once.
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text field"}) + "\n")
-    proc = train([f"data.paths={corpus}", f"data.dir={tmp_path / 'cache'}", f"run.dir={tmp_path / 'run'}", "run.device=cpu"],
-                 nproc=2, timeout=180)
+    proc = train(
+        [f"data.paths={corpus}", f"data.dir={tmp_path / 'cache'}", f"run.dir={tmp_path / 'run'}", "run.device=cpu"],
+        nproc=2,
+        timeout=180,
+    )
     one_line_error(proc, "corpus.jsonl:2", "no field 'text'", "it has: body")
 
 
@@ -58,8 +65,24 @@ def test_resume_never_refuses_to_overwrite_checkpoints(small_dataset, reference_
 
 def test_plan_cli_json_and_huggingface_deepspeed_json(tmp_path):
     out = tmp_path / "ds.json"
-    proc = check(scaletrain(["plan", "model.preset=8b", "data.seq_len=2048", "precision=bf16", "--gpus-per-node", "8",
-                             "--gpu-memory", "80GiB", "--json", "--emit-deepspeed", str(out)], timeout=120))
+    proc = check(
+        scaletrain(
+            [
+                "plan",
+                "model.preset=8b",
+                "data.seq_len=2048",
+                "precision=bf16",
+                "--gpus-per-node",
+                "8",
+                "--gpu-memory",
+                "80GiB",
+                "--json",
+                "--emit-deepspeed",
+                str(out),
+            ],
+            timeout=120,
+        )
+    )
     plan = json.loads(proc.stdout)
     chosen = next(c for c in plan["candidates"] if c["strategy"] == plan["chosen"])
     assert chosen["fits"] and chosen["memory"]["peak"] <= plan["usable_memory"]
@@ -68,3 +91,130 @@ def test_plan_cli_json_and_huggingface_deepspeed_json(tmp_path):
     assert ds["train_micro_batch_size_per_gpu"] == "auto" and ds["gradient_accumulation_steps"] == "auto"
     assert ds["bf16"]["enabled"] == "auto"
     assert ds["zero_optimization"]["stage"] in (0, 1, 2, 3)
+
+
+# Resuming with a config that would make the saved state mean something else: refused
+# before anything is allocated, in one line that names the key and both values.
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        (
+            "parallel.strategy=zero2",
+            [
+                "written by ddp (dcp format)",
+                "parallel.strategy=zero2 cannot resume it",
+                "accepted: parallel.strategy=ddp or fsdp",
+            ],
+        ),
+        ("model.dim=256", ["model.dim is 256", "trained with 128", "accepted: model.dim=128"]),
+        ("data.seq_len=32", ["data.seq_len is 32", "trained with 64", "accepted: data.seq_len=64"]),
+        ("train.seed=7", ["train.seed is 7", "trained with 1234"]),
+    ],
+    ids=["strategy", "shape", "seq_len", "seed"],
+)
+def test_resume_that_changes_the_meaning_of_the_state_is_one_line(small_dataset, reference_run, override, fragments):
+    before = sorted(p.name for p in reference_run.iterdir())
+    proc = train([*base_overrides(small_dataset, reference_run, steps=12), "train.micro_batch=4", override])
+    one_line_error(
+        proc, f"checkpoint {reference_run / 'checkpoints' / 'step_10'}" if "strategy" in override else "step_10", *fragments
+    )
+    assert sorted(p.name for p in reference_run.iterdir()) == before  # nothing written
+
+
+@pytest.mark.timeout(300)
+def test_resume_with_safe_changes_continues_and_says_what_changed(small_dataset, reference_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference_run, run)
+    proc = check(
+        train(
+            [
+                *base_overrides(small_dataset, run, steps=12),
+                "train.micro_batch=4",
+                "train.lr=1e-3",
+                "parallel.strategy=fsdp",
+                "checkpoint.every=6",
+            ]
+        )
+    )
+    assert "resume: step_10 was written by ddp; fsdp loads it through torch.distributed.checkpoint" in proc.stdout
+    assert (
+        "resume: changed since step_10: checkpoint.every 5 -> 6, parallel.strategy 'ddp' -> 'fsdp', train.lr 0.003 -> 0.001, train.steps 10 -> 12"
+        in proc.stdout
+    )
+    assert run_info(run)["resumed_from"].endswith("step_10") and run_info(run)["engine"] == "fsdp"
+    assert [r["step"] for r in metric_rows(run)] == list(range(1, 13))
+
+
+def test_config_file_that_is_not_utf8_is_one_line(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("train:\n  steps: 3  # r\xe9sum\xe9\n".encode("latin-1"))
+    one_line_error(
+        scaletrain(["train", str(bad)], timeout=60),
+        "latin1.yaml",
+        "is not UTF-8 text",
+        "byte 0xe9",
+        "accepted: a UTF-8 YAML file",
+    )
+
+
+def test_nccl_on_a_machine_without_cuda_is_one_line(tmp_path):
+    one_line_error(
+        scaletrain(["train", "parallel.backend=nccl", "run.device=cpu", f"run.dir={tmp_path}"], timeout=60),
+        "parallel.backend=nccl needs CUDA devices",
+        "accepted on CPU: parallel.backend=gloo or auto",
+    )
+
+
+def test_plan_of_a_named_strategy_emits_that_strategy(tmp_path):
+    # The planner would pick fsdp or zero3 for 8B on 8 x 80 GiB; zero2 was asked for.
+    out = tmp_path / "ds.json"
+    proc = check(
+        scaletrain(
+            [
+                "plan",
+                "model.preset=8b",
+                "data.seq_len=2048",
+                "precision=bf16",
+                "parallel.strategy=zero2",
+                "--json",
+                "--emit-deepspeed",
+                str(out),
+            ],
+            timeout=120,
+        )
+    )
+    plan = json.loads(proc.stdout)
+    assert plan["chosen_strategy"] == "zero2" and plan["reasons"][0].startswith("zero2 as configured")
+    assert len(plan["candidates"]) > 1  # the others, for comparison
+    assert json.loads(out.read_text())["zero_optimization"]["stage"] == 2
+
+
+# Rank 0 alone tokenizes; the others wait on the store, not in a collective.
+@pytest.mark.timeout(300)
+def test_rank_0_too_slow_to_prepare_data_is_one_line_not_a_hang(tmp_path):
+    # The embedded default corpus takes rank 0 several seconds to tokenize; rank 1 waits 1 s.
+    proc = train(
+        [f"data.dir={tmp_path / 'cache'}", f"run.dir={tmp_path / 'run'}", "run.device=cpu", "data.prepare_timeout_s=1"],
+        nproc=2,
+        timeout=180,
+    )
+    one_line_error(proc, "rank 0 did not finish preparing the data within 1 s", "accepted: a larger data.prepare_timeout_s")
+
+
+@pytest.mark.timeout(300)
+def test_rank_0_crash_while_preparing_data_reaches_the_other_rank(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    proc = train(
+        [
+            f"data.paths={SMALL_CORPUS[0]}",
+            f"data.dir={tmp_path / 'a-file' / 'cache'}",
+            f"run.dir={tmp_path / 'run'}",
+            "run.device=cpu",
+        ],
+        nproc=2,
+        timeout=180,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "scaletrain: error: rank 0 failed while preparing the data (NotADirectoryError" in proc.stderr
+    assert "rank 0 (pid" in proc.stderr and "failed with exit code 1" in proc.stderr

@@ -85,7 +85,7 @@ def test_each_window_once_per_epoch(data, world):
     assert spe % per_step != 0  # the epoch boundary falls inside a step
     seen: list[tuple[int, int]] = []
     steps = -(-spe // per_step)
-    for step in range(steps):
+    for _ in range(steps):
         start = ranks[0].position
         indices = [list(ix) for r in ranks for ix in r.step_indices()]
         flat = sorted(g for ix in indices for g in ix)
@@ -149,7 +149,7 @@ def test_world2_equals_world1_double_micro_batch(data):
     one = RankBatches(data, 4, 1, 0, 1, start=5)
     two = [RankBatches(data, 2, 1, r, 2, start=5) for r in range(2)]
     for _ in range(6):
-        (x1, y1), = one.next_step()
+        ((x1, y1),) = one.next_step()
         parts = [o[0] for o in _draw(two)]
         assert torch.equal(torch.cat([p[0] for p in parts]), x1)
         assert torch.equal(torch.cat([p[1] for p in parts]), y1)
@@ -162,7 +162,7 @@ def test_accumulation_equals_one_big_batch(data):
         out = accum.next_step()
         assert len(out) == 4
         x, y = _cat(out)
-        (bx, by), = big.next_step()
+        ((bx, by),) = big.next_step()
         assert torch.equal(x, bx) and torch.equal(y, by)
     # World 2 x accumulation 2 x micro 2: micro-batch m of all ranks, then m + 1, ... is the
     # same contiguous run of 8 samples.
@@ -170,7 +170,7 @@ def test_accumulation_equals_one_big_batch(data):
     ref = RankBatches(data, 8, 1, 0, 1)
     outs = _draw(ranks)
     order = [outs[r][m] for m in range(2) for r in range(2)]
-    (rx, ry), = ref.next_step()
+    ((rx, ry),) = ref.next_step()
     assert torch.equal(torch.cat([o[0] for o in order]), rx) and torch.equal(torch.cat([o[1] for o in order]), ry)
 
 

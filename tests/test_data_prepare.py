@@ -81,7 +81,9 @@ def test_manifest_matches_shards(prepared, corpus):
         # Documents are split across boundaries, so every shard but the last is full.
         assert s["tokens"] == SHARD or i == len(m["shards"]) - 1
     assert sum(s["tokens"] for s in m["shards"]) == m["total_tokens"]
-    assert sorted(p.name for p in prepared.iterdir()) == sorted(["manifest.json", "tokenizer.json", *(s["file"] for s in m["shards"])])
+    assert sorted(p.name for p in prepared.iterdir()) == sorted(
+        ["manifest.json", "tokenizer.json", *(s["file"] for s in m["shards"])]
+    )
 
 
 def test_tokens_equal_reencoding(prepared, corpus):
@@ -113,7 +115,9 @@ def test_jsonl_input_with_given_tokenizer(prepared, tmp_path):
         for i, t in enumerate(texts):
             fh.write(json.dumps({"id": i, "body": t}) + "\n")
         fh.write("\n")  # blank lines are skipped
-    out = prepare_dataset([str(f)], tmp_path / "out", tokenizer=str(prepared / "tokenizer.json"), text_field="body", show_progress=False)
+    out = prepare_dataset(
+        [str(f)], tmp_path / "out", tokenizer=str(prepared / "tokenizer.json"), text_field="body", show_progress=False
+    )
     m = _manifest(out)
     assert m["tokenizer_sha256"] == _sha(prepared / "tokenizer.json")  # copied verbatim
     assert m["documents"] == 3 and m["text_field"] == "body"  # the empty text is no document
@@ -130,7 +134,13 @@ def test_parquet_input(prepared, tmp_path):
     f = tmp_path / "sub" / "part.parquet"
     f.parent.mkdir()
     pq.write_table(pa.table({"content": texts, "n": list(range(3000))}), f, row_group_size=700)
-    out = prepare_dataset([str(tmp_path / "**" / "*.parquet")], tmp_path / "out", tokenizer=str(prepared / "tokenizer.json"), text_field="content", show_progress=False)
+    out = prepare_dataset(
+        [str(tmp_path / "**" / "*.parquet")],
+        tmp_path / "out",
+        tokenizer=str(prepared / "tokenizer.json"),
+        text_field="content",
+        show_progress=False,
+    )
     m = _manifest(out)
     kept = [t for t in texts if t]
     assert m["documents"] == len(kept)
@@ -163,7 +173,9 @@ def test_input_errors(tmp_path, prepared):
 
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "p.parquet")
     with pytest.raises(UserError, match=r"no column 'text' \(columns: body\)"):
-        prepare_dataset([str(tmp_path / "p.parquet")], tmp_path / "o5", tokenizer=str(prepared / "tokenizer.json"), show_progress=False)
+        prepare_dataset(
+            [str(tmp_path / "p.parquet")], tmp_path / "o5", tokenizer=str(prepared / "tokenizer.json"), show_progress=False
+        )
 
     with pytest.raises(UserError, match="not found"):
         prepare_dataset([str(bad)], tmp_path / "o6", tokenizer=str(tmp_path / "nope.json"), show_progress=False)
@@ -181,7 +193,13 @@ def test_atomic_when_a_late_file_is_invalid(corpus, prepared, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(UserError, match=r"zz_late\.jsonl:201"):
         # Small shards: several are complete in the temp directory when the bad record is hit.
-        prepare_dataset([str(corpus / "*.txt"), str(late)], out, tokenizer=str(prepared / "tokenizer.json"), shard_tokens=256, show_progress=False)
+        prepare_dataset(
+            [str(corpus / "*.txt"), str(late)],
+            out,
+            tokenizer=str(prepared / "tokenizer.json"),
+            shard_tokens=256,
+            show_progress=False,
+        )
     assert not out.exists()
     assert _leftovers(tmp_path, "out") == []
 
@@ -270,7 +288,9 @@ def test_default_corpus_files():
     assert len(files) > 100 and files == sorted(files)
     for f in files:
         assert f.suffix == ".py" and f.is_file()
-        assert not {"site-packages", "test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo"} & set(f.relative_to(root).parts[:-1])
+        assert not {"site-packages", "test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo"} & set(
+            f.relative_to(root).parts[:-1]
+        )
     assert root / "textwrap.py" in files
     assert prep.default_corpus_globs() == [str(f) for f in files]
     # Resolving the default corpus is cheap (no tokenizing) and names the cache entry.

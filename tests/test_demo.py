@@ -2,8 +2,9 @@
 
 import pytest
 
-from helpers import check, losses, run_info, train
 from scaletrain import checkpoint
+
+from helpers import check, losses, run_info, train
 
 pytestmark = pytest.mark.e2e
 

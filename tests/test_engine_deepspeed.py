@@ -11,10 +11,13 @@ contradicts our config is a clean error.
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
+
+from scaletrain.config import load_config
+from scaletrain.engines.deepspeed_config import build_deepspeed_config, merge_extra, to_json
+from scaletrain.errors import UserError
 
 from helpers import (
     FP16_MOVING_SCALE,
@@ -23,6 +26,7 @@ from helpers import (
     assert_scale_moved,
     base_overrides,
     check,
+    copy_until,
     final_weights,
     metric_rows,
     one_line_error,
@@ -30,10 +34,6 @@ from helpers import (
     run_info,
     train,
 )
-from scaletrain import checkpoint
-from scaletrain.config import load_config
-from scaletrain.engines.deepspeed_config import build_deepspeed_config, merge_extra, to_json
-from scaletrain.errors import UserError
 
 # The tiny model's tensors are all below DeepSpeed's default persistence threshold (1e5
 # elements), so ZeRO-3 would keep every one of them whole on every rank; 0 makes it really
@@ -52,18 +52,23 @@ def cfg_of(*overrides: str):
 @pytest.mark.parametrize("strategy,stage", [("zero1", 1), ("zero2", 2), ("zero3", 3)])
 def test_generated_config_carries_our_settings(strategy, stage):
     cfg = cfg_of(
-        f"parallel.strategy={strategy}", "train.micro_batch=3", "train.grad_accum=5", "train.clip_grad=0.5",
-        "train.lr=2e-3", "train.adam_beta1=0.8", "train.adam_beta2=0.9", "train.adam_eps=1e-7",
-        "train.weight_decay=0.05", "parallel.bucket_size=1234",
+        f"parallel.strategy={strategy}",
+        "train.micro_batch=3",
+        "train.grad_accum=5",
+        "train.clip_grad=0.5",
+        "train.lr=2e-3",
+        "train.adam_beta1=0.8",
+        "train.adam_beta2=0.9",
+        "train.adam_eps=1e-7",
+        "train.weight_decay=0.05",
+        "parallel.bucket_size=1234",
     )
-    ds = build_deepspeed_config(cfg, world_size=4)
+    ds = build_deepspeed_config(cfg, dp_size=4)
     assert ds["train_micro_batch_size_per_gpu"] == 3
     assert ds["gradient_accumulation_steps"] == 5
     assert ds["train_batch_size"] == 3 * 5 * 4
     assert ds["gradient_clipping"] == 0.5
-    assert ds["optimizer"] == {
-        "type": "AdamW", "params": {"lr": 2e-3, "betas": [0.8, 0.9], "eps": 1e-7, "weight_decay": 0.05}
-    }
+    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.8, 0.9], "eps": 1e-7, "weight_decay": 0.05}}
     assert "scheduler" not in ds  # the engine sets our schedule's lr every step
     assert ds["fp16"] == {"enabled": False} and ds["bf16"] == {"enabled": False}
     zero = ds["zero_optimization"]
@@ -78,8 +83,12 @@ def test_generated_config_carries_our_settings(strategy, stage):
 def test_precision_and_offload_sections():
     fp16 = build_deepspeed_config(cfg_of("parallel.strategy=zero2", "precision=fp16", "train.clip_grad=0"), 2)
     assert fp16["fp16"] == {
-        "enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-        "hysteresis": 2, "min_loss_scale": 1,
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 16,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
     }
     assert fp16["bf16"] == {"enabled": False} and fp16["gradient_clipping"] == 0.0
     bf16 = build_deepspeed_config(cfg_of("parallel.strategy=zero3", "precision=bf16"), 2)
@@ -91,13 +100,16 @@ def test_precision_and_offload_sections():
     assert cpu["offload_optimizer"] == {"device": "cpu", "pin_memory": False}  # pinning only helps a GPU
     assert cpu["offload_param"] == {"device": "cpu", "pin_memory": False}
     nvme = build_deepspeed_config(
-        load_config([], ["run.device=cuda", "parallel.strategy=zero3", "parallel.offload_optimizer=nvme",
-                         "parallel.nvme_path=/nvme"]), 8,
+        load_config(
+            [], ["run.device=cuda", "parallel.strategy=zero3", "parallel.offload_optimizer=nvme", "parallel.nvme_path=/nvme"]
+        ),
+        8,
     )["zero_optimization"]
     assert nvme["offload_optimizer"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme"}
     assert "offload_param" not in nvme
-    scaled = build_deepspeed_config(cfg_of("parallel.strategy=zero2", "precision=fp16", "train.loss_scale_init=1024",
-                                           "train.loss_scale_window=7"), 2)
+    scaled = build_deepspeed_config(
+        cfg_of("parallel.strategy=zero2", "precision=fp16", "train.loss_scale_init=1024", "train.loss_scale_window=7"), 2
+    )
     assert scaled["fp16"]["initial_scale_power"] == 10 and scaled["fp16"]["loss_scale_window"] == 7
 
 
@@ -121,8 +133,13 @@ def test_merge_extra_adds_new_keys_and_accepts_equal_ones():
         ({"train_micro_batch_size_per_gpu": 7}, "train_micro_batch_size_per_gpu", "2", "7", "change train.micro_batch instead"),
         ({"gradient_clipping": 0}, "gradient_clipping", "1.0", "0", "change train.clip_grad instead"),
         ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage", "2", "3", "change parallel.strategy instead"),
-        ({"optimizer": {"params": {"betas": [0.9, 0.999]}}}, "optimizer.params.betas", "[0.9, 0.95]", "[0.9, 0.999]",
-         "train.adam_beta1 / train.adam_beta2"),
+        (
+            {"optimizer": {"params": {"betas": [0.9, 0.999]}}},
+            "optimizer.params.betas",
+            "[0.9, 0.95]",
+            "[0.9, 0.999]",
+            "train.adam_beta1 / train.adam_beta2",
+        ),
         ({"bf16": {"enabled": True}}, "bf16.enabled", "false", "true", "change precision instead"),
         ({"wall_clock_breakdown": True}, "wall_clock_breakdown", "false", "true", "remove it from parallel.deepspeed_extra"),
         ({"zero_optimization": 3}, "zero_optimization", '"stage"', "3", "remove it"),
@@ -162,8 +179,13 @@ CASES = {
     "zero1_accum": ["parallel.strategy=zero1", "train.micro_batch=1", "train.grad_accum=2"],
     "zero2": ["parallel.strategy=zero2", "train.micro_batch=2"],
     # + activation checkpointing: recomputation under ZeRO-3 re-gathers each block's shards.
-    "zero3_accum_ac": ["parallel.strategy=zero3", "train.micro_batch=1", "train.grad_accum=2", Z3_PARTITION_ALL,
-                       "parallel.activation_checkpointing=true"],
+    "zero3_accum_ac": [
+        "parallel.strategy=zero3",
+        "train.micro_batch=1",
+        "train.grad_accum=2",
+        Z3_PARTITION_ALL,
+        "parallel.activation_checkpointing=true",
+    ],
     "zero2_offload_optimizer": ["parallel.strategy=zero2", "train.micro_batch=2", "parallel.offload_optimizer=cpu"],
     "zero3_offload_params": ["parallel.strategy=zero3", "train.micro_batch=2", "parallel.offload_params=cpu", Z3_PARTITION_ALL],
 }
@@ -186,24 +208,29 @@ def test_zero_matches_one_process(reference_run, zero_runs, case):
         assert (run / "checkpoints" / f"step_{step}" / "deepspeed_config.json").read_text() == saved
 
 
-# Kill/resume where the checkpoint formats differ: ZeRO-1's optimizer partitions, ZeRO-3's
-# parameter partitions (+ recomputation); ZeRO-2 with CPU Adam, fp16 and a moving loss
-# scale has a test of its own below. Killed after step 7, resumed from step 5.
+# Resume where the checkpoint formats differ: ZeRO-1's optimizer partitions, ZeRO-3's
+# parameter partitions (+ recomputation). A fresh process continues from the straight
+# run's step 5 (what a run killed after step 7 does, without running the kill: the
+# fp16 ZeRO-2 test below, and test_train_equivalence.py, kill for real).
 @pytest.mark.dist
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", ["zero1_accum", "zero3_accum_ac"])
-def test_killed_zero_run_resumes_bit_exactly(small_dataset, zero_runs, tmp_path, case):
-    straight, killed = zero_runs(case), tmp_path / "killed"
-    args = [*base_overrides(small_dataset, killed), *CASES[case], "checkpoint.every=5"]
-    assert train(args, nproc=2, env={"SCALETRAIN_KILL_AT": "step:7"}, timeout=LAUNCH_S).returncode == 1
-    assert [s for s, _ in checkpoint.complete_checkpoints(killed / "checkpoints")] == [5]
-    check(train(args, nproc=2, timeout=LAUNCH_S))
-    assert run_info(killed)["resumed_from"].endswith("step_5")
-    assert_bit_exact(killed, straight, 10)
+def test_zero_run_resumes_bit_exactly(small_dataset, zero_runs, tmp_path, case):
+    straight, resumed = zero_runs(case), tmp_path / "resumed"
+    copy_until(straight, resumed, step=5)
+    check(train([*base_overrides(small_dataset, resumed), *CASES[case], "checkpoint.every=5"], nproc=2, timeout=LAUNCH_S))
+    assert run_info(resumed)["resumed_from"].endswith("step_5")
+    assert_bit_exact(resumed, straight, 10)
 
 
-FP16_ZERO2 = ["parallel.strategy=zero2", "train.micro_batch=2", "parallel.offload_optimizer=cpu", "train.clip_grad=0.7",
-              "checkpoint.every=5", *FP16_MOVING_SCALE]
+FP16_ZERO2 = [
+    "parallel.strategy=zero2",
+    "train.micro_batch=2",
+    "parallel.offload_optimizer=cpu",
+    "train.clip_grad=0.7",
+    "checkpoint.every=5",
+    *FP16_MOVING_SCALE,
+]
 
 
 @pytest.fixture(scope="module")
@@ -223,22 +250,45 @@ def test_fp16_zero2_offload_resumes_bit_exactly_after_the_loss_scale_moved(small
     check(train(args, nproc=2, timeout=LAUNCH_S))
     assert_bit_exact(killed, fp16_zero2_run, 10)  # losses, loss_scale and skipped of every step
     trainer = json.loads((killed / "checkpoints" / "step_10" / "trainer.json").read_text())
-    assert trainer["engine"]["loss_scale"] == metric_rows(killed)[-1]["loss_scale"]
+    assert trainer["engine_state"]["loss_scale"] == metric_rows(killed)[-1]["loss_scale"]
 
 
 # What DeepSpeed itself runs with when built from the saved file at world 2, against what
 # the config asked for (written out here, not recomputed by the function that wrote it).
 LIVE = {
     "fp16_zero2_offload": dict(
-        stage=2, offload_optimizer="cpu", offload_param=None, optimizer="DeepSpeedCPUAdam", scheduler=False,
-        gradient_clipping=0.7, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1, train_batch_size=4,
-        world_size=2, fp16=True, bf16=False, param_dtype="torch.float16", loss_scale=2.0**20, initial_scale_power=20,
-        loss_scale_window=2, hysteresis=2,
+        stage=2,
+        offload_optimizer="cpu",
+        offload_param=None,
+        optimizer="DeepSpeedCPUAdam",
+        scheduler=False,
+        gradient_clipping=0.7,
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=1,
+        train_batch_size=4,
+        world_size=2,
+        fp16=True,
+        bf16=False,
+        param_dtype="torch.float16",
+        loss_scale=2.0**20,
+        initial_scale_power=20,
+        loss_scale_window=2,
+        hysteresis=2,
     ),
     "zero3_offload_params": dict(
-        stage=3, offload_optimizer=None, offload_param="cpu", optimizer="FusedAdam", scheduler=False,
-        gradient_clipping=1.0, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1, train_batch_size=4,
-        world_size=2, fp16=False, bf16=False, param_dtype="torch.float32",
+        stage=3,
+        offload_optimizer=None,
+        offload_param="cpu",
+        optimizer="FusedAdam",
+        scheduler=False,
+        gradient_clipping=1.0,
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=1,
+        train_batch_size=4,
+        world_size=2,
+        fp16=False,
+        bf16=False,
+        param_dtype="torch.float32",
     ),
 }
 
@@ -255,25 +305,22 @@ def test_deepspeed_built_from_the_saved_json_runs_with_our_settings(fp16_zero2_r
 
 @pytest.mark.dist
 @pytest.mark.timeout(400)
-# Both precisions and both stage families of the one DeepSpeed engine, in two runs (CI time).
-@pytest.mark.parametrize("strategy, precision", [("zero2", "bf16"), ("zero3", "fp16")])
-def test_mixed_precision_trains(small_dataset, tmp_path, strategy, precision):
+def test_bf16_trains(small_dataset, tmp_path):
+    # bf16 over 12 steps; fp16 trains in the resume test above (ZeRO-2, a moving loss scale),
+    # and test_precision.py checks both precisions' forward and fp16 overflow on ZeRO-2 and 3.
     run = tmp_path / "run"
-    extra = [Z3_PARTITION_ALL] if strategy == "zero3" else []
-    check(train([*base_overrides(small_dataset, run, steps=12), f"parallel.strategy={strategy}", "train.micro_batch=2",
-                 f"precision={precision}", *extra], nproc=2, timeout=LAUNCH_S))
+    check(
+        train(
+            [*base_overrides(small_dataset, run, steps=12), "parallel.strategy=zero2", "train.micro_batch=2", "precision=bf16"],
+            nproc=2,
+            timeout=LAUNCH_S,
+        )
+    )
     rows = metric_rows(run)
     assert len(rows) == 12 and all(np.isfinite(r["loss"]) for r in rows)
     assert np.mean([r["loss"] for r in rows[-3:]]) < rows[0]["loss"] - 0.3
-    assert json.loads((run / "deepspeed_config.json").read_text())[precision]["enabled"] is True
-    if precision == "fp16":  # DeepSpeed's dynamic scaler: logged every step, saved in its checkpoint
-        assert all(r["loss_scale"] > 0 and r["skipped"] in (True, False) for r in rows)
-        assert not rows[-1]["skipped"]
-        trainer = json.loads((run / "checkpoints" / "step_12" / "trainer.json").read_text())
-        assert trainer["engine"]["loss_scale"] == rows[-1]["loss_scale"]
-        assert math.log2(rows[0]["loss_scale"]).is_integer()
-    else:
-        assert all("loss_scale" not in r for r in rows)
+    assert json.loads((run / "deepspeed_config.json").read_text())["bf16"]["enabled"] is True
+    assert all("loss_scale" not in r for r in rows)
 
 
 @pytest.mark.dist
@@ -284,8 +331,19 @@ def test_zero3_on_three_ranks_with_sizes_three_does_not_divide(small_dataset, tm
     shape = ["model.dim=136", "model.ffn_dim=392"]
     single, zero3 = tmp_path / "single", tmp_path / "zero3"
     check(train([*base_overrides(small_dataset, single, steps=6), *shape, "train.micro_batch=3"]))
-    check(train([*base_overrides(small_dataset, zero3, steps=6), *shape, "train.micro_batch=1", "parallel.strategy=zero3",
-                 Z3_PARTITION_ALL], nproc=3, timeout=LAUNCH_S))
+    check(
+        train(
+            [
+                *base_overrides(small_dataset, zero3, steps=6),
+                *shape,
+                "train.micro_batch=1",
+                "parallel.strategy=zero3",
+                Z3_PARTITION_ALL,
+            ],
+            nproc=3,
+            timeout=LAUNCH_S,
+        )
+    )
     assert (run_info(zero3)["engine"], run_info(zero3)["world_size"]) == ("zero3", 3)
     assert final_weights(zero3, 6)["tok_embeddings.weight"].shape == (512, 136)
     assert_same_training(zero3, single, steps=6)
@@ -294,6 +352,12 @@ def test_zero3_on_three_ranks_with_sizes_three_does_not_divide(small_dataset, tm
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_conflicting_extra_key_is_one_line_exit_2(small_dataset, tmp_path):
-    proc = train([*base_overrides(small_dataset, tmp_path / "run", steps=2), "parallel.strategy=zero2", "train.micro_batch=2",
-                  "parallel.deepspeed_extra={train_micro_batch_size_per_gpu: 7}"])
+    proc = train(
+        [
+            *base_overrides(small_dataset, tmp_path / "run", steps=2),
+            "parallel.strategy=zero2",
+            "train.micro_batch=2",
+            "parallel.deepspeed_extra={train_micro_batch_size_per_gpu: 7}",
+        ]
+    )
     one_line_error(proc, "parallel.deepspeed_extra.train_micro_batch_size_per_gpu = 7", "train.micro_batch")

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from scaletrain import checkpoint
+
 from helpers import (
     assert_bit_exact,
     assert_same_training,
@@ -24,7 +26,6 @@ from helpers import (
     run_info,
     train,
 )
-from scaletrain import checkpoint
 
 FSDP = "parallel.strategy=fsdp"
 

@@ -14,9 +14,10 @@ import sys
 import pytest
 import torch
 
-from helpers import PROBES, probe
 from scaletrain.config import load_config
 from scaletrain.models import build_model, loss_fn, resolve_shape
+
+from helpers import PROBES, probe
 
 sys.path.insert(0, str(PROBES))
 from one_backward import MODEL, SEQ, VARIANTS, FixedBatch  # noqa: E402
@@ -61,7 +62,7 @@ def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
     assert got.keys() == want.keys()
     for name in want:
         atol = ATOL_OF_MAX * want[name].abs().max().item()
-        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.timeout(600)

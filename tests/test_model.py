@@ -131,8 +131,7 @@ def test_init_independent_of_construction_and_wrapping():
     for i, layer in enumerate(direct.layers):  # engines wrap blocks; names gain a prefix
         direct.layers[i] = checkpoint_wrapper(layer)
     direct.init_weights(3)
-    got = dict(zip((n.replace("_checkpoint_wrapped_module.", "") for n, _ in direct.named_parameters()),
-                   direct.parameters()))
+    got = dict(zip((n.replace("_checkpoint_wrapped_module.", "") for n, _ in direct.named_parameters()), direct.parameters()))
     for name, p in built.named_parameters():
         assert torch.equal(p, got[name]), name
 

@@ -8,19 +8,16 @@ import torch
 
 from scaletrain.config import ModelConfig, load_config
 from scaletrain.errors import UserError
-from scaletrain.models import build_model, loss_fn, resolve_shape
-from scaletrain.models.presets import count_params
-from scaletrain.plan import make_plan, planning_shape
+from scaletrain.models import LlamaSpec, build_model, count_params, loss_fn, resolve_shape
+from scaletrain.plan import make_plan, planning_spec
 from scaletrain.plan.activations import _traced_block, _traced_head, block_activations, head_activations
 from scaletrain.plan.hardware import GiB, gpu, parse_size
 from scaletrain.plan.memory import (
     ZERO3_PERSISTENCE_THRESHOLD,
     Setup,
-    _largest_param,
     engine_buffers,
     estimate,
     model_state_bytes,
-    param_numels,
 )
 from scaletrain.plan.planner import largest_micro_batch
 
@@ -48,11 +45,16 @@ def real_saved_bytes(shape, batch, seq, autocast: bool) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("preset, batch, seq, autocast", [("tiny", 4, 64, False), ("small", 2, 128, False), ("small", 2, 128, True)])
+@pytest.mark.parametrize(
+    "preset, batch, seq, autocast", [("tiny", 4, 64, False), ("small", 2, 128, False), ("small", 2, 128, True)]
+)
 def test_traced_activations_equal_what_a_real_forward_keeps(preset, batch, seq, autocast):
     shape = resolve_shape(ModelConfig(preset=preset), 1000)
     regime = "autocast" if autocast else "fp32"
-    predicted = shape.n_layers * block_activations(shape, batch, seq, regime).saved + head_activations(shape, batch, seq, regime).saved
+    spec = LlamaSpec(shape)
+    predicted = (
+        shape.n_layers * block_activations(spec, batch, seq, regime).saved + head_activations(spec, batch, seq, regime).saved
+    )
     real = real_saved_bytes(shape, batch, seq, autocast)
     # The fake trace also counts the RoPE slices, which the real model takes from its buffers.
     assert abs(predicted - real) / real < 0.01, (predicted, real)
@@ -61,17 +63,19 @@ def test_traced_activations_equal_what_a_real_forward_keeps(preset, batch, seq, 
 @pytest.mark.parametrize("regime", ["fp32", "autocast", "pure16"])
 def test_activations_of_any_micro_batch_equal_a_direct_trace(regime):
     # block/head_activations extrapolate from traces of 1 and 2 samples; exact, not approximate.
-    shape = resolve_shape(ModelConfig(preset="tiny"), 1000)
+    spec = LlamaSpec(resolve_shape(ModelConfig(preset="tiny"), 1000))
     for batch in (3, 8):
-        assert block_activations(shape, batch, 64, regime).saved == _traced_block(shape, batch, 64, regime, torch.bfloat16)[0]
-        assert block_activations(shape, batch, 64, regime).weight_copies == _traced_block(shape, batch, 64, regime, torch.bfloat16)[1]
-        assert head_activations(shape, batch, 64, regime).saved == _traced_head(shape, batch, 64, regime, torch.bfloat16)
+        assert block_activations(spec, batch, 64, regime).saved == _traced_block(spec, batch, 64, regime, torch.bfloat16)[0]
+        assert (
+            block_activations(spec, batch, 64, regime).weight_copies == _traced_block(spec, batch, 64, regime, torch.bfloat16)[1]
+        )
+        assert head_activations(spec, batch, 64, regime).saved == _traced_head(spec, batch, 64, regime, torch.bfloat16)
 
 
 def test_activation_checkpointing_keeps_only_block_inputs():
     shape = resolve_shape(ModelConfig(preset="8b"))
-    full = estimate(shape, Setup("fsdp", 8, 1, 4096, "bf16"))
-    ac = estimate(shape, Setup("fsdp", 8, 1, 4096, "bf16", activation_checkpointing=True))
+    full = estimate(LlamaSpec(shape), Setup("fsdp", 8, 1, 4096, "bf16"))
+    ac = estimate(LlamaSpec(shape), Setup("fsdp", 8, 1, 4096, "bf16", activation_checkpointing=True))
     assert ac.activations == shape.n_layers * 1 * 4096 * shape.dim * 2  # one bf16 input per block
     assert full.activations > 10 * ac.activations
 
@@ -84,7 +88,7 @@ def zero_setup(strategy, n, **kw):
 def test_model_states_follow_the_zero_paper(n):
     shape = resolve_shape(ModelConfig(preset="7b"))
     psi = count_params(shape)["total"]
-    resident = lambda s: (lambda m: m.params + m.grads + m.optimizer)(estimate(shape, s))  # noqa: E731
+    resident = lambda s: (lambda m: m.params + m.grads + m.optimizer)(estimate(LlamaSpec(shape), s))  # noqa: E731
     k = 12
     assert resident(zero_setup("ddp", n)) == pytest.approx((2 + 2 + k) * psi)  # torch DDP: 4+4+8, same 16 bytes
     assert resident(zero_setup("zero1", n)) == pytest.approx(4 * psi + k * psi / n)
@@ -100,31 +104,38 @@ def test_model_states_match_deepspeeds_own_estimators():
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     shape = resolve_shape(ModelConfig(preset="8b"))
+    spec = LlamaSpec(shape)
     psi = count_params(shape)["total"]
-    largest_layer = _largest_param(shape)  # the embedding: DeepSpeed gathers module by module
+    largest_layer = spec.counts().largest  # the embedding: DeepSpeed gathers module by module
     for gpus, nodes in [(8, 1), (8, 4)]:
         n = gpus * nodes
-        per_node = lambda cpu: cpu * gpus  # noqa: E731  ours is per device, DeepSpeed's per node
+        per_node = lambda cpu, gpus=gpus: cpu * gpus  # ours is per device, DeepSpeed's per node
         ds_cpu, ds_gpu = estimate_zero2_model_states_mem_needs(psi, gpus, nodes, cpu_offload=False, additional_buffer_factor=1)
-        assert model_state_bytes(shape, zero_setup("zero2", n))[0] == pytest.approx(ds_gpu, rel=1e-6)
+        assert model_state_bytes(spec, zero_setup("zero2", n))[0] == pytest.approx(ds_gpu, rel=1e-6)
         ds_cpu, ds_gpu = estimate_zero2_model_states_mem_needs(psi, gpus, nodes, cpu_offload=True, additional_buffer_factor=1)
-        dev, host = model_state_bytes(shape, zero_setup("zero2", n, offload_optimizer="cpu"))
+        dev, host = model_state_bytes(spec, zero_setup("zero2", n, offload_optimizer="cpu"))
         # DeepSpeed's ZeRO-2 host figure is max(4 x total_gpus, 16) x params: it models every process
         # loading the full model on the host at start-up. The optimizer-state part is the 16.
         assert dev == pytest.approx(ds_gpu) and per_node(host) == pytest.approx(psi * 16 / nodes, rel=1e-6)
         for optim, params in [("none", "none"), ("cpu", "none"), ("cpu", "cpu")]:
             ds_cpu, ds_gpu, ds_layer = estimate_zero3_model_states_mem_needs(
-                psi, largest_layer, gpus, nodes, cpu_offload=optim == "cpu", cpu_offload_params=params == "cpu", additional_buffer_factor=1
+                psi,
+                largest_layer,
+                gpus,
+                nodes,
+                cpu_offload=optim == "cpu",
+                cpu_offload_params=params == "cpu",
+                additional_buffer_factor=1,
             )
             setup = zero_setup("zero3", n, offload_optimizer=optim, offload_params=params)
-            m = estimate(shape, setup)
+            m = estimate(spec, setup)
             # Gathered layer: 4 bytes x largest layer, as DeepSpeed's estimator; we also count the
             # gradient reduce bucket, which DeepSpeed allocates at full size (measured) and its
             # estimator leaves out.
-            assert engine_buffers(shape, setup) == pytest.approx(ds_layer + 4 * setup.bucket_size)
+            assert engine_buffers(spec, setup) == pytest.approx(ds_layer + 4 * setup.bucket_size)
             # We also keep tensors under DeepSpeed's persistence threshold whole on every rank (the
             # norm weights here), which its estimator does not model: take that term out.
-            small = sum(k for k in param_numels(shape) if k < ZERO3_PERSISTENCE_THRESHOLD)
+            small = sum(k for k in spec.counts().numels if k < ZERO3_PERSISTENCE_THRESHOLD)
             kept_whole = 2 * small * (1 - 1 / n) if params == "none" else 0.0
             assert m.params - kept_whole + m.grads + m.optimizer + ds_layer == pytest.approx(ds_gpu, rel=1e-6)
             if optim == "cpu":
@@ -132,8 +143,10 @@ def test_model_states_match_deepspeeds_own_estimators():
 
 
 def plan_for(preset, gpus=8, nodes=1, memory="80GiB", seq=4096, micro=1, extra=(), cpu=None):
-    cfg = load_config([], [f"model.preset={preset}", f"data.seq_len={seq}", f"train.micro_batch={micro}", "precision=bf16", *extra])
-    return make_plan(cfg, planning_shape(cfg), gpus * nodes, nodes, gpu("h100", memory), cpu_per_node=cpu)
+    cfg = load_config(
+        [], [f"model.preset={preset}", f"data.seq_len={seq}", f"train.micro_batch={micro}", "precision=bf16", *extra]
+    )
+    return make_plan(cfg, planning_spec(cfg), gpus * nodes, nodes, gpu("h100", memory), cpu_per_node=cpu)
 
 
 def test_70b_on_8_x_80gib_needs_zero3_with_offload_and_explains_why():
@@ -143,7 +156,10 @@ def test_70b_on_8_x_80gib_needs_zero3_with_offload_and_explains_why():
         assert not by_label[label].fits, label
     # 16 bytes x 70.6B / 8 = 141 GB of model state per GPU before any activation: no plain
     # sharding fits 8 x 80 GiB; offloading the optimizer to the host does.
-    assert by_label["fsdp + AC"].memory.params + by_label["fsdp + AC"].memory.grads + by_label["fsdp + AC"].memory.optimizer > 80 * GiB
+    assert (
+        by_label["fsdp + AC"].memory.params + by_label["fsdp + AC"].memory.grads + by_label["fsdp + AC"].memory.optimizer
+        > 80 * GiB
+    )
     assert plan.chosen.setup.strategy == "zero3" and plan.chosen.setup.offload_optimizer == "cpu"
     assert any(r.startswith("ddp needs") and "> 72.0 GiB usable" in r for r in plan.reasons)
     assert "chosen" in plan.reasons[-1]
@@ -167,11 +183,11 @@ def test_largest_micro_batch_is_the_boundary():
     plan = plan_for("8b", seq=2048)
     s, b = plan.chosen.setup, plan.max_micro_batch
     assert b >= 1
-    shape = resolve_shape(ModelConfig(preset="8b"))
+    spec = LlamaSpec(resolve_shape(ModelConfig(preset="8b")))
     from dataclasses import replace
 
-    assert estimate(shape, replace(s, micro_batch=b)).peak <= plan.usable < estimate(shape, replace(s, micro_batch=b + 1)).peak
-    assert largest_micro_batch(shape, s, 1.0) == 0
+    assert estimate(spec, replace(s, micro_batch=b)).peak <= plan.usable < estimate(spec, replace(s, micro_batch=b + 1)).peak
+    assert largest_micro_batch(spec, s, 1.0) == 0
 
 
 def test_impossible_requests_name_the_closest_feasible_alternative():
@@ -180,7 +196,10 @@ def test_impossible_requests_name_the_closest_feasible_alternative():
     with pytest.raises(UserError, match=r"no strategy fits 1 x 24.0 GiB.*closest feasible: \d+ devices \(\d+ nodes\)"):
         plan_for("70b", gpus=1, memory="24GiB", cpu=256 * GiB)
     assert plan_for("70b", gpus=1, memory="24GiB").chosen.setup.offload_params == "cpu"  # unlimited host: ZeRO-Infinity
-    with pytest.raises(UserError, match=r"parallel.dp_replicate=3 does not divide the world size 8; accepted: one of \[1, 2, 4, 8\] \(closest: 2\)"):
+    with pytest.raises(
+        UserError,
+        match=r"parallel.dp_replicate=3 must divide the data-parallel size 8 \(world size 8\); accepted: 1, 2, 4, 8 \(closest valid layout: parallel.dp_replicate=2\)",
+    ):
         plan_for("8b", extra=["parallel.strategy=fsdp", "parallel.dp_replicate=3"])
     with pytest.raises(UserError, match="not a size"):
         parse_size("eighty", "--gpu-memory")

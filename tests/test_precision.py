@@ -6,21 +6,30 @@ backs the loss scale off; the next clean step updates again."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from helpers import probe
+from helpers import PROBES, probe
+
+sys.path.insert(0, str(PROBES))
+from precision import ENGINES  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
-Z3_PARTITION_ALL = "parallel.deepspeed_extra={zero_optimization: {stage3_param_persistence_threshold: 0}}"
-ENGINES = {"ddp": [], "fsdp": ["parallel.activation_checkpointing=true"], "zero2": [], "zero3": [Z3_PARTITION_ALL]}
 INIT = 65536.0  # train.loss_scale_init's default
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """Every engine in one launch (start-up dominates): one report per rank."""
+    return probe("precision", list(ENGINES), tmp_path_factory.mktemp("precision"), nproc=2)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", list(ENGINES))
-def test_forward_dtype_masters_and_fp16_overflow(tmp_path, strategy):
-    ranks = probe("precision", [strategy, *ENGINES[strategy]], tmp_path, nproc=2)
+def test_forward_dtype_masters_and_fp16_overflow(reports, strategy):
+    ranks = [report[strategy] for report in reports]
     for r in ranks:
         for precision, dtype in (("bf16", "torch.bfloat16"), ("fp16", "torch.float16")):
             forward = r[precision]["forward"]

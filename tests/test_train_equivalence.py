@@ -12,8 +12,18 @@ import json
 
 import pytest
 
-from helpers import FP16_MOVING_SCALE, assert_bit_exact, assert_same_training, assert_scale_moved, base_overrides, check, run_info, train
 from scaletrain import checkpoint
+
+from helpers import (
+    FP16_MOVING_SCALE,
+    assert_bit_exact,
+    assert_same_training,
+    assert_scale_moved,
+    base_overrides,
+    check,
+    run_info,
+    train,
+)
 
 
 def completed(run) -> list[int]:

@@ -30,8 +30,15 @@ def test_strategy_auto_is_resolved_and_recorded(small_dataset, tmp_path):
 @pytest.mark.parametrize("rule", ["linear", "sqrt"])
 def test_lr_scaling_with_the_global_batch(small_dataset, tmp_path, rule):
     run = tmp_path / rule
-    args = [*base_overrides(small_dataset, run, steps=4), "train.warmup_steps=2", "train.micro_batch=4", "train.grad_accum=2",
-            "train.lr=0.001", f"train.lr_scaling={rule}", "train.lr_base_batch=2"]
+    args = [
+        *base_overrides(small_dataset, run, steps=4),
+        "train.warmup_steps=2",
+        "train.micro_batch=4",
+        "train.grad_accum=2",
+        "train.lr=0.001",
+        f"train.lr_scaling={rule}",
+        "train.lr_base_batch=2",
+    ]
     proc = check(train(args))
     expected_peak = 0.001 * (4 if rule == "linear" else math.sqrt(4))  # global batch 8 vs 2
     rows = metric_rows(run)

@@ -51,6 +51,9 @@ class DataConfig(Section):
     # Tokens per shard file. Shards are what an epoch reorders, so the default keeps even
     # the 3M-token embedded corpus in several of them.
     shard_tokens: int = Field(1 << 20, ge=1024)
+    # Rank 0 alone tokenizes; the other ranks wait this long for it (not in a collective,
+    # so a big corpus never trips the process-group timeout).
+    prepare_timeout_s: float = Field(7200.0, gt=0)
 
     @field_validator("paths", mode="before")
     @classmethod
@@ -92,9 +95,11 @@ class TrainConfig(Section):
         return v
 
     @model_validator(mode="after")
-    def _scaling_needs_a_base(self) -> "TrainConfig":
+    def _scaling_needs_a_base(self) -> TrainConfig:
         if self.lr_scaling != "none" and self.lr_base_batch is None:
-            raise ValueError(f"train.lr_scaling={self.lr_scaling} needs train.lr_base_batch, the global batch (sequences) train.lr was tuned for")
+            raise ValueError(
+                f"train.lr_scaling={self.lr_scaling} needs train.lr_base_batch, the global batch (sequences) train.lr was tuned for"
+            )
         return self
 
 
@@ -111,6 +116,13 @@ class ParallelConfig(Section):
     # ZeRO-2-like); dp_replicate > 1 is hybrid sharding: replicate across groups, shard within.
     reshard_after_forward: bool = True
     dp_replicate: int = Field(1, ge=1)
+    # Tensor and pipeline parallel degrees (dp x tp x pp = world size; scaletrain.parallel).
+    # Only 1 until 3D parallelism is implemented; the keys exist so that layouts are
+    # validated and recorded in one place from now on.
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    # Seconds a collective may wait before the job fails (torch's process-group timeout).
+    timeout_s: float = Field(600.0, gt=0)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     offload_optimizer: Offload = "none"  # DeepSpeed ZeRO
     offload_params: Offload = "none"  # ZeRO-3 (DeepSpeed); fsdp accepts cpu
@@ -122,8 +134,18 @@ class ParallelConfig(Section):
     # planner's reasons. Informational; ignored as input.
     auto_choice: str | None = None
 
+    @field_validator("tp", "pp")
+    @classmethod
+    def _not_yet(cls, v: int, info: Any) -> int:
+        what = {"tp": "tensor", "pp": "pipeline"}[info.field_name]
+        if v != 1:
+            raise ValueError(
+                f"parallel.{info.field_name}={v}: {what} parallelism is not implemented yet (it comes with 3D parallelism); accepted: 1"
+            )
+        return v
+
     @model_validator(mode="after")
-    def _combinations(self) -> "ParallelConfig":
+    def _combinations(self) -> ParallelConfig:
         s = self.strategy
         if self.offload_optimizer != "none" and s not in ZERO_STRATEGIES:
             raise ValueError(f"parallel.offload_optimizer={self.offload_optimizer} needs strategy zero1, zero2 or zero3, not {s}")
@@ -131,8 +153,6 @@ class ParallelConfig(Section):
             raise ValueError(f"parallel.offload_params={self.offload_params} needs strategy zero3 (or fsdp with cpu), not {s}")
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
             raise ValueError("nvme offload needs parallel.nvme_path, a directory on a fast local disk")
-        if self.dp_replicate > 1 and s != "fsdp":
-            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} (hybrid sharding) needs strategy fsdp, not {s}")
         if self.deepspeed_extra and s not in ZERO_STRATEGIES + ("auto",):
             raise ValueError(f"parallel.deepspeed_extra is only used by zero1, zero2 and zero3, not {s}")
         return self
@@ -193,7 +213,11 @@ def _read_yaml_file(path: str) -> dict[str, Any]:
     if not p.is_file():
         raise UserError(f"config file {path!r} not found (expected a readable .yaml file)")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"config file {path!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); accepted: a UTF-8 YAML file"
+        ) from None
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
@@ -201,7 +225,9 @@ def _read_yaml_file(path: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise UserError(f"config file {path!r} must hold a mapping of sections (model:, data:, train: ...), got {type(data).__name__}")
+        raise UserError(
+            f"config file {path!r} must hold a mapping of sections (model:, data:, train: ...), got {type(data).__name__}"
+        )
     return data
 
 

@@ -7,12 +7,15 @@ no process group at all, so single-process runs pay nothing for distribution.
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -58,12 +61,13 @@ def init_distributed(device_choice: str = "auto", backend_choice: str = "auto", 
     else:
         device = torch.device("cpu")
 
-    if world_size == 1:
-        return World(0, 1, 0, device, None)
-
     backend = backend_choice if backend_choice != "auto" else ("nccl" if use_cuda else "gloo")
     if backend == "nccl" and not use_cuda:
-        raise UserError("parallel.backend=nccl needs CUDA devices; on CPU use parallel.backend=gloo (or auto)")
+        raise UserError(
+            "parallel.backend=nccl needs CUDA devices and this run has none; accepted on CPU: parallel.backend=gloo or auto"
+        )
+    if world_size == 1:
+        return World(0, 1, 0, device, None)
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
@@ -73,25 +77,63 @@ def init_distributed(device_choice: str = "auto", backend_choice: str = "auto", 
     return World(rank, world_size, local_rank, device, backend)
 
 
-def on_main_then_all(world: World, fn: Callable[[], T]) -> T | None:
-    """Run `fn` on rank 0 only (e.g. preparing data) while the others wait.
+def rank0_first(world: World, fn: Callable[[], T], what: str, timeout_s: float, hint: str) -> T | None:
+    """Run `fn` on rank 0 only (preparing data, say) while the other ranks wait for it.
 
-    A UserError on rank 0 is re-raised on every rank with the same message, so a bad input
-    stops the whole job cleanly instead of leaving the other ranks hanging at a barrier.
+    They wait on the process group's key-value store, not in a collective, so a long job
+    on rank 0 never trips the collective timeout, and their own limit is `timeout_s`. Rank
+    0's outcome travels through the store: a UserError reaches every rank as the same line,
+    any other failure as a line naming it, so no rank is left waiting in a collective.
     """
-    result, message = None, None
+    if not world.distributed:
+        return fn()
+    # The store torch's env:// rendezvous made; private in torch, and the one every rank shares.
+    store = dist.distributed_c10d._get_default_store()
+    key = f"scaletrain/rank0/{what}"
     if world.is_main:
         try:
             result = fn()
         except UserError as e:
-            message = str(e)
-    if world.distributed:
-        box = [message]
-        dist.broadcast_object_list(box, src=0)
-        message = box[0]
-    if message is not None:
+            store.set(key, f"user\n{e}")
+            raise
+        except BaseException as e:
+            store.set(key, f"crash\n{type(e).__name__}: {e}")
+            raise
+        store.set(key, "ok\n")
+        return result
+    # Polled rather than store.wait: that one's timeout also prints c10d socket warnings.
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise UserError(f"rank 0 did not finish {what} within {timeout_s:g} s; {hint}")
+        time.sleep(0.1)
+    status, _, message = store.get(key).decode().partition("\n")
+    if status == "user":
         raise UserError(message)
-    return result
+    if status == "crash":
+        raise UserError(f"rank 0 failed while {what} ({message}); its traceback is in rank 0's output")
+    return None
+
+
+def ensure_process_group(world: World) -> None:
+    """A process group even for one rank, for the engines that need one (FSDP2, DeepSpeed).
+
+    Multi-rank runs already have theirs (init_distributed). A single process gets a group of
+    one on a private in-memory store: no port, no launcher environment (DeepSpeed still
+    reads the variables below). shutdown() destroys it; so does interpreter exit.
+    """
+    global _OWN_GROUP
+    if dist.is_initialized():
+        return
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    backend = "nccl" if world.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    _OWN_GROUP = True
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+
+
+_OWN_GROUP = False
 
 
 def all_hostnames(world: World) -> list[str]:
@@ -123,5 +165,9 @@ def barrier(world: World) -> None:
 
 
 def shutdown(world: World) -> None:
-    if world.distributed and dist.is_initialized():
+    """Destroy the process group (the launcher's or a single rank's own). Free the engines
+    first: a DDP model alive at this point intermittently aborts gloo."""
+    global _OWN_GROUP
+    if (world.distributed or _OWN_GROUP) and dist.is_initialized():
         dist.destroy_process_group()
+    _OWN_GROUP = False

@@ -38,7 +38,7 @@ _ARMED = parse(os.environ.get(ENV, ""))
 
 
 def armed(point: str, step: int) -> bool:
-    return _ARMED is not None and _ARMED == (point, step)
+    return _ARMED is not None and (point, step) == _ARMED
 
 
 def kill_at(point: str, step: int) -> None:

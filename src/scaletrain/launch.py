@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import socket
 import sys
 import tempfile
@@ -100,7 +101,9 @@ def _deepspeed_command(opts: LaunchOptions) -> list[str]:
         ds += ["--num_gpus", str(opts.nproc), "--num_nodes", str(opts.nnodes)]
         if opts.nnodes > 1:
             if opts.node_rank is None or opts.master_addr is None:
-                raise UserError("--launcher deepspeed with --nnodes > 1 needs --hostfile, or --node-rank and --master-addr (runs with --no_ssh)")
+                raise UserError(
+                    "--launcher deepspeed with --nnodes > 1 needs --hostfile, or --node-rank and --master-addr (runs with --no_ssh)"
+                )
             ds += ["--no_ssh", "--node_rank", str(opts.node_rank)]
     if opts.master_addr:
         ds += ["--master_addr", opts.master_addr]
@@ -114,7 +117,11 @@ def _from_hostfile(opts: LaunchOptions) -> LaunchOptions:
     hosts = read_hostfile(opts.hostfile or "")
     node_rank = opts.node_rank
     if node_rank is None:
-        me = {socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1"} if len(hosts) == 1 else {socket.gethostname(), socket.getfqdn()}
+        me = (
+            {socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1"}
+            if len(hosts) == 1
+            else {socket.gethostname(), socket.getfqdn()}
+        )
         matches = [i for i, h in enumerate(hosts) if h.name in me]
         if len(matches) != 1:
             raise UserError(
@@ -124,7 +131,9 @@ def _from_hostfile(opts: LaunchOptions) -> LaunchOptions:
         node_rank = matches[0]
     slots = {h.slots for h in hosts if h.slots}
     if len(slots) > 1:
-        raise UserError("--launcher torchrun needs the same slots=N on every --hostfile line; use --launcher deepspeed for uneven nodes")
+        raise UserError(
+            "--launcher torchrun needs the same slots=N on every --hostfile line; use --launcher deepspeed for uneven nodes"
+        )
     return LaunchOptions(
         nproc=slots.pop() if slots else opts.nproc,
         nnodes=len(hosts),
@@ -171,14 +180,19 @@ def run_torchrun(cmd: list[str]) -> int:
             run(parse_args(cmd[3:]))
             return 0
         except ChildFailedError as e:
+            # A rank that met bad input wrote its line and exited 2; ranks the agent stopped
+            # after that died of SIGTERM. Anything else crashed: its traceback is above.
             messages = sorted({p.read_text().strip() for p in Path(errors).glob("rank*")})
             for message in messages:
                 print(f"scaletrain: error: {message}", file=sys.stderr)
-            if messages:
+            crashed = {r: f for r, f in e.failures.items() if f.exitcode not in (EXIT_USAGE, -signal.SIGTERM)}
+            if messages and not crashed:
                 return EXIT_USAGE
-            for rank, failure in sorted(e.failures.items()):
+            for rank, failure in sorted((crashed or e.failures).items()):
                 how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-                print(f"scaletrain launch: rank {rank} (pid {failure.pid}) failed with {how}; its output is above", file=sys.stderr)
+                print(
+                    f"scaletrain launch: rank {rank} (pid {failure.pid}) failed with {how}; its output is above", file=sys.stderr
+                )
             return 1
         except SignalException as e:
             print(f"scaletrain launch: stopped by {e.sigval.name}; the workers were stopped too", file=sys.stderr)

@@ -1,8 +1,10 @@
-"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine LR schedule."""
+"""AdamW and its default parameter groups (decay on matrices only), and the warmup + cosine LR schedule."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,19 +12,24 @@ from torch import nn
 from scaletrain.config import TrainConfig
 
 
-def build_adamw(model: nn.Module, cfg: TrainConfig, fused: bool = False) -> torch.optim.AdamW:
-    # Norm gains (1-D) are not decayed: decaying them pulls activations toward zero.
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused or None
-    )
+def decay_groups(weight_decay: float) -> Callable[[nn.Module], list[dict[str, Any]]]:
+    """The default parameter groups (engines.ParamGroups): every trainable parameter, with
+    decoupled weight decay on matrices only. Norm gains (1-D) are not decayed: decaying
+    them pulls activations toward zero."""
+
+    def groups(model: nn.Module) -> list[dict[str, Any]]:
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
+        for p in model.parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    return groups
+
+
+def build_adamw(groups: list[dict[str, Any]], cfg: TrainConfig, fused: bool = False) -> torch.optim.AdamW:
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused or None)
 
 
 def scaled_lr(cfg: TrainConfig, global_batch: int) -> float:

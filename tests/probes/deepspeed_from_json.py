@@ -56,8 +56,12 @@ def main() -> None:
     }
     if engine.fp16_enabled():
         scaler = engine.dynamic_loss_scale_args()
-        live |= {"loss_scale": engine.optimizer.loss_scale, "initial_scale_power": int(math.log2(scaler["init_scale"])),
-                 "loss_scale_window": scaler["scale_window"], "hysteresis": scaler["delayed_shift"]}
+        live |= {
+            "loss_scale": engine.optimizer.loss_scale,
+            "initial_scale_power": int(math.log2(scaler["init_scale"])),
+            "loss_scale_window": scaler["scale_window"],
+            "hysteresis": scaler["delayed_shift"],
+        }
     (Path(args.out) / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(live))
     del engine, optimizer
     torch.distributed.destroy_process_group()

@@ -1,9 +1,9 @@
 """Probe: the full gradients each engine holds after one accumulation window.
 
 Run under torchrun. For each named variant: build the engine exactly as `train` does,
-run the trainer's own `train_step` on this rank's share of one fixed global batch (as
-RankBatches splits it), then assemble the full gradient of every parameter (a collective)
-and the mean loss over ranks. Rank 0 saves {variant: {"loss", "grads"}} to OUT/grads.pt;
+run its `forward_backward` (the trainer's unit of work) on this rank's share of one fixed
+global batch (as RankBatches splits it), then assemble the full gradient of every
+parameter (a collective) and the mean loss over ranks. Rank 0 saves {variant: {"loss", "grads"}} to OUT/grads.pt;
 the test compares it with one plain backward over the whole batch.
 """
 
@@ -23,8 +23,9 @@ from scaletrain.data import RankBatches
 from scaletrain.distributed import init_distributed, shutdown
 from scaletrain.engines import build_engine
 from scaletrain.engines.checkpointing import plain_name
-from scaletrain.models import build_meta_model, materialize, resolve_shape
-from scaletrain.trainer import train_step
+from scaletrain.models import LlamaSpec, resolve_shape
+from scaletrain.optim import decay_groups
+from scaletrain.parallel import dims_for
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 32, 512
 # The model every variant and the test's reference build (tiny preset, seed 0).
@@ -35,7 +36,12 @@ VARIANTS = {
     "ddp": ["parallel.strategy=ddp", "train.micro_batch=2"],
     "ddp_accum": ["parallel.strategy=ddp", "train.micro_batch=1", "train.grad_accum=2"],
     "fsdp": ["parallel.strategy=fsdp", "train.micro_batch=2"],
-    "fsdp_shard_grad_op_accum": ["parallel.strategy=fsdp", "train.micro_batch=1", "train.grad_accum=2", "parallel.reshard_after_forward=false"],
+    "fsdp_shard_grad_op_accum": [
+        "parallel.strategy=fsdp",
+        "train.micro_batch=1",
+        "train.grad_accum=2",
+        "parallel.reshard_after_forward=false",
+    ],
     "fsdp_hybrid_accum": ["parallel.strategy=fsdp", "train.micro_batch=1", "train.grad_accum=2", "parallel.dp_replicate=2"],
     "zero1_accum": ["parallel.strategy=zero1", "train.micro_batch=1", "train.grad_accum=2"],
     "zero2": ["parallel.strategy=zero2", "train.micro_batch=2"],
@@ -80,10 +86,11 @@ def main() -> None:
     results = {}
     for variant in args.variants:
         cfg = load_config([], [*MODEL, *VARIANTS[variant]])
-        shape = resolve_shape(cfg.model)
-        engine = build_engine(build_meta_model(shape, SEQ), world, cfg, lambda m, d: materialize(m, d, cfg.train.seed))
-        batches = RankBatches(FixedBatch(), cfg.train.micro_batch, cfg.train.grad_accum, world.rank, world.world_size)
-        loss = train_step(engine, batches.next_step(), world.device)
+        spec = LlamaSpec(resolve_shape(cfg.model))
+        dims = dims_for(cfg.parallel, world.world_size)
+        engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay))
+        batches = RankBatches(FixedBatch(), cfg.train.micro_batch, cfg.train.grad_accum, dims.dp_rank(world.rank), dims.dp_size)
+        loss = engine.forward_backward(batches.next_step(), spec.loss)
         dist.all_reduce(loss)
         grads = full_grads(engine)
         if world.rank == 0:

@@ -1,10 +1,11 @@
-"""Probe: what mixed precision really does inside one engine, on 2 ranks.
+"""Probe: what mixed precision really does inside each engine, on 2 ranks.
 
 For bf16 and fp16: the dtype the first attention projection computed in (a forward hook
 on the module, through every wrapper), and whether the engine's full weights equal the
 plain model's initialization under their plain names. For fp16 additionally: two steps
 whose loss overflows on rank 1 only, then a clean one, each with the skip flag, the loss
-scale after it and whether any weight changed on this rank. Writes OUT/rank<R>.json.
+scale after it and whether any weight changed on this rank. Writes OUT/rank<R>.json,
+{strategy: {precision: report}}.
 """
 
 from __future__ import annotations
@@ -19,12 +20,27 @@ import torch
 from scaletrain.config import load_config
 from scaletrain.distributed import init_distributed, shutdown
 from scaletrain.engines import build_engine
-from scaletrain.models import build_meta_model, build_model, loss_fn, materialize, resolve_shape
+from scaletrain.models import LlamaSpec, build_model, loss_fn, resolve_shape
 from scaletrain.models.llama import canonical_name
+from scaletrain.optim import decay_groups
+from scaletrain.parallel import dims_for
 
 SEQ = 16
-MODEL = ["model.vocab_size=67", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
-         "model.ffn_dim=48", f"data.seq_len={SEQ}", "train.micro_batch=2", "run.device=cpu"]
+Z3_PARTITION_ALL = "parallel.deepspeed_extra={zero_optimization: {stage3_param_persistence_threshold: 0}}"
+# strategy -> its overrides; FSDP with activation checkpointing (the recompute goes through
+# the mixed-precision casts again).
+ENGINES = {"ddp": [], "fsdp": ["parallel.activation_checkpointing=true"], "zero2": [], "zero3": [Z3_PARTITION_ALL]}
+MODEL = [
+    "model.vocab_size=67",
+    "model.dim=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.ffn_dim=48",
+    f"data.seq_len={SEQ}",
+    "train.micro_batch=2",
+    "run.device=cpu",
+]
 
 
 def forward_dtype(engine) -> dict[str, str]:
@@ -41,10 +57,8 @@ def forward_dtype(engine) -> dict[str, str]:
 
 def step(engine, poison: bool) -> dict:
     tokens = torch.randint(0, 67, (2, SEQ + 1), generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
-    with engine.accumulate(boundary=True):
-        with engine.autocast():
-            loss = loss_fn(engine.model(tokens[:, :-1]), tokens[:, 1:])
-        engine.backward(loss * float("inf") if poison else loss)
+    loss = (lambda out, y: loss_fn(out, y) * float("inf")) if poison else loss_fn
+    engine.forward_backward([(tokens[:, :-1], tokens[:, 1:])], loss)
     before = snapshot(engine)
     stats = engine.step(1e-2)
     after = snapshot(engine)
@@ -63,18 +77,15 @@ def snapshot(engine) -> list[torch.Tensor]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("strategy")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
-    world = init_distributed("cpu", "gloo")
+def probe_engine(strategy: str, world) -> dict:
     report = {}
     for precision in ("bf16", "fp16"):
-        cfg = load_config([], [*MODEL, f"parallel.strategy={args.strategy}", f"precision={precision}", *args.overrides])
+        cfg = load_config(
+            [], [*MODEL, f"parallel.strategy={strategy}", f"precision={precision}", "train.seed=7", *ENGINES[strategy]]
+        )
         shape = resolve_shape(cfg.model)
-        engine = build_engine(build_meta_model(shape, SEQ), world, cfg, lambda m, d: materialize(m, d, 7))
+        spec = LlamaSpec(shape)
+        engine = build_engine(spec, world, dims_for(cfg.parallel, world.world_size), cfg, decay_groups(cfg.train.weight_decay))
         full = engine.full_weights()  # collective; the torch engines fill it on rank 0 only
         r = {}
         if world.rank == 0:  # compared now: unsharded entries may be the live parameters
@@ -91,6 +102,16 @@ def main() -> None:
         report[precision] = r
         del engine, full  # no live DDP model at teardown (gloo may abort); DDP holds cycles
         gc.collect()
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("strategies", nargs="+")
+    args = ap.parse_args()
+    world = init_distributed("cpu", "gloo")
+    report = {strategy: probe_engine(strategy, world) for strategy in args.strategies}
     (Path(args.out) / f"rank{world.rank}.json").write_text(json.dumps(report))
     shutdown(world)
 

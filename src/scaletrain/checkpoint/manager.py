@@ -4,7 +4,8 @@ Layout of `checkpoints/step_<N>/`:
   state/            model + optimizer, written by the engine (torch.distributed.checkpoint for
                     ddp/fsdp; DeepSpeed's own format for ZeRO)
   <engine files>    e.g. deepspeed_config.json: the exact engine settings
-  trainer.json      step, data position (one global sample index), engine extras (loss scaler)
+  trainer.json      step, data position (one global sample index), engine extras (loss scaler),
+                    the stamp {format, engine} (checkpoint/formats.py), model shape, data fingerprint
   rng_rank<R>.pt    each rank's RNG states (tensors and ints only: loads with weights_only)
   config.yaml       the resolved config that produced it
   COMPLETE          written last, after every rank finished: no marker, no checkpoint
@@ -17,17 +18,14 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from scaletrain import faults
 from scaletrain.distributed import World, barrier
-from scaletrain.engines.dcp_state import quiet_single_process
 from scaletrain.errors import UserError
 
 MARKER = "COMPLETE"
@@ -101,31 +99,6 @@ def load_checkpoint(path: Path, world: World, load_state: Callable[[Path], None]
     if trainer_state.get("world_size") == world.world_size and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return trainer_state
-
-
-def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Full (unsharded) model weights of a checkpoint by parameter name, in one process, on CPU.
-
-    Works for any world size the checkpoint was written with: the tensors are allocated
-    from DCP's metadata and DCP fills them from whichever shards hold the pieces. DeepSpeed
-    checkpoints (ZeRO) are reassembled from their fp32 partitions by DeepSpeed's own tool.
-    """
-    if not (path / "state" / ".metadata").is_file():
-        from scaletrain.engines.deepspeed import TAG, read_deepspeed_weights
-
-        if (path / "state" / TAG).is_dir():
-            return read_deepspeed_weights(path / "state")
-        raise UserError(f"{path} holds no model state this version can read (no DCP metadata, no DeepSpeed '{TAG}' tag)")
-    reader = FileSystemReader(str(path / "state"))
-    metadata = reader.read_metadata().state_dict_metadata
-    state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.items()
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
-    }
-    with quiet_single_process():
-        dcp.load(state, storage_reader=reader)
-    return {key.removeprefix("model."): t for key, t in state.items()}
 
 
 def prune(root: Path, keep: int) -> list[Path]:

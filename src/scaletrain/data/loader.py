@@ -57,7 +57,9 @@ class PackedTokens:
         self._lengths = np.array([len(a) for a in self._shards], dtype=np.int64)
         self.total_tokens = int(self._lengths.sum())
         if self.total_tokens != int(m["total_tokens"]):
-            raise UserError(f"{self.dir}: shards hold {self.total_tokens} tokens but {MANIFEST} says {m['total_tokens']}; prepare the data again")
+            raise UserError(
+                f"{self.dir}: shards hold {self.total_tokens} tokens but {MANIFEST} says {m['total_tokens']}; prepare the data again"
+            )
         # The last window needs one token beyond its seq_len inputs (the final target).
         self.samples_per_epoch = (self.total_tokens - 1) // self.seq_len
         if self.samples_per_epoch < 1:
@@ -65,6 +67,8 @@ class PackedTokens:
                 f"{self.dir}: {self.total_tokens} tokens are too few for data.seq_len = {self.seq_len}; "
                 f"accepted: seq_len <= {max(self.total_tokens - 1, 0)} for this data, or more data"
             )
+        # The tokens themselves, not where they came from: the shards' checksums in order.
+        self.fingerprint = hashlib.sha256("".join(s["sha256"] for s in m["shards"]).encode()).hexdigest()[:16]
         # Only the current epoch's permutations are kept: consumers walk indices in order.
         self._epoch: int | None = None
         self._starts = np.zeros(0, dtype=np.int64)
@@ -164,7 +168,9 @@ def _read_manifest(d: Path) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise UserError(f"{path}: not a scaletrain token manifest; accepted: a directory made by `scaletrain data prepare`")
     if m.get("version") != FORMAT_VERSION:
-        raise UserError(f"{path}: manifest version {m.get('version')!r} is not supported; accepted: {FORMAT_VERSION} (prepare the data again)")
+        raise UserError(
+            f"{path}: manifest version {m.get('version')!r} is not supported; accepted: {FORMAT_VERSION} (prepare the data again)"
+        )
     missing = [k for k in ("tokenizer", "vocab_size", "eos_id", "dtype", "shards", "total_tokens") if k not in m]
     if missing:
         raise UserError(f"{path}: manifest lacks {', '.join(missing)}; prepare the data again")

@@ -188,7 +188,9 @@ def prepare_dataset(
     """
     out_dir = Path(out_dir)
     if (out_dir / MANIFEST).exists():
-        raise UserError(f"{out_dir} already holds a prepared dataset ({MANIFEST}); choose another output directory or delete it first")
+        raise UserError(
+            f"{out_dir} already holds a prepared dataset ({MANIFEST}); choose another output directory or delete it first"
+        )
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"output {str(out_dir)!r} exists and is not an empty directory; accepted: a new or empty directory")
     if shard_tokens < 1:
@@ -219,7 +221,9 @@ def prepare_dataset(
     return out_dir
 
 
-def _build(files: list[Path], tmp: Path, vocab_size: int, tokenizer: str | None, text_field: str, shard_tokens: int, show: bool) -> dict[str, Any]:
+def _build(
+    files: list[Path], tmp: Path, vocab_size: int, tokenizer: str | None, text_field: str, shard_tokens: int, show: bool
+) -> dict[str, Any]:
     with _progress(show) as progress:
         if tokenizer is None:
             # total + 1: the last step is the merge phase after all files are read.
@@ -326,7 +330,9 @@ def resolve_dataset_dir(data_cfg: Any) -> tuple[Path, list[str] | None]:
         d = Path(paths[0]).expanduser()
         if (d / MANIFEST).is_file():
             return d, None
-        raise UserError(f"data.paths: {paths[0]!r} is a directory without {MANIFEST}; use a glob such as '{paths[0].rstrip('/')}/**/*.txt' ({ACCEPTED})")
+        raise UserError(
+            f"data.paths: {paths[0]!r} is a directory without {MANIFEST}; use a glob such as '{paths[0].rstrip('/')}/**/*.txt' ({ACCEPTED})"
+        )
     inputs = paths or default_corpus_globs()
     files = expand_inputs(inputs, what="data.paths")
     tok_key: Any = None

@@ -28,7 +28,7 @@ _STDLIB_EXCLUDED = frozenset({"site-packages", "dist-packages", "test", "tests",
 def default_corpus_files() -> list[Path]:
     """The embedded default corpus: the running Python's own standard library sources."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
+    files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         # Prune excluded directories in place: site-packages alone can be far larger than the stdlib.
         dirnames[:] = [d for d in dirnames if d not in _STDLIB_EXCLUDED]
@@ -54,14 +54,18 @@ def expand_inputs(inputs: Iterable[str | Path], what: str = "data.paths") -> lis
         if p.is_file():  # literal paths first: names with [ ] would not survive glob()
             matched = [p]
         elif p.is_dir():
-            raise UserError(f"{what}: {text!r} is a directory without {MANIFEST}; use a glob such as '{text.rstrip('/')}/**/*.txt' ({ACCEPTED})")
+            raise UserError(
+                f"{what}: {text!r} is a directory without {MANIFEST}; use a glob such as '{text.rstrip('/')}/**/*.txt' ({ACCEPTED})"
+            )
         else:
             matched = sorted(Path(m) for m in glob.glob(os.path.expanduser(text), recursive=True) if os.path.isfile(m))
         if not matched:
             raise UserError(f"{what}: {text!r} matches no file; {ACCEPTED}")
         for m in matched:
             if m.suffix.lower() not in SUFFIXES:
-                raise UserError(f"{what}: {str(m)!r} (from {text!r}) has unsupported type {m.suffix or '(no suffix)'!r}; accepted: {', '.join(SUFFIXES)}")
+                raise UserError(
+                    f"{what}: {str(m)!r} (from {text!r}) has unsupported type {m.suffix or '(no suffix)'!r}; accepted: {', '.join(SUFFIXES)}"
+                )
             r = m.resolve()
             if r not in seen:
                 seen.add(r)
@@ -69,7 +73,9 @@ def expand_inputs(inputs: Iterable[str | Path], what: str = "data.paths") -> lis
     return files
 
 
-def iter_documents(files: Sequence[Path], text_field: str = "text", on_file_done: Callable[[], None] | None = None) -> Iterator[str]:
+def iter_documents(
+    files: Sequence[Path], text_field: str = "text", on_file_done: Callable[[], None] | None = None
+) -> Iterator[str]:
     """Every non-empty document of every file, in order: one per .txt file, record or row."""
     for f in files:
         suffix = f.suffix.lower()
@@ -119,7 +125,9 @@ def _parquet_documents(f: Path, field: str) -> Iterator[str]:
         raise UserError(f"{f}: not a readable parquet file ({e}); {ACCEPTED}") from None
     schema = pf.schema_arrow
     if field not in schema.names:
-        raise UserError(f"{f}: parquet file has no column {field!r} (columns: {', '.join(schema.names)}); set data.text_field to the text column")
+        raise UserError(
+            f"{f}: parquet file has no column {field!r} (columns: {', '.join(schema.names)}); set data.text_field to the text column"
+        )
     col_type = schema.field(field).type
     if not (pa.types.is_string(col_type) or pa.types.is_large_string(col_type) or pa.types.is_string_view(col_type)):
         raise UserError(f"{f}: column {field!r} has type {col_type}, accepted: a string column")

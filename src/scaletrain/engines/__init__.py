@@ -2,28 +2,29 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from scaletrain.config import Config
 from scaletrain.distributed import World
-from scaletrain.engines.base import Engine, Materialize, StepStats
+from scaletrain.engines.base import Engine, MicroBatch, ParamGroups, StepStats
+from scaletrain.models.spec import ModelSpec
+from scaletrain.parallel import ParallelDims
 
 
-def build_engine(meta_model: nn.Module, world: World, cfg: Config, materialize: Materialize) -> Engine:
-    """Wrap a meta-device model with the configured engine; the engine materializes it."""
+def build_engine(spec: ModelSpec, world: World, dims: ParallelDims, cfg: Config, param_groups: ParamGroups) -> Engine:
+    """The configured engine around the spec's model; the engine builds and materializes it
+    and optimizes what `param_groups` returns."""
     strategy = cfg.parallel.strategy
     # Imports stay local: each engine pulls in only its own dependencies (DeepSpeed is heavy).
     if strategy == "ddp":
         from scaletrain.engines.ddp import DDPEngine
 
-        return DDPEngine(meta_model, world, cfg, materialize)
+        return DDPEngine(spec, world, dims, cfg, param_groups)
     if strategy == "fsdp":
         from scaletrain.engines.fsdp import FSDPEngine
 
-        return FSDPEngine(meta_model, world, cfg, materialize)
+        return FSDPEngine(spec, world, dims, cfg, param_groups)
     from scaletrain.engines.deepspeed import DeepSpeedEngine
 
-    return DeepSpeedEngine(meta_model, world, cfg, materialize)
+    return DeepSpeedEngine(spec, world, dims, cfg, param_groups)
 
 
-__all__ = ["Engine", "Materialize", "StepStats", "build_engine"]
+__all__ = ["Engine", "MicroBatch", "ParamGroups", "StepStats", "build_engine"]

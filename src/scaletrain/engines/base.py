@@ -3,22 +3,35 @@
 Each engine module owns its quirks (wrapping, precision policy, when gradients are
 synchronised, who clips, how state is saved). No engine inherits from another.
 
-An engine is built from a model on the meta device plus a `Materialize` callback, so it
-decides the order itself: DDP allocates then wraps; FSDP2 shards then allocates only its
+An engine is built from a model spec (the model on the meta device, its blocks, how to
+materialize it), the parallel layout, and the parameter groups the caller wants optimized;
+it decides the order itself: DDP allocates then wraps; FSDP2 shards then allocates only its
 shard; DeepSpeed allocates then hands the module to deepspeed.initialize.
+
+The unit of work is `forward_backward(micro_batches, loss)`: the whole accumulation window
+with its boundary, precision context and backward inside, so that a pipeline schedule (which
+owns forward and backward of all micro-batches), a teacher's outputs in the loss or a
+Hugging Face output object fit without the loop knowing. Then `step(lr)`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-Materialize = Callable[[nn.Module, torch.device], None]
+from scaletrain.models.spec import LossFn
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
+# What the caller optimizes: the model (as the engine holds it, sharded or wrapped) ->
+# torch-style parameter groups. Parameters in no group are not optimized (frozen); a
+# group's "lr_scale" multiplies the scheduled learning rate for it.
+ParamGroups = Callable[[nn.Module], list[dict[str, Any]]]
 
 
 @dataclass
@@ -29,23 +42,27 @@ class StepStats:
 
 
 class Engine(Protocol):
-    name: str
-    model: nn.Module  # what the trainer calls forward on (possibly a wrapper)
+    name: str  # the strategy: ddp | fsdp | zero1 | zero2 | zero3
+    format: str  # what save() writes: "dcp" (torch.distributed.checkpoint) | "deepspeed"
 
-    def accumulate(self, boundary: bool) -> AbstractContextManager[Any]:
-        """Context for one micro-batch's forward+backward; gradients sync only at the boundary."""
-
-    def autocast(self) -> AbstractContextManager[Any]:
-        """Forward-pass precision context."""
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of a loss already divided by the number of micro-batches in the step."""
+    def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn) -> torch.Tensor:
+        """Forward and backward over one accumulation window; gradients are synchronised
+        at its end. Returns this rank's mean loss over the window (on device, no sync)."""
 
     def step(self, lr: float) -> StepStats:
-        """Unscale, clip, optimizer step at `lr`, zero gradients."""
+        """Unscale, clip, optimizer step at `lr` (x each group's lr_scale), zero gradients."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: engine-neutral state, full tensors on CPU on every rank, keyed by plain
+        parameter names: {"model": {name: fp32 tensor}, "optim": {"state.<name>.exp_avg" |
+        ".exp_avg_sq" | ".step": tensor, "param_groups.<name>.<key>": value}} (torch's
+        flattened optimizer layout). Any engine loads any engine's."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Collective: restore what some engine's state_dict gave (weights and optimizer)."""
 
     def save(self, path: Path) -> None:
-        """Collective: write model + optimizer state into directory `path` (created by the engine)."""
+        """Collective, the fast path: write model + optimizer state natively into directory `path`."""
 
     def load(self, path: Path) -> None:
         """Collective: restore what `save` wrote (on any world size the engine supports)."""
@@ -56,7 +73,48 @@ class Engine(Protocol):
     def load_extra_state(self, state: dict[str, Any]) -> None: ...
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Collective: unsharded model weights on CPU by parameter name (export, tests)."""
+        """Collective: unsharded model weights on CPU by parameter name (rank 0 at least; the
+        entries of an unsharded model may be its live parameters: copy before stepping)."""
 
     def checkpoint_files(self) -> dict[str, str]:
         """Extra text files to write beside every checkpoint (name -> content), e.g. the DeepSpeed JSON."""
+
+
+class AccumulationWindow:
+    """The forward_backward of the engines that are not pipelined (ddp, fsdp, zero1-3).
+
+    Needs `model` (what forward is called on), `device`, and the engine's own
+    `accumulate(boundary)` (no gradient sync before the boundary), `autocast()` (forward
+    precision) and `backward(loss)`.
+    """
+
+    model: nn.Module
+    device: torch.device
+
+    def accumulate(self, boundary: bool) -> AbstractContextManager[Any]:
+        raise NotImplementedError
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        n = len(micro_batches)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            with self.accumulate(boundary=i == n - 1):
+                with self.autocast():
+                    value = loss(self.model(inputs), targets)
+                # Mean over the window: every micro-batch holds the same number of tokens.
+                self.backward(value / n)
+            total += value.detach()
+        return total / n
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The scheduled lr on every group, times the group's own lr_scale (default 1)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)

@@ -9,16 +9,15 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 
-def checkpoint_blocks(model: nn.Module) -> None:
+def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
     """Recompute each block's forward during backward instead of keeping its activations.
 
     Apply before any sharding so a recomputed forward goes through the engine's hooks
-    again. The wrapper adds `_checkpoint_wrapped_module` to parameter names; init_weights
-    and get_state_dict both strip it, so checkpoints keep plain names.
+    again. The wrapper adds `_checkpoint_wrapped_module` to parameter names; init and
+    get_state_dict both strip it, so checkpoints keep plain names.
     """
-    layers = model.layers  # type: ignore[attr-defined]
-    for i, block in enumerate(layers):
-        layers[i] = checkpoint_wrapper(block)
+    for i, block in enumerate(blocks):
+        blocks[i] = checkpoint_wrapper(block)
 
 
 def plain_name(name: str) -> str:

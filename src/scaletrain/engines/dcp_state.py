@@ -8,7 +8,6 @@ engine: the resharding the roadmap builds on.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from scaletrain.engines.base import StepStats
+from scaletrain.checkpoint.formats import quiet_single_process
+from scaletrain.engines.base import AccumulationWindow, StepStats, set_lr
 
 
 def save_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -33,31 +34,28 @@ def save_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> 
 
 def load_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     with quiet_single_process():
         dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-class quiet_single_process(warnings.catch_warnings):
-    """DCP warns that it assumes a single process when no process group exists: that is intended."""
-
-    def __enter__(self):  # type: ignore[no-untyped-def]
-        out = super().__enter__()
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        return out
+# Engine-neutral state (Engine.state_dict): full tensors on every rank, plain names,
+# torch's flattened optimizer layout ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr").
+NEUTRAL = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+LOCAL = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class TorchEngineMixin:
+class TorchEngineMixin(AccumulationWindow):
     """Backward, the loss-scaled optimizer step and state handling, shared by the
     torch-native engines (ddp, fsdp).
 
     Not an engine: each engine still owns its wrapping, precision, accumulation and
     `clip_gradients` (plain tensors for DDP, DTensor shards for FSDP2). Needs `model`,
-    `optimizer` and `scaler` (a GradScaler for fp16, else None).
+    `device`, `optimizer` and `scaler` (a GradScaler for fp16, else None).
     """
 
-    model: nn.Module
+    format = "dcp"
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
 
@@ -69,8 +67,7 @@ class TorchEngineMixin:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self, lr: float) -> StepStats:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip_gradients()
@@ -94,6 +91,24 @@ class TorchEngineMixin:
     def load(self, path: Path) -> None:
         load_dcp(self.model, self.optimizer, path)
 
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=NEUTRAL)
+        return {"model": _on_cpu(model_sd), "optim": _on_cpu(optim_sd)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Each rank cuts its own shard from the full tensors (every rank has them, so no
+        # communication) and loads in the engine's own layout. torch's full_state_dict load
+        # path fails on a fresh optimizer (KeyError 'param_groups.0.params.0', torch 2.13).
+        template: dict[str, Any] = get_state_dict(self.model, self.optimizer, options=LOCAL)[0]
+        model_sd: dict[str, Any] = {k: _like(template[k], v) for k, v in state["model"].items() if k in template}
+        optim_sd: dict[str, Any] = {}
+        for key, value in state["optim"].items():
+            fqn = key.split(".", 1)[1].rsplit(".", 1)[0] if key.startswith("state.") else None
+            if fqn in template and isinstance(value, torch.Tensor) and value.dim() > 0:
+                value = _like(template[fqn], value)
+            optim_sd[key] = value
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=LOCAL)
+
     def extra_state(self) -> dict[str, Any]:
         return {"loss_scaler": self.scaler.state_dict()} if self.scaler else {}
 
@@ -103,7 +118,20 @@ class TorchEngineMixin:
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=opts)
+        return dict(get_model_state_dict(self.model, options=opts))  # type: ignore[arg-type]
 
     def checkpoint_files(self) -> dict[str, str]:
         return {}
+
+
+def _like(template: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`full` in the layout of `template`: this rank's shard of a DTensor, else as it is."""
+    if isinstance(template, DTensor):
+        return distribute_tensor(
+            full.to(template.device, template.dtype), template.device_mesh, template.placements, src_data_rank=None
+        )
+    return full.to(template.device, template.dtype)
+
+
+def _on_cpu(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

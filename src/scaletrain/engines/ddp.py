@@ -11,20 +11,23 @@ from torch.nn.parallel import DistributedDataParallel
 
 from scaletrain.config import Config
 from scaletrain.distributed import World
-from scaletrain.engines.base import Materialize
-from scaletrain.engines.checkpointing import checkpoint_blocks
+from scaletrain.engines.base import ParamGroups
+from scaletrain.engines.checkpointing import apply_activation_checkpointing
 from scaletrain.engines.dcp_state import TorchEngineMixin
 from scaletrain.engines.precision import autocast_context, make_loss_scaler
+from scaletrain.models.spec import ModelSpec
 from scaletrain.optim import build_adamw
+from scaletrain.parallel import ParallelDims
 
 
 class DDPEngine(TorchEngineMixin):
     name = "ddp"
 
-    def __init__(self, model: nn.Module, world: World, cfg: Config, materialize: Materialize):
+    def __init__(self, spec: ModelSpec, world: World, dims: ParallelDims, cfg: Config, param_groups: ParamGroups):
+        model = spec.build_meta(cfg.data.seq_len)
         if cfg.parallel.activation_checkpointing:
-            checkpoint_blocks(model)
-        materialize(model, world.device)  # every rank holds the full model
+            apply_activation_checkpointing(spec.blocks(model))
+        spec.materialize(model, world.device, cfg.train.seed)  # every rank holds the full model
         self.module = model
         self.distributed = world.distributed
         if world.distributed:
@@ -37,7 +40,7 @@ class DDPEngine(TorchEngineMixin):
         self.device = world.device
         self.precision = cfg.precision
         self.clip_grad = cfg.train.clip_grad
-        self.optimizer = build_adamw(model, cfg.train, fused=world.device.type == "cuda")
+        self.optimizer = build_adamw(param_groups(model), cfg.train, fused=world.device.type == "cuda")
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
 
     def accumulate(self, boundary: bool) -> Any:
@@ -45,12 +48,12 @@ class DDPEngine(TorchEngineMixin):
         # accumulate locally and the boundary backward reduces the sum once.
         if boundary or not self.distributed:
             return nullcontext()
-        return self.model.no_sync()
+        return self.model.no_sync()  # type: ignore[operator]
 
     def autocast(self) -> Any:
         return autocast_context(self.precision, self.device)
 
     def clip_gradients(self) -> torch.Tensor:
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, foreach=True)
-
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)

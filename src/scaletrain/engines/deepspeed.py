@@ -10,12 +10,11 @@ an accumulation window ends (the trainer says so per micro-batch).
 
 from __future__ import annotations
 
-import atexit
 import copy
 import logging
 import os
 import warnings
-from contextlib import nullcontext, redirect_stderr, redirect_stdout
+from contextlib import nullcontext, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -23,31 +22,34 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scaletrain.checkpoint.formats import DEEPSPEED_TAG
 from scaletrain.config import Config
-from scaletrain.distributed import World
-from scaletrain.engines.base import Materialize, StepStats
-from scaletrain.engines.checkpointing import checkpoint_blocks, plain_name
+from scaletrain.distributed import World, ensure_process_group
+from scaletrain.engines.base import AccumulationWindow, ParamGroups, StepStats, set_lr
+from scaletrain.engines.checkpointing import apply_activation_checkpointing, plain_name
 from scaletrain.engines.deepspeed_config import build_deepspeed_config, to_json
 from scaletrain.errors import UserError
-from scaletrain.optim import build_adamw
+from scaletrain.models.spec import ModelSpec
+from scaletrain.parallel import ParallelDims
 
 CONFIG_FILE = "deepspeed_config.json"
-# DeepSpeed writes each checkpoint into <dir>/<tag>/; one fixed tag because our step
-# directories already name the step, and no "latest" file: our COMPLETE marker decides.
-TAG = "zero"
+TAG = DEEPSPEED_TAG
 
 
-class DeepSpeedEngine:
-    def __init__(self, model: nn.Module, world: World, cfg: Config, materialize: Materialize):
+class DeepSpeedEngine(AccumulationWindow):
+    format = "deepspeed"
+
+    def __init__(self, spec: ModelSpec, world: World, dims: ParallelDims, cfg: Config, param_groups: ParamGroups):
         self.name = cfg.parallel.strategy
-        self.world_size = world.world_size
+        self.dp_size = dims.dp_size
+        self.device = world.device
         self.precision = cfg.precision
         # First, before anything slow: a conflicting deepspeed_extra key stops here.
-        self.ds_config = build_deepspeed_config(cfg, world.world_size)
+        self.ds_config = build_deepspeed_config(cfg, dims.dp_size)
         self._config_json = to_json(self.ds_config)
 
         deepspeed = _import_deepspeed(world.device)
-        _ensure_process_group(world)
+        ensure_process_group(world)
         # It adopts the existing group. It also print()s a line on every start (its shared-
         # memory comm op was loaded); stdout is our progress display, so that line goes.
         with open(os.devnull, "w") as sink, redirect_stdout(sink):
@@ -55,19 +57,16 @@ class DeepSpeedEngine:
         if cfg.precision == "fp16" and world.device.type == "cpu":
             _allow_fp16_on_cpu()
 
+        model = spec.build_meta(cfg.data.seq_len)
         if cfg.parallel.activation_checkpointing:
-            checkpoint_blocks(model)  # torch's per-block checkpointing; ZeRO-3 re-gathers on recompute
-        materialize(model, world.device)  # the full model on every rank; ZeRO partitions it below
+            apply_activation_checkpointing(spec.blocks(model))  # ZeRO-3 re-gathers on recompute
+        spec.materialize(model, world.device, cfg.train.seed)  # the full model on every rank; ZeRO partitions it below
         self.module = model
-        # The weight-decay grouping (none on 1-D norm gains) comes from the one place that
-        # defines it; DeepSpeed's optimizer takes the groups, lr/betas/eps from the JSON.
-        groups = [
-            {"params": g["params"], "weight_decay": g["weight_decay"]}
-            for g in build_adamw(model, cfg.train).param_groups
-        ]
-        # A copy: DeepSpeed may normalise the dict it is given; the saved JSON stays what we built.
+        # DeepSpeed's optimizer takes the caller's groups; lr/betas/eps come from the JSON.
+        # A copy of the config: DeepSpeed may normalise the dict it is given; the saved JSON
+        # stays what we built.
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=groups, config=copy.deepcopy(self.ds_config)
+            model=model, model_parameters=param_groups(model), config=copy.deepcopy(self.ds_config)
         )
         self.model: nn.Module = self.ds  # forward through the engine: its hooks gather ZeRO-3 params
 
@@ -89,8 +88,7 @@ class DeepSpeedEngine:
         self.ds.backward(loss, scale_wrt_gas=False)
 
     def step(self, lr: float) -> StepStats:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.ds.step()  # unscale, overflow check, clip, optimizer step, zero grads
         skipped = not self.ds.was_step_applied()
         # DeepSpeed's global norm (before clipping, after unscaling), summed over all ranks'
@@ -113,16 +111,14 @@ class DeepSpeedEngine:
                 f"checkpoint {path.parent} holds no DeepSpeed ZeRO state (state/{TAG}/), so another engine wrote it; "
                 "accepted: resuming it with the parallel.strategy that wrote it, or a new run.dir"
             )
-        if saved != self.world_size:
+        if saved != self.dp_size:
             raise UserError(
-                f"checkpoint {path.parent} was written by DeepSpeed ZeRO on {saved} ranks and resumes only on "
-                f"{saved}, not {self.world_size}; accepted: the same number of ranks, or a new run.dir"
+                f"checkpoint {path.parent} was written by DeepSpeed ZeRO on {saved} data-parallel ranks and resumes only on "
+                f"{saved}, not {self.dp_size}; accepted: the same number of ranks, or a new run.dir"
             )
         # load_from_fp32_weights (DeepSpeed's default) restores the exact fp32 master
         # partitions, so the resumed run continues bit-exactly.
-        loaded, _ = self.ds.load_checkpoint(
-            str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
+        loaded, _ = self.ds.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
         if loaded is None:
             raise UserError(f"checkpoint {path.parent}: DeepSpeed could not load state/{TAG}/ (see its warning above)")
         _replay_cpu_adam_steps(self.ds.basic_optimizer)
@@ -136,6 +132,102 @@ class DeepSpeedEngine:
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         pass  # DeepSpeed's load_checkpoint already restored the scaler (see extra_state)
+
+    def state_dict(self) -> dict[str, Any]:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        # The fp32 masters and moments, assembled from every rank's partition (collective),
+        # in the layout torch's get_state_dict gives (see engines.base.Engine.state_dict).
+        model: dict[str, torch.Tensor] = {}
+        optim: dict[str, Any] = {}
+        stepped = self._link_optimizer_state(create=False)
+        step = torch.tensor(float(_optimizer_step(self.ds.basic_optimizer)))
+        first = self._first_names()
+        for name, param in self._named_parameters():
+            model[name] = safe_get_full_fp32_param(param).detach().float().cpu().clone()
+            if name in first:
+                if stepped:  # as torch: no moments before the first step
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        optim[f"state.{name}.{key}"] = safe_get_full_optimizer_state(param, key).detach().float().cpu().clone()
+                    optim[f"state.{name}.step"] = step.clone()
+                for key, value in self._group_settings(param).items():
+                    optim[f"param_groups.{name}.{key}"] = value
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        params = dict(self._named_parameters())
+        self._link_optimizer_state(create=True)
+        # The forward's own copy (16-bit, or the fp32 module parameter at ZeRO-1/2) from the
+        # full value; ZeRO-3 gathers it, and re-partitions rank 0's on leaving the context.
+        with GatheredParameters(list({id(p): p for p in params.values()}.values()), modifier_rank=0):
+            for name, param in params.items():
+                param.data.copy_(state["model"][name].to(param.dtype))
+        first = self._first_names()
+        for name, param in params.items():
+            if name not in first:
+                continue
+            safe_set_full_fp32_param(param, state["model"][name].to(self.device))
+            group = self._group_of(param)
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                group[key] = state["optim"].get(f"param_groups.{name}.{key}", group[key])
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(param, state["optim"][f"state.{name}.{key}"].to(self.device), key)
+        steps = {float(v) for k, v in state["optim"].items() if k.endswith(".step")}
+        if len(steps) != 1:
+            raise ValueError(f"DeepSpeed keeps one optimizer step for all parameters; the state holds {sorted(steps)}")
+        _set_optimizer_step(self.ds.basic_optimizer, int(steps.pop()))
+        _replay_cpu_adam_steps(self.ds.basic_optimizer)
+
+    def _link_optimizer_state(self, create: bool) -> bool:
+        """Make every parameter's view of its optimizer state valid; False if there is none.
+
+        DeepSpeed's optimizer state appears at the first step. DeepSpeed 0.19.8 then links
+        each parameter to its slice of the state right after the first group has stepped,
+        so the parameters of later groups stay linked to nothing (safe_get_full_optimizer_state
+        raises): link again. `create` gives a fresh engine zero state to load into.
+        """
+        basic = self.ds.basic_optimizer
+        # The fp32 partitions the optimizer steps (ZeRO-3 puts them into its groups only
+        # for the length of a step).
+        flat = getattr(self.optimizer, "single_partition_of_fp32_groups", None) or self.optimizer.fp32_partitioned_groups_flat
+        if not all("exp_avg" in basic.state[p] for p in flat):
+            if not create:
+                return False
+            for p in flat:
+                basic.state[p].update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        if hasattr(self.optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 (stage 3 looks its state up)
+            self.optimizer._hp_optimizer_states_linked = False
+            self.optimizer._lazy_init_hp_params_optimizer_state()
+        return True
+
+    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter by plain name, a tied one under each of its names (as state_dict)."""
+        return [(plain_name(n), p) for n, p in self.module.named_parameters(remove_duplicate=False)]
+
+    def _first_names(self) -> set[str]:
+        """The name the optimizer state goes under: a tied parameter's first name (as torch)."""
+        return {plain_name(n) for n, _ in self.module.named_parameters()}
+
+    def _group_of(self, param: nn.Parameter) -> dict[str, Any]:
+        # DeepSpeed's optimizer groups hold flat partitions; its per-group lists of module
+        # parameters say which group a parameter is in (bit16_groups: ZeRO-1/2, fp16_groups: 3).
+        groups = getattr(self.optimizer, "bit16_groups", None) or self.optimizer.fp16_groups
+        index = next(i for i, members in enumerate(groups) if any(p is param for p in members))
+        return self.optimizer.param_groups[index]
+
+    def _group_settings(self, param: nn.Parameter) -> dict[str, Any]:
+        group = self._group_of(param)
+        # torch AdamW's group keys, so that a torch engine loads these groups as they are.
+        return {
+            "lr": group["lr"],
+            "betas": tuple(group["betas"]),
+            "eps": group["eps"],
+            "weight_decay": group["weight_decay"],
+            **_TORCH_ADAMW_FLAGS,
+        }
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_fp32_param
@@ -156,19 +248,29 @@ class DeepSpeedEngine:
         return {CONFIG_FILE: self._config_json}
 
 
-def read_deepspeed_weights(state_dir: Path) -> dict[str, torch.Tensor]:
-    """Full fp32 model weights by parameter name from what `save` wrote into `state_dir`.
+# The AdamW group settings torch has and DeepSpeed does not (torch 2.13 defaults).
+_TORCH_ADAMW_FLAGS = {
+    "amsgrad": False,
+    "foreach": None,
+    "maximize": False,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+    "decoupled_weight_decay": True,
+}
 
-    One process, no process group, CPU only: DeepSpeed's zero_to_fp32 reassembles the
-    fp32 master partitions of every rank from the optimizer-state files.
-    """
-    _import_deepspeed(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    # It reports progress with print() and tqdm: a library call should not.
-    with open(os.devnull, "w") as sink, redirect_stdout(sink), redirect_stderr(sink):
-        state = get_fp32_state_dict_from_zero_checkpoint(str(state_dir), tag=TAG)
-    return {plain_name(name): t.float().contiguous() for name, t in state.items()}
+def _optimizer_step(optimizer: Any) -> int:
+    steps = {int(s["step"]) for s in optimizer.state.values() if "step" in s}
+    return steps.pop() if len(steps) == 1 else 0
+
+
+def _set_optimizer_step(optimizer: Any, step: int) -> None:
+    for state in optimizer.state.values():
+        if "step" in state:
+            state["step"] = (
+                type(state["step"])(step) if not isinstance(state["step"], torch.Tensor) else torch.full_like(state["step"], step)
+            )
 
 
 def _import_deepspeed(device: torch.device) -> Any:
@@ -200,23 +302,6 @@ def _allow_fp16_on_cpu() -> None:
     accelerator = get_accelerator()
     if not accelerator.is_fp16_supported():
         accelerator.is_fp16_supported = lambda: True
-
-
-def _ensure_process_group(world: World) -> None:
-    """DeepSpeed needs a process group even for one rank: give a single process its own.
-
-    Multi-rank runs already have one from scaletrain.distributed.init_distributed, which
-    deepspeed.init_distributed adopts. For a world of one, an in-memory store makes a
-    group of one without a port or launcher environment (DeepSpeed still reads LOCAL_RANK).
-    """
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-    if dist.is_initialized():
-        return
-    backend = "nccl" if world.device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    # The trainer's shutdown only tears down groups it created (world.distributed); this one is ours.
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
 def _replay_cpu_adam_steps(optimizer: Any) -> None:

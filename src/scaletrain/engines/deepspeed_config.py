@@ -1,6 +1,6 @@
 """The DeepSpeed JSON, generated from our config so that there is only one place to set anything.
 
-`build_deepspeed_config` is a pure function of (Config, world size): unit-testable without
+`build_deepspeed_config` is a pure function of (Config, data-parallel size): unit-testable without
 processes, and what the engine passes to deepspeed.initialize and saves beside every
 checkpoint. `parallel.deepspeed_extra` merges in for DeepSpeed settings we have no key for;
 touching a value we set is an error, because two configs that can disagree are the bug this
@@ -27,7 +27,7 @@ STEPS_PER_PRINT = 1_000_000_000
 _OUR_KEYS = {
     "train_micro_batch_size_per_gpu": "train.micro_batch",
     "gradient_accumulation_steps": "train.grad_accum",
-    "train_batch_size": "train.micro_batch x train.grad_accum x the number of ranks",
+    "train_batch_size": "train.micro_batch x train.grad_accum x the data-parallel size",
     "gradient_clipping": "train.clip_grad",
     "optimizer.params.lr": "train.lr (the schedule sets it every step)",
     "optimizer.params.betas": "train.adam_beta1 / train.adam_beta2",
@@ -48,7 +48,7 @@ _OUR_KEYS = {
 }
 
 
-def build_deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
+def build_deepspeed_config(cfg: Config, dp_size: int) -> dict[str, Any]:
     """The complete DeepSpeed config for this run, `parallel.deepspeed_extra` merged in."""
     p, t = cfg.parallel, cfg.train
     if p.strategy not in ZERO_STAGES:
@@ -76,7 +76,7 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     generated: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": t.grad_accum,
-        "train_batch_size": t.micro_batch * t.grad_accum * world_size,
+        "train_batch_size": t.micro_batch * t.grad_accum * dp_size,
         # 0.0 is DeepSpeed's "no clipping" too, so the value is always written and comparable.
         "gradient_clipping": float(t.clip_grad),
         # DeepSpeed builds the optimizer itself: FusedAdam, or DeepSpeedCPUAdam when the
@@ -150,7 +150,8 @@ def _same(ours: Any, theirs: Any) -> bool:
 def _conflict_message(dotted: str, ours: Any, theirs: Any) -> str:
     source = _OUR_KEYS.get(dotted)
     fix = (
-        f"change {source} instead" if source
+        f"change {source} instead"
+        if source
         else "scaletrain fixes this setting (no config key); remove it from parallel.deepspeed_extra"
     )
     return (

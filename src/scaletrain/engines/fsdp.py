@@ -8,15 +8,14 @@ and only then materialized, so no rank ever allocates the full model.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 from collections import defaultdict
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -27,57 +26,57 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from scaletrain.config import Config
-from scaletrain.distributed import World
-from scaletrain.engines.base import Materialize
-from scaletrain.engines.checkpointing import checkpoint_blocks
+from scaletrain.distributed import World, ensure_process_group
+from scaletrain.engines.base import ParamGroups
+from scaletrain.engines.checkpointing import apply_activation_checkpointing
 from scaletrain.engines.dcp_state import TorchEngineMixin
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
-from scaletrain.errors import UserError
+from scaletrain.models.spec import ModelSpec
 from scaletrain.optim import build_adamw
+from scaletrain.parallel import ParallelDims
 
 
 class FSDPEngine(TorchEngineMixin):
     name = "fsdp"
 
-    def __init__(self, model: nn.Module, world: World, cfg: Config, materialize: Materialize):
+    def __init__(self, spec: ModelSpec, world: World, dims: ParallelDims, cfg: Config, param_groups: ParamGroups):
         par = cfg.parallel
-        mesh = _mesh(world, par.dp_replicate)
+        ensure_process_group(world)  # fully_shard needs one even for a single rank
+        mesh = dims.fsdp_mesh(world.device)
         offload = par.offload_params == "cpu"
+        model = spec.build_meta(cfg.data.seq_len)
+        blocks = spec.blocks(model)
         if par.activation_checkpointing:
             # Before fully_shard, so the recomputed forward re-gathers the block's parameters
             # through FSDP's hooks; state-dict names stay plain (tests check).
-            checkpoint_blocks(model)
+            apply_activation_checkpointing(blocks)
 
         # Parameters that share one tensor (the tied embedding / output head) must stay one
         # parameter through sharding and materialization, or the head silently unties.
         tied = _shared_parameter_names(model)
-
-        kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=_mp_policy(cfg.precision))
-        # pin_memory needs an accelerator; on a CPU-only run the copies are host to host anyway.
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=world.device.type == "cuda") if offload else OffloadPolicy()
-        n = len(model.layers)
-        for i, block in enumerate(model.layers):
-            # Backward starts with the last block: resharding it after forward would only
-            # free its parameters for the length of the loss and all-gather them again.
-            fully_shard(block, reshard_after_forward=par.reshard_after_forward and i < n - 1, **kwargs)
-        # The root owns what the blocks do not: embedding, final norm, head. A tied weight is
-        # thus one parameter of one FSDP unit, gathered and reduced once. The root is never
-        # resharded after forward for the same reason as the last block (its head runs last).
-        fully_shard(model, reshard_after_forward=False, **kwargs)
+        apply_fsdp(
+            model,
+            blocks,
+            mesh,
+            cfg.precision,
+            par.reshard_after_forward,
+            CPUOffloadPolicy(pin_memory=world.device.type == "cuda") if offload else OffloadPolicy(),
+        )
 
         # DTensor parameters are swapped in place by to_empty (wrapper subclasses always use
         # swap_tensors), so the tied Parameter object survives; checked, not assumed.
         # Offloaded shards (and the optimizer step on them) live in host memory; FSDP copies
         # them to the compute device for each all-gather.
-        materialize(model, torch.device("cpu") if offload else world.device)
+        spec.materialize(model, torch.device("cpu") if offload else world.device, cfg.train.seed)
         _check_still_shared(model, tied)
 
         self.model: nn.Module = model
         self.fsdp: FSDPModule = model  # type: ignore[assignment]
+        self.device = world.device
         self.clip_grad = cfg.train.clip_grad
         # AdamW sees the sharded DTensor parameters: optimizer state is sharded the same way.
         fused = world.device.type == "cuda" and not offload
-        self.optimizer = build_adamw(model, cfg.train, fused=fused)
+        self.optimizer = build_adamw(param_groups(model), cfg.train, fused=fused)
         # torch.amp.GradScaler is enough for DTensor gradients: DTensor's handler for
         # _amp_foreach_non_finite_check_and_unscale_ all-reduces found_inf (max) over the
         # mesh, so every rank takes the same skip decision. ShardedGradScaler is for FSDP1.
@@ -104,7 +103,7 @@ class FSDPEngine(TorchEngineMixin):
     def clip_gradients(self) -> torch.Tensor:
         # The norm of sharded gradients is a partial DTensor; full_tensor() reduces it once
         # (one collective, no host sync) and the plain total then scales each local shard.
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         grads = [p.grad for p in params]
         total = torch.nn.utils.get_total_norm(grads, foreach=True)
         if isinstance(total, DTensor):
@@ -114,30 +113,20 @@ class FSDPEngine(TorchEngineMixin):
         return total
 
 
-
-def _mesh(world: World, dp_replicate: int) -> DeviceMesh:
-    """1-D shard mesh, or 2-D (replicate x shard) for hybrid sharding."""
-    size = world.world_size
-    if size % dp_replicate:
-        divisors = [d for d in range(1, size + 1) if size % d == 0]
-        raise UserError(
-            f"parallel.dp_replicate={dp_replicate} must divide the world size {size} (hybrid sharding: "
-            f"dp_replicate x shard group size = world size); accepted: {', '.join(map(str, divisors))}"
-        )
-    if not world.distributed:
-        _single_rank_group(world.device)
-    if dp_replicate == 1:
-        return init_device_mesh(world.device.type, (size,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(world.device.type, (dp_replicate, size // dp_replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
-
-
-def _single_rank_group(device: torch.device) -> None:
-    # fully_shard needs a process group even for one process (e.g. to offload parameters on
-    # one GPU): a private in-memory store, no ports. Destroyed at exit like the launcher's.
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+def apply_fsdp(
+    model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, precision: str, reshard_after_forward: bool, offload: OffloadPolicy
+) -> None:
+    """Each block one FSDP unit (gathered just before it runs, freed after), the root the rest."""
+    kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=_mp_policy(precision), offload_policy=offload)
+    n = len(blocks)
+    for i, block in enumerate(blocks):
+        # Backward starts with the last block: resharding it after forward would only
+        # free its parameters for the length of the loss and all-gather them again.
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < n - 1, **kwargs)
+    # The root owns what the blocks do not: embedding, final norm, head. A tied weight is
+    # thus one parameter of one FSDP unit, gathered and reduced once. The root is never
+    # resharded after forward for the same reason as the last block (its head runs last).
+    fully_shard(model, reshard_after_forward=False, **kwargs)
 
 
 def _mp_policy(precision: str) -> MixedPrecisionPolicy:

@@ -1,12 +1,17 @@
-"""Model definitions: Llama-style decoder, shape presets, parameter and FLOP arithmetic."""
+"""Models: the spec protocol engines and the planner use, the built-in Llama, its shapes."""
 
 from scaletrain.models.llama import Llama, TransformerBlock, build_meta_model, build_model, loss_fn, materialize
-from scaletrain.models.presets import PRESETS, ModelShape, count_params, flops_per_token, resolve_shape
+from scaletrain.models.presets import PRESETS, ModelShape, resolve_shape
+from scaletrain.models.spec import LlamaSpec, LossFn, ModelCounts, ModelSpec, count_params, flops_per_token
 
 __all__ = [
     "PRESETS",
     "Llama",
+    "LlamaSpec",
+    "LossFn",
+    "ModelCounts",
     "ModelShape",
+    "ModelSpec",
     "TransformerBlock",
     "build_meta_model",
     "build_model",

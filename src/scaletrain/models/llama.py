@@ -71,9 +71,7 @@ class Attention(nn.Module):
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, hd]
         # enable_gqa lets the fused kernels read each kv head for its group of query heads
         # instead of materializing repeated copies of k and v.
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -104,6 +102,9 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, shape: ModelShape, max_seq_len: int):
         super().__init__()
         if max_seq_len < 1:
@@ -183,9 +184,9 @@ def _param_seed(seed: int, name: str) -> int:
 
 def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a full-size CPU tensor into `param`, which may be a sharded DTensor (FSDP2)."""
-    if hasattr(param, "device_mesh") and hasattr(param, "placements"):
-        from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
+    if isinstance(param, DTensor):
         # Every rank generated the same full tensor, so each keeps its own shard:
         # src_data_rank=None means no communication.
         local_device = param.to_local().device

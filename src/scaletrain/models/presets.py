@@ -1,8 +1,8 @@
-"""Model shapes: named presets, config overrides, parameter counts and FLOPs.
+"""Model shapes: named presets and config overrides, checked.
 
-Everything here is arithmetic on a `ModelShape`; nothing allocates a model, so the
-planner can reason about 70B shapes on a laptop. The big presets copy the published
-Llama configurations so that their counts match the published totals (tests check this).
+Nothing here allocates a model. The big presets copy the published Llama configurations,
+so their parameter counts (models/spec.py, from the meta-device model) match the
+published totals (tests check this).
 """
 
 from __future__ import annotations
@@ -32,22 +32,76 @@ class ModelShape:
 
 # vocab_size None: the CPU presets take the vocabulary of the tokenizer trained for the run.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(vocab_size=None, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
-                 tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5),
-    "small": dict(vocab_size=None, dim=256, n_layers=6, n_heads=8, n_kv_heads=4, ffn_dim=704,
-                  tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5),
+    "tiny": dict(
+        vocab_size=None,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=384,
+        tie_embeddings=True,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+    ),
+    "small": dict(
+        vocab_size=None,
+        dim=256,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=704,
+        tie_embeddings=True,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+    ),
     # Llama-3.2-1B: 1.24B parameters.
-    "1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-               tie_embeddings=True, rope_theta=500000.0, norm_eps=1e-5),
+    "1b": dict(
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        tie_embeddings=True,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+    ),
     # Llama-2-7B: 6.74B parameters (multi-head attention, no GQA).
-    "7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008,
-               tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-5),
+    "7b": dict(
+        vocab_size=32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        ffn_dim=11008,
+        tie_embeddings=False,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+    ),
     # Llama-3-8B: 8.03B parameters.
-    "8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-               tie_embeddings=False, rope_theta=500000.0, norm_eps=1e-5),
+    "8b": dict(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        tie_embeddings=False,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+    ),
     # Llama-3-70B: 70.6B parameters.
-    "70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                tie_embeddings=False, rope_theta=500000.0, norm_eps=1e-5),
+    "70b": dict(
+        vocab_size=128256,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=28672,
+        tie_embeddings=False,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+    ),
 }
 
 _SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "rope_theta", "norm_eps")
@@ -92,8 +146,7 @@ def _check(s: ModelShape) -> None:
     good_heads = [h for h in range(1, s.dim + 1) if s.dim % h == 0 and (s.dim // h) % 2 == 0]
     if s.dim % s.n_heads != 0:
         raise UserError(
-            f"model.n_heads={s.n_heads} does not divide model.dim={s.dim}; "
-            f"choose n_heads among {_listing(good_heads)}"
+            f"model.n_heads={s.n_heads} does not divide model.dim={s.dim}; choose n_heads among {_listing(good_heads)}"
         )
     if s.head_dim % 2 != 0:
         raise UserError(
@@ -111,42 +164,3 @@ def _check(s: ModelShape) -> None:
 def _listing(values: list[int], limit: int = 8) -> str:
     shown = ", ".join(str(v) for v in values[:limit])
     return shown + (", ..." if len(values) > limit else "")
-
-
-def count_params(shape: ModelShape) -> dict[str, int]:
-    """Parameter counts of `Llama(shape)`, without building it.
-
-    total: every distinct parameter (a tied head is counted once, as the embedding).
-    embedding: the token embedding table. output: the untied output head (0 when tied).
-    non_embedding: total minus embedding and output, i.e. the transformer blocks and norms.
-    """
-    d, hd = shape.dim, shape.head_dim
-    attn = d * shape.n_heads * hd * 2 + d * shape.n_kv_heads * hd * 2  # wq, wo; wk, wv
-    mlp = 3 * d * shape.ffn_dim  # w1, w3, w2
-    norms = 2 * d  # attention_norm, ffn_norm
-    per_layer = attn + mlp + norms
-    embedding = shape.vocab_size * d
-    output = 0 if shape.tie_embeddings else shape.vocab_size * d
-    non_embedding = shape.n_layers * per_layer + d  # + final norm
-    return {
-        "total": embedding + output + non_embedding,
-        "embedding": embedding,
-        "output": output,
-        "non_embedding": non_embedding,
-    }
-
-
-def flops_per_token(shape: ModelShape, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token, the PaLM / Chinchilla convention.
-
-    6 * N, where N counts every parameter used in a matmul: the blocks' projections and the
-    output head (counted even when tied to the embedding, since the head is still a matmul),
-    but not the embedding lookup (a gather) nor the norm weights (elementwise). Plus the
-    attention scores and the weighted sum of values: 12 * n_layers * dim * seq_len per token
-    (2 matmuls of 2 * seq_len * dim FLOPs each, x3 for the backward pass), counted over the
-    full sequence without halving for the causal mask.
-    """
-    c = count_params(shape)
-    norm_params = (2 * shape.n_layers + 1) * shape.dim
-    matmul_params = c["non_embedding"] - norm_params + shape.vocab_size * shape.dim
-    return float(6 * matmul_params + 12 * shape.n_layers * shape.dim * seq_len)

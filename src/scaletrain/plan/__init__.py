@@ -1,18 +1,22 @@
-"""The planner: memory by component, communication and time for every strategy, and the choice."""
+"""The planner: memory by component, communication and time for every strategy, and the choice.
+
+Pure arithmetic over a model spec and a layout (tracing on fake tensors included): no
+process group, no engine, no training loop; those use the planner, never the reverse.
+"""
 
 from __future__ import annotations
 
 from scaletrain.config import Config
-from scaletrain.models.presets import PRESETS, ModelShape, resolve_shape
+from scaletrain.models import PRESETS, LlamaSpec, ModelSpec, resolve_shape
 from scaletrain.plan.memory import Memory, Setup, estimate
 from scaletrain.plan.planner import Candidate, Plan, make_plan
 
 
-def planning_shape(cfg: Config) -> ModelShape:
-    """The model shape to plan for before any tokenizer exists: the preset's vocabulary,
-    or (CPU presets) the size of the tokenizer the run would train."""
+def planning_spec(cfg: Config) -> ModelSpec:
+    """The model to plan for before any tokenizer exists: the preset's vocabulary, or (CPU
+    presets) the size of the tokenizer the run would train."""
     has_vocab = cfg.model.vocab_size is not None or PRESETS[cfg.model.preset]["vocab_size"] is not None
-    return resolve_shape(cfg.model, None if has_vocab else cfg.data.vocab_size)
+    return LlamaSpec(resolve_shape(cfg.model, None if has_vocab else cfg.data.vocab_size))
 
 
-__all__ = ["Candidate", "Memory", "Plan", "Setup", "estimate", "make_plan", "planning_shape"]
+__all__ = ["Candidate", "Memory", "Plan", "Setup", "estimate", "make_plan", "planning_spec"]

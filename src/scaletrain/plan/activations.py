@@ -1,27 +1,27 @@
 """Activation memory derived from the real model code, not from a hand formula.
 
-One transformer block, and the head (final norm, output projection, loss), run forward on
+One block of the model, and its head (final norm, output projection, loss), both from the
+model's spec, run forward on
 fake tensors (FakeTensorMode: shapes, dtypes and kernel choice as on a real CPU, no
 memory). A saved-tensors hook records every tensor autograd keeps for backward; views of
 the same tensor count once. The numbers therefore follow whatever the block does: SwiGLU
 width, grouped-query heads, fp32 norms, the SDPA kernel (flash keeps only a log-sum-exp,
 not the T x T scores), autocast's low-precision copies of inputs and weights.
 
-Checked against real CPU tensors: identical byte counts (tests/test_plan_memory.py).
+Checked against real CPU tensors: identical byte counts (tests/test_plan.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from scaletrain.models.llama import RMSNorm, TransformerBlock, loss_fn, rope_tables
-from scaletrain.models.presets import ModelShape
+from scaletrain.models.spec import ModelSpec
 
 # How the engine runs the forward, which decides what dtype everything is saved in:
 #   fp32      everything fp32
@@ -97,10 +97,12 @@ def _dtypes(regime: str, low: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
 # (tests/test_plan.py checks the extrapolation against direct traces).
 
 
-def block_activations(shape: ModelShape, micro_batch: int, seq_len: int, regime: str, low: torch.dtype = torch.bfloat16) -> BlockActivations:
-    one, two = (_traced_block(shape, b, seq_len, regime, low) for b in (1, 2))
+def block_activations(
+    model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype = torch.bfloat16
+) -> BlockActivations:
+    one, two = (_traced_block(model, b, seq_len, regime, low) for b in (1, 2))
     saved, weights = (_linear(a, b, micro_batch) for a, b in zip(one, two))
-    block_input = micro_batch * seq_len * shape.dim * _dtypes(regime, low)[1].itemsize
+    block_input = micro_batch * seq_len * model.hidden_size * _dtypes(regime, low)[1].itemsize
     return BlockActivations(saved=saved, weight_copies=weights, block_input=block_input)
 
 
@@ -109,41 +111,41 @@ def _linear(at_one: int, at_two: int, n: int) -> int:
 
 
 @lru_cache(maxsize=256)
-def _traced_block(shape: ModelShape, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> tuple[int, int]:
+def _traced_block(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> tuple[int, int]:
     param_dtype, act_dtype = _dtypes(regime, low)
     with FakeTensorMode():
         with _default_dtype(param_dtype):
-            block = TransformerBlock(shape)
+            block, extra = model.traced_block(seq_len)
         _WEIGHT_SHAPES.clear()
         _WEIGHT_SHAPES.update(tuple(p.shape) for p in block.parameters() if p.dim() == 2)
-        cos, sin = rope_tables(shape.head_dim, seq_len, shape.rope_theta)
         # A non-leaf input, as in the real model where each block's input is the previous
         # block's output: the block saves it (for its first norm) and it must be counted.
-        x = torch.empty(micro_batch, seq_len, shape.dim, dtype=act_dtype, requires_grad=True).clone()
-        return _trace_saved(lambda: block(x, cos, sin), regime)
+        x = torch.empty(micro_batch, seq_len, model.hidden_size, dtype=act_dtype, requires_grad=True).clone()
+        return _trace_saved(lambda: block(x, *extra), regime)
 
 
-def head_activations(shape: ModelShape, micro_batch: int, seq_len: int, regime: str, low: torch.dtype = torch.bfloat16) -> HeadActivations:
-    saved = _linear(_traced_head(shape, 1, seq_len, regime, low), _traced_head(shape, 2, seq_len, regime, low), micro_batch)
+def head_activations(
+    model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype = torch.bfloat16
+) -> HeadActivations:
+    saved = _linear(_traced_head(model, 1, seq_len, regime, low), _traced_head(model, 2, seq_len, regime, low), micro_batch)
     tokens = micro_batch * seq_len
     logits_dtype = torch.float32 if regime == "fp32" else low
     return HeadActivations(
         saved=saved,
-        logits=tokens * shape.vocab_size * logits_dtype.itemsize,
-        logits_fp32=tokens * shape.vocab_size * 4,
+        logits=tokens * model.vocab_size * logits_dtype.itemsize,
+        logits_fp32=tokens * model.vocab_size * 4,
     )
 
 
 @lru_cache(maxsize=256)
-def _traced_head(shape: ModelShape, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> int:
+def _traced_head(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> int:
     param_dtype, act_dtype = _dtypes(regime, low)
     with FakeTensorMode():
         with _default_dtype(param_dtype):
-            norm = RMSNorm(shape.dim, shape.norm_eps)
-            output = torch.nn.Linear(shape.dim, shape.vocab_size, bias=False)
+            head = model.traced_head()
         _WEIGHT_SHAPES.clear()
-        _WEIGHT_SHAPES.add(tuple(output.weight.shape))
-        x = torch.empty(micro_batch, seq_len, shape.dim, dtype=act_dtype, requires_grad=True).clone()
+        _WEIGHT_SHAPES.update(tuple(p.shape) for p in head.parameters() if p.dim() == 2)
+        x = torch.empty(micro_batch, seq_len, model.hidden_size, dtype=act_dtype, requires_grad=True).clone()
         targets = torch.zeros(micro_batch, seq_len, dtype=torch.long)
-        saved, _ = _trace_saved(lambda: loss_fn(output(norm(x)), targets), regime)
+        saved, _ = _trace_saved(lambda: model.loss(head(x), targets), regime)
     return saved

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from scaletrain.models.presets import ModelShape, count_params
+from scaletrain.models.spec import ModelSpec
 from scaletrain.plan.activations import block_activations, head_activations
 
 
@@ -91,8 +91,8 @@ def _state_bytes_per_param(strategy: str, precision: str) -> tuple[float, float,
     return weights, grads, 12.0
 
 
-def estimate(shape: ModelShape, s: Setup) -> Memory:
-    n_params = count_params(shape)["total"]
+def estimate(model: ModelSpec, s: Setup) -> Memory:
+    n_params = model.counts().total
     w, g, o = _state_bytes_per_param(s.strategy, s.precision)
     shard = s.dp // s.dp_replicate if s.strategy == "fsdp" else s.dp
     params, grads, optim = w * n_params, g * n_params, o * n_params
@@ -101,7 +101,7 @@ def estimate(shape: ModelShape, s: Setup) -> Memory:
     if s.strategy == "zero3" and s.offload_params == "none":
         # Tensors under stage3_param_persistence_threshold (DeepSpeed's default 1e5 elements)
         # are kept whole on every rank instead of being partitioned.
-        small = sum(n for n in param_numels(shape) if n < ZERO3_PERSISTENCE_THRESHOLD)
+        small = sum(n for n in model.counts().numels if n < ZERO3_PERSISTENCE_THRESHOLD)
         params += w * small * (1 - 1 / shard)
     elif s.strategy == "zero2":
         grads, optim = grads / shard, optim / shard
@@ -121,8 +121,8 @@ def estimate(shape: ModelShape, s: Setup) -> Memory:
         cpu += params
         params = 0.0
 
-    act, loss, recompute = _activations(shape, s)
-    buffers = engine_buffers(shape, s)
+    act, loss, recompute = _activations(model, s)
+    buffers = engine_buffers(model, s)
     # Gradients that persist between steps: DDP's bucket views (only with a DDP wrapper,
     # world > 1) and DeepSpeed's partitions. Otherwise zero_grad frees them every step.
     # (ZeRO-1 reduces full gradients through its bucket at the boundary and keeps none.)
@@ -132,9 +132,9 @@ def estimate(shape: ModelShape, s: Setup) -> Memory:
     resident = params + optim + buffers + persistent_grads
     # The embedding's gradient is dense (vocab x dim) and is produced, then added to the
     # (tied or own) gradient, unsharded: two such temporaries at the end of backward.
-    embedding_temp = 2.0 * shape.vocab_size * shape.dim * (4.0 if s.strategy in ("ddp", "fsdp") else w)
+    embedding_temp = 2.0 * model.vocab_size * model.hidden_size * (4.0 if s.strategy in ("ddp", "fsdp") else w)
     # The single-tensor / fused AdamW step allocates at most one parameter-sized temporary.
-    step_temp = 4.0 * _largest_param(shape) if s.strategy in ("ddp", "fsdp") else fp32_grad_partition
+    step_temp = 4.0 * model.counts().largest if s.strategy in ("ddp", "fsdp") else fp32_grad_partition
     phases = {
         "backward start": (resident + act + loss, 0.0),
         # Activation checkpointing: one block's activations are rebuilt later in backward,
@@ -148,40 +148,40 @@ def estimate(shape: ModelShape, s: Setup) -> Memory:
     return Memory(params, grads, optim, act, loss, buffers + extra, peak, phase, cpu)
 
 
-def model_state_bytes(shape: ModelShape, s: Setup) -> tuple[float, float]:
+def model_state_bytes(model: ModelSpec, s: Setup) -> tuple[float, float]:
     """(device, host) bytes of weights + gradients + optimizer state at the optimizer step,
     the quantity the ZeRO paper and DeepSpeed's estimators give, without buffers."""
-    m = estimate(shape, s)
-    n_params = count_params(shape)["total"]
+    m = estimate(model, s)
+    n_params = model.counts().total
     shard = s.dp // s.dp_replicate if s.strategy == "fsdp" else s.dp
     step_grad = 4.0 * n_params / shard if s.strategy in ("zero1", "zero2") and s.offload_optimizer == "none" else 0.0
     return m.params + m.grads + m.optimizer + step_grad, m.cpu
 
 
-def _activations(shape: ModelShape, s: Setup) -> tuple[float, float, float]:
+def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float]:
     """(saved activations at backward start, loss-side bytes, one block recomputed under AC)."""
     low = torch.float16 if s.precision == "fp16" else torch.bfloat16
     r = regime(s.strategy, s.precision)
-    block = block_activations(shape, s.micro_batch, s.seq_len, r, low)
-    head = head_activations(shape, s.micro_batch, s.seq_len, r, low)
+    block = block_activations(model, s.micro_batch, s.seq_len, r, low)
+    head = head_activations(model, s.micro_batch, s.seq_len, r, low)
     recompute = 0.0
     if s.activation_checkpointing:
-        act = shape.n_layers * block.block_input  # each block keeps only its input
+        act = model.n_blocks * block.block_input  # each block keeps only its input
         recompute = float(block.saved)
     else:
-        act = shape.n_layers * block.saved
+        act = model.n_blocks * block.saved
     # Backward through the loss: the fp32 gradient of the logits and one fp32 temporary
     # of the same size (softmax gradient) exist together, before any block runs backward.
     loss = head.saved + 2 * head.logits_fp32
     return float(act), float(loss), recompute
 
 
-def engine_buffers(shape: ModelShape, s: Setup) -> float:
+def engine_buffers(model: ModelSpec, s: Setup) -> float:
     """Bytes the engine holds besides model states: gathered units, communication buckets."""
-    n_params = count_params(shape)["total"]
+    n_params = model.counts().total
     weight_bytes = _state_bytes_per_param(s.strategy, s.precision)[0]
-    block_params = _block_params(shape)
-    root_params = n_params - shape.n_layers * block_params
+    block_params = model.counts().block
+    root_params = n_params - model.n_blocks * block_params
     if s.strategy == "fsdp":
         gathered = 2 if s.precision != "fp32" else 4  # MixedPrecisionPolicy param dtype
         if not s.reshard_after_forward:
@@ -191,7 +191,7 @@ def engine_buffers(shape: ModelShape, s: Setup) -> float:
     if s.strategy == "zero3":
         # DeepSpeed gathers per module; its estimator: 4 bytes x the largest layer. Plus the
         # gradient reduce bucket, allocated at full size (measured: one, fp32).
-        return float(4 * _largest_param(shape) + s.bucket_size * 4)
+        return float(4 * model.counts().largest + s.bucket_size * 4)
     if s.strategy in ("zero1", "zero2"):
         # DeepSpeed allocates its gradient bucket at full size whatever the model's size
         # (measured); with overlap_comm (stage 2) it double-buffers.
@@ -200,22 +200,3 @@ def engine_buffers(shape: ModelShape, s: Setup) -> float:
 
 
 ZERO3_PERSISTENCE_THRESHOLD = 100_000
-
-
-def param_numels(shape: ModelShape) -> list[int]:
-    """Element count of every parameter tensor, as the model defines them."""
-    d, hd = shape.dim, shape.head_dim
-    block = [shape.n_heads * hd * d, shape.n_kv_heads * hd * d, shape.n_kv_heads * hd * d, d * shape.n_heads * hd,
-             shape.ffn_dim * d, shape.ffn_dim * d, d * shape.ffn_dim, d, d]
-    root = [shape.vocab_size * d, d] + ([] if shape.tie_embeddings else [shape.vocab_size * d])
-    return block * shape.n_layers + root
-
-
-def _largest_param(shape: ModelShape) -> int:
-    return max(shape.vocab_size * shape.dim, shape.dim * shape.ffn_dim, shape.dim * shape.n_heads * shape.head_dim)
-
-
-def _block_params(shape: ModelShape) -> int:
-    d, hd = shape.dim, shape.head_dim
-    attn = d * shape.n_heads * hd * 2 + d * shape.n_kv_heads * hd * 2
-    return attn + 3 * d * shape.ffn_dim + 2 * d

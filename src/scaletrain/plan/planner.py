@@ -8,11 +8,13 @@ point is a ranking between strategies on the same model, not a promise of wall t
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from scaletrain.config import Config
 from scaletrain.errors import UserError
-from scaletrain.models.presets import ModelShape, count_params, flops_per_token
-from scaletrain.plan.hardware import GiB, Device
+from scaletrain.models.spec import ModelSpec
+from scaletrain.parallel import dims_for
+from scaletrain.plan.hardware import Device, GiB
 from scaletrain.plan.memory import Memory, Setup, estimate
 
 OVERLAP = 0.8  # share of the compute time that can hide gradient / parameter traffic
@@ -68,24 +70,25 @@ class Plan:
 
 
 def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool) -> list[Setup]:
-    """The configured strategy, or (auto / planning) every strategy this world allows."""
+    """The configured strategy first, then (auto / planning) every strategy this world allows."""
     p = cfg.parallel
+    dims = dims_for(p, world)  # the one validation of the layout
     base = Setup(
-        strategy=p.strategy, dp=world, micro_batch=cfg.train.micro_batch, seq_len=cfg.data.seq_len,
-        precision=cfg.precision, activation_checkpointing=p.activation_checkpointing,
-        offload_optimizer=p.offload_optimizer, offload_params=p.offload_params,
-        reshard_after_forward=p.reshard_after_forward, dp_replicate=p.dp_replicate, bucket_size=p.bucket_size,
+        strategy=p.strategy,
+        dp=dims.dp_size,
+        micro_batch=cfg.train.micro_batch,
+        seq_len=cfg.data.seq_len,
+        precision=cfg.precision,
+        activation_checkpointing=p.activation_checkpointing,
+        offload_optimizer=p.offload_optimizer,
+        offload_params=p.offload_params,
+        reshard_after_forward=p.reshard_after_forward,
+        dp_replicate=p.dp_replicate,
+        bucket_size=p.bucket_size,
     )
-    if p.dp_replicate > 1 and world % p.dp_replicate:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
-        closest = min(divisors, key=lambda d: abs(d - p.dp_replicate))
-        raise UserError(
-            f"parallel.dp_replicate={p.dp_replicate} does not divide the world size {world}; "
-            f"accepted: one of {divisors} (closest: {closest})"
-        )
     if not all_strategies:
         return [base]
-    plain = dict(offload_optimizer="none", offload_params="none", reshard_after_forward=True, dp_replicate=1)
+    plain: dict[str, Any] = dict(offload_optimizer="none", offload_params="none", reshard_after_forward=True, dp_replicate=1)
     options = [
         replace(base, strategy="ddp", **plain),
         replace(base, strategy="zero1", **plain),
@@ -102,13 +105,17 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool) -> lis
     # Activation checkpointing trades ~1/3 more compute for memory: a fallback option.
     if not base.activation_checkpointing:
         options += [replace(o, activation_checkpointing=True) for o in options]
-    return options
+    if p.strategy == "auto":
+        return options
+    return [base, *(o for o in options if o != base)]
 
 
-def evaluate(shape: ModelShape, s: Setup, cfg: Config, device: Device, nodes: int, usable: float, cpu_per_node: float | None) -> Candidate:
-    mem = estimate(shape, s)
-    comm = comm_bytes_per_step(shape, s, cfg.train.grad_accum)
-    time = step_time(shape, s, cfg, device, nodes, comm)
+def evaluate(
+    model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: int, usable: float, cpu_per_node: float | None
+) -> Candidate:
+    mem = estimate(model, s)
+    comm = comm_bytes_per_step(model, s, cfg.train.grad_accum)
+    time = step_time(model, s, cfg, device, nodes, comm)
     why_not = ""
     if mem.peak > usable:
         why_not = f"needs {fmt(mem.peak)} per device > {fmt(usable)} usable"
@@ -117,12 +124,12 @@ def evaluate(shape: ModelShape, s: Setup, cfg: Config, device: Device, nodes: in
     return Candidate(s, mem, comm, time, not why_not, why_not)
 
 
-def comm_bytes_per_step(shape: ModelShape, s: Setup, grad_accum: int) -> float:
+def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
     """Bytes each device sends per optimizer step (ring collectives: (n-1)/n of the buffer)."""
     n = s.dp
     if n == 1:
         return 0.0
-    psi = count_params(shape)["total"]
+    psi = model.counts().total
     ring = (n - 1) / n
     torch_engine = s.strategy in ("ddp", "fsdp")
     grad_bytes = 4 if torch_engine or s.precision == "fp32" else 2
@@ -142,15 +149,15 @@ def comm_bytes_per_step(shape: ModelShape, s: Setup, grad_accum: int) -> float:
     return total
 
 
-def step_time(shape: ModelShape, s: Setup, cfg: Config, device: Device, nodes: int, comm: float) -> float:
+def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: int, comm: float) -> float:
     tokens = s.micro_batch * s.seq_len * cfg.train.grad_accum
-    flops = tokens * flops_per_token(shape, s.seq_len) * (8 / 6 if s.activation_checkpointing else 1)
+    flops = tokens * model.flops_per_token(s.seq_len) * (8 / 6 if s.activation_checkpointing else 1)
     peak = device.peak_flops_32 if s.precision == "fp32" else device.peak_flops_16
     compute = flops / (peak * device.assumed_mfu)
     bw = device.inter_node_bw if nodes > 1 else device.intra_node_bw
     exposed = max(0.0, comm / bw - OVERLAP * compute)
     offload = 0.0
-    psi = count_params(shape)["total"]
+    psi = model.counts().total
     if s.offload_optimizer != "none":
         # gradients down and parameters up over the host link, and the CPU Adam update
         offload += 2 * 2 * psi / s.dp / device.host_bw + psi / s.dp / CPU_ADAM_PARAMS_PER_S
@@ -160,29 +167,66 @@ def step_time(shape: ModelShape, s: Setup, cfg: Config, device: Device, nodes: i
 
 
 def make_plan(
-    cfg: Config, shape: ModelShape, world: int, nodes: int, device: Device,
-    cpu_per_node: float | None = None, headroom: float = 0.1, all_strategies: bool = True,
+    cfg: Config,
+    model: ModelSpec,
+    world: int,
+    nodes: int,
+    device: Device,
+    cpu_per_node: float | None = None,
+    headroom: float = 0.1,
+    all_strategies: bool = True,
+    as_configured: bool = False,
 ) -> Plan:
+    """Evaluate the configured setup (and, with all_strategies, every alternative).
+
+    The fastest that fits is chosen, unless `as_configured` (a strategy the user named):
+    then the configured setup is the plan, the alternatives shown beside it, and the
+    planner's own pick named when it would be faster."""
     if world < 1 or nodes < 1 or world % nodes:
         raise UserError(f"{world} devices cannot be split over {nodes} nodes; accepted: devices per node x nodes")
     usable = device.memory * (1 - headroom)
     setups = setups_for(cfg, world, nodes, all_strategies)
-    candidates = [evaluate(shape, s, cfg, device, nodes, usable, cpu_per_node) for s in setups]
+    candidates = [evaluate(model, s, cfg, device, nodes, usable, cpu_per_node) for s in setups]
     fitting = [c for c in candidates if c.fits]
-    if not fitting:
-        raise UserError(_nothing_fits(shape, cfg, candidates, device, nodes, world, usable, cpu_per_node))
-    # Estimates within 2% of the fastest are a tie, settled by preferring the engine with
-    # fewer moving parts (the list order: ddp, zero1, zero2, fsdp, zero3, offload; AC last).
-    fastest = min(c.step_time for c in fitting)
-    chosen = next(c for c in fitting if c.step_time <= fastest * 1.02)
-    plan = Plan(world, nodes, device, usable, candidates, chosen, _reasons(chosen, candidates), 0)
-    plan.max_micro_batch = largest_micro_batch(shape, chosen.setup, usable)
+    as_configured = as_configured and cfg.parallel.strategy != "auto"
+    if not fitting and not (as_configured and all_strategies):
+        raise UserError(_nothing_fits(model, cfg, candidates, device, nodes, world, usable, cpu_per_node))
+    best = _fastest(fitting) if fitting else None
+    if as_configured:
+        chosen = candidates[0]
+        reasons = _as_configured(chosen, best, candidates)
+    else:
+        assert best is not None
+        chosen, reasons = best, _reasons(best, candidates)
+    plan = Plan(world, nodes, device, usable, candidates, chosen, reasons, 0)
+    plan.max_micro_batch = largest_micro_batch(model, chosen.setup, usable)
     return plan
 
 
-def largest_micro_batch(shape: ModelShape, s: Setup, usable: float, limit: int = 1 << 14) -> int:
+def _fastest(fitting: list[Candidate]) -> Candidate:
+    # Estimates within 2% of the fastest are a tie, settled by preferring the engine with
+    # fewer moving parts (the list order: ddp, zero1, zero2, fsdp, zero3, offload; AC last).
+    fastest = min(c.step_time for c in fitting)
+    return next(c for c in fitting if c.step_time <= fastest * 1.02)
+
+
+def _as_configured(chosen: Candidate, best: Candidate | None, candidates: list[Candidate]) -> list[str]:
+    text = (
+        f"{chosen.setup.label} as configured: needs {fmt(chosen.memory.peak)} per device, estimated {chosen.step_time:.3g} s/step"
+    )
+    if not chosen.fits:
+        text += f"; does not fit ({chosen.why_not})"
+    reasons = [text]
+    if best is not None and best is not chosen and best.step_time < chosen.step_time / 1.02:
+        reasons.append(
+            f"the planner's own choice would be {best.setup.label} (parallel.strategy=auto): " + _reasons(best, candidates)[-1]
+        )
+    return reasons
+
+
+def largest_micro_batch(model: ModelSpec, s: Setup, usable: float, limit: int = 1 << 14) -> int:
     """Largest micro-batch whose peak still fits (0 if not even 1 does)."""
-    fits = lambda b: estimate(shape, replace(s, micro_batch=b)).peak <= usable  # noqa: E731
+    fits = lambda b: estimate(model, replace(s, micro_batch=b)).peak <= usable  # noqa: E731
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -210,7 +254,13 @@ def _reasons(chosen: Candidate, candidates: list[Candidate]) -> list[str]:
 
 
 def _nothing_fits(
-    shape: ModelShape, cfg: Config, candidates: list[Candidate], device: Device, nodes: int, world: int, usable: float,
+    model: ModelSpec,
+    cfg: Config,
+    candidates: list[Candidate],
+    device: Device,
+    nodes: int,
+    world: int,
+    usable: float,
     cpu_per_node: float | None,
 ) -> str:
     best = min(candidates, key=lambda c: c.memory.peak)
@@ -222,8 +272,11 @@ def _nothing_fits(
     for more in (2, 4, 8, 16, 32, 64):
         for c in by_peak:
             probe = replace(c.setup, dp=world * more, dp_replicate=1)
-            if evaluate(shape, probe, cfg, device, nodes * more, usable, cpu_per_node).fits:
-                return msg + f"; closest feasible: {world * more} devices ({nodes * more} nodes) with {probe.label}, or more memory per device"
+            if evaluate(model, probe, cfg, device, nodes * more, usable, cpu_per_node).fits:
+                return (
+                    msg
+                    + f"; closest feasible: {world * more} devices ({nodes * more} nodes) with {probe.label}, or more memory per device"
+                )
     return msg + "; try a smaller model, model.* overrides, or devices with more memory"
 
 

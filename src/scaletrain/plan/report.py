@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Console
 from rich.table import Table
 
-from scaletrain.models.presets import ModelShape, count_params
+from scaletrain.models.spec import ModelSpec
 from scaletrain.plan.hardware import GiB
 from scaletrain.plan.planner import Plan, fmt
 
 
-def print_plan(console: Console, plan: Plan, shape: ModelShape, title: str) -> None:
-    params = count_params(shape)["total"]
+def print_plan(console: Console, plan: Plan, model: ModelSpec, title: str) -> None:
+    params = model.counts().total
     console.print(
         f"[bold]{title}[/]: {params / 1e9:.3g}B parameters | {plan.world} x {plan.device.name} "
         f"({plan.nodes} node{'s' if plan.nodes > 1 else ''}), {fmt(plan.device.memory)} each, "
         f"{fmt(plan.usable)} usable",
-        highlight=False, soft_wrap=True,
+        highlight=False,
+        soft_wrap=True,
     )
     # GiB per device in every memory column; bare numbers keep the table narrow.
     table = Table(show_lines=False, pad_edge=False, caption="memory in GiB per device; host = offloaded state per device")
@@ -28,8 +31,12 @@ def print_plan(console: Console, plan: Plan, shape: ModelShape, title: str) -> N
         mark = "[green]yes[/]" if c.fits else "[red]no[/]"
         style = "bold" if c is plan.chosen else None
         table.add_row(
-            c.setup.label, *(f"{gib(v):.1f}" for v in (m.params, m.grads, m.optimizer, m.activations, m.loss, m.buffers, m.peak)),
-            f"{gib(m.cpu):.1f}" if m.cpu else "-", f"{gib(c.comm_bytes):.1f}" if c.comm_bytes else "-", f"{c.step_time:.3g}", mark,
+            c.setup.label,
+            *(f"{gib(v):.1f}" for v in (m.params, m.grads, m.optimizer, m.activations, m.loss, m.buffers, m.peak)),
+            f"{gib(m.cpu):.1f}" if m.cpu else "-",
+            f"{gib(c.comm_bytes):.1f}" if c.comm_bytes else "-",
+            f"{c.step_time:.3g}",
+            mark,
             style=style,
         )
     console.print(table)
@@ -37,13 +44,14 @@ def print_plan(console: Console, plan: Plan, shape: ModelShape, title: str) -> N
         console.print(f"  - {reason}", highlight=False, soft_wrap=True)
     console.print(
         f"  - largest micro-batch that fits with {plan.chosen.setup.label}: {plan.max_micro_batch}",
-        highlight=False, soft_wrap=True,
+        highlight=False,
+        soft_wrap=True,
     )
     for note in plan.notes:
         console.print(f"  - {note}", highlight=False, soft_wrap=True)
 
 
-def print_measurement(console: Console, predicted: dict[str, float], measured: dict[str, float]) -> None:
+def print_measurement(console: Console, predicted: dict[str, Any], measured: dict[str, float]) -> None:
     """Predicted vs measured peak per component (activations and loss measured together)."""
     table = Table(title="predicted vs measured at the peak (this rank)")
     for col in ("component", "predicted", "measured", "error"):

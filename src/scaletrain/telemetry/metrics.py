@@ -19,9 +19,13 @@ from scaletrain import faults
 
 
 class StepRecorder:
-    def __init__(self, world_size: int, distributed: bool):
-        self.world_size = world_size
+    """The loss logged is the mean over data-parallel ranks: a sum over `group` (all ranks
+    while every rank is a data-parallel rank, i.e. tp = pp = 1) divided by `dp_size`."""
+
+    def __init__(self, dp_size: int, distributed: bool, group: Any = None):
+        self.dp_size = dp_size
         self.distributed = distributed
+        self.group = group
         self._losses: list[torch.Tensor] = []
         self._norms: list[torch.Tensor] = []
         self._rows: list[dict[str, Any]] = []
@@ -37,8 +41,8 @@ class StepRecorder:
             return []
         losses = torch.stack(self._losses)
         if self.distributed:
-            dist.all_reduce(losses, op=dist.ReduceOp.SUM)
-            losses /= self.world_size
+            dist.all_reduce(losses, op=dist.ReduceOp.SUM, group=self.group)
+            losses /= self.dp_size
         both = torch.stack([losses, torch.stack(self._norms).to(losses.device)]).cpu().tolist()
         rows = [
             {"step": row.pop("step"), "loss": loss, "grad_norm": norm, **row}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -59,3 +60,57 @@ def print_summary(console: Console, title: str, items: list[tuple[str, str]]) ->
     width = max(len(k) for k, _ in items)
     for key, value in items:
         console.print(f"[bold]{key:<{width}}[/]  {value}", soft_wrap=True, highlight=False)
+
+
+def print_banner(
+    console: Console,
+    cfg: Any,
+    world: Any,
+    model: Any,
+    samples_per_epoch: int,
+    tokens_per_step: int,
+    global_batch: int,
+    peak_lr: float,
+    resume_from: Path | None,
+) -> None:
+    """One line: what trains, where, on what; and the learning rate when scaled."""
+    where = f"{cfg.parallel.strategy} | world {world.world_size} x {world.device.type}" + (
+        f" ({world.backend})" if world.backend else ""
+    )
+    console.print(
+        f"[bold]scaletrain[/] model {cfg.model.preset}: {model.counts().total / 1e6:.2f}M params, "
+        f"{model.flops_per_token(cfg.data.seq_len) / 1e6:.1f} MFLOPs/token | {where} | {cfg.precision} | "
+        f"data {samples_per_epoch:,} samples/epoch of {cfg.data.seq_len} tokens | {tokens_per_step:,} tokens/step"
+        + (f" | resuming from {resume_from}" if resume_from else ""),
+        highlight=False,
+        soft_wrap=True,
+    )
+    if peak_lr != cfg.train.lr:
+        console.print(
+            f"lr scaling ({cfg.train.lr_scaling}): train.lr {cfg.train.lr:g} at {cfg.train.lr_base_batch} sequences "
+            f"-> {peak_lr:g} at the global batch of {global_batch}",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def print_run_summary(console: Console, paths: Any, summary: dict[str, Any], resume_from: Path | None) -> None:
+    from scaletrain.checkpoint import complete_checkpoints
+    from scaletrain.telemetry.metrics import read_metrics
+
+    rows = read_metrics(paths.metrics) if paths.metrics.exists() else []
+    items = [("run directory", str(paths.root)), ("steps", str(summary["steps"]))]
+    if rows:
+        tps = sorted(r["tokens_per_s"] for r in rows)
+        items += [
+            ("loss", f"{rows[0]['loss']:.4f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.4f} (step {rows[-1]['step']})"),
+            ("tokens seen", f"{rows[-1]['tokens']:,}"),
+            ("median tokens/s", f"{tps[len(tps) // 2]:,.0f}"),
+        ]
+    items += [
+        ("wall time (this run)", f"{summary['elapsed_s']:.1f} s" + (f", resumed from {resume_from.name}" if resume_from else "")),
+        ("metrics", str(paths.metrics)),
+        ("config", str(paths.config)),
+        ("checkpoints", ", ".join(p.name for _, p in complete_checkpoints(paths.checkpoints)) or "none"),
+    ]
+    print_summary(console, "training finished", items)

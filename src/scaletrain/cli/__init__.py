@@ -98,8 +98,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from scaletrain.cli.plan import run_plan
     from scaletrain.config import load_config, split_args
-    from scaletrain.plan.command import run_plan
 
     if not 0 <= args.headroom < 1:
         raise UserError(f"--headroom {args.headroom} is invalid; accepted: a fraction in [0, 1)")
@@ -110,10 +110,13 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from scaletrain.config import load_config, split_args
     from scaletrain.data import resolve_dataset_dir
     from scaletrain.launch import LaunchOptions, exec_launcher, launch_command, run_torchrun
+    from scaletrain.parallel import dims_for
 
     # One clear error here, not one per rank after N processes have started.
     cfg = load_config(*split_args(args.args))
     resolve_dataset_dir(cfg.data)
+    if args.hostfile is None and args.nproc >= 1 and args.nnodes >= 1:
+        dims_for(cfg.parallel, args.nproc * args.nnodes)  # the layout fits the world it will get
     cmd = launch_command(
         LaunchOptions(
             nproc=args.nproc,

@@ -10,31 +10,48 @@ import torch
 from scaletrain.config import Config
 from scaletrain.distributed import World
 from scaletrain.errors import UserError
-from scaletrain.models.presets import ModelShape
+from scaletrain.models import ModelSpec
 from scaletrain.plan.hardware import KNOWN_GPUS, Device, this_cpu
 from scaletrain.plan.planner import fmt, make_plan
 
 
 def runtime_device(world: World, local_ranks: int) -> Device:
+    """The device this rank trains on, as the planner describes devices."""
     if world.device.type == "cuda":
         props = torch.cuda.get_device_properties(world.device)
         name = props.name.lower()
         known = next((d for key, d in KNOWN_GPUS.items() if key.split("-")[0] in name), KNOWN_GPUS["h100"])
-        return Device(props.name, float(props.total_memory), known.peak_flops_16, known.peak_flops_32,
-                      known.intra_node_bw, known.inter_node_bw, known.host_bw, known.assumed_mfu)
+        return Device(
+            props.name,
+            float(props.total_memory),
+            known.peak_flops_16,
+            known.peak_flops_32,
+            known.intra_node_bw,
+            known.inter_node_bw,
+            known.host_bw,
+            known.assumed_mfu,
+        )
     cpu = this_cpu()
-    return Device(cpu.name, cpu.memory / local_ranks, cpu.peak_flops_16, cpu.peak_flops_32,
-                  cpu.intra_node_bw, cpu.inter_node_bw, cpu.host_bw, cpu.assumed_mfu)
+    return Device(
+        cpu.name,
+        cpu.memory / local_ranks,
+        cpu.peak_flops_16,
+        cpu.peak_flops_32,
+        cpu.intra_node_bw,
+        cpu.inter_node_bw,
+        cpu.host_bw,
+        cpu.assumed_mfu,
+    )
 
 
-def plan_run(cfg: Config, world: World, shape: ModelShape) -> tuple[Config, list[str]]:
+def plan_run(cfg: Config, world: World, model: ModelSpec) -> tuple[Config, list[str]]:
     """(config with the strategy resolved, lines to log). Errors only when auto finds nothing."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
     nodes = max(1, world.world_size // local)
     device = runtime_device(world, local)
     auto = cfg.parallel.strategy == "auto"
     try:
-        plan = make_plan(cfg, shape, world.world_size, nodes, device, all_strategies=auto)
+        plan = make_plan(cfg, model, world.world_size, nodes, device, all_strategies=auto)
     except UserError as e:
         if auto:
             raise
@@ -42,11 +59,17 @@ def plan_run(cfg: Config, world: World, shape: ModelShape) -> tuple[Config, list
     chosen, lines = plan.chosen, []
     if auto:
         s = chosen.setup
-        parallel = cfg.parallel.model_copy(update=dict(
-            strategy=s.strategy, offload_optimizer=s.offload_optimizer, offload_params=s.offload_params,
-            reshard_after_forward=s.reshard_after_forward, dp_replicate=s.dp_replicate,
-            activation_checkpointing=s.activation_checkpointing, auto_choice="; ".join(plan.reasons),
-        ))
+        parallel = cfg.parallel.model_copy(
+            update=dict(
+                strategy=s.strategy,
+                offload_optimizer=s.offload_optimizer,
+                offload_params=s.offload_params,
+                reshard_after_forward=s.reshard_after_forward,
+                dp_replicate=s.dp_replicate,
+                activation_checkpointing=s.activation_checkpointing,
+                auto_choice="; ".join(plan.reasons),
+            )
+        )
         cfg = cfg.model_copy(update={"parallel": parallel})
         lines.append(f"plan: parallel.strategy=auto -> {s.label}: " + "; ".join(plan.reasons))
     m = chosen.memory

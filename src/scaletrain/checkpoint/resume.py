@@ -1,0 +1,67 @@
+"""Whether the current config may continue a checkpoint, and what changed since it.
+
+A change that alters what the saved state or the data position mean is refused: the
+model's shape (the saved tensors would not fit, or mean something else), the tokens
+(another corpus, tokenizer or shard layout: the data fingerprint), data.seq_len (another
+set of windows) and train.seed (another order of them). Anything else (steps, learning
+rate, logging, checkpointing, precision, batch layout, world size where the engine
+supports it) is allowed and reported, one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from scaletrain.config import Config
+from scaletrain.errors import UserError
+
+# Config keys that change the meaning of the data position (besides the fingerprint).
+_DATA_KEYS = ("data.seq_len", "train.seed")
+# Keys that are not settings of the run (where it lives; what auto chose last time).
+_IGNORED = ("run.dir", "train.resume", "parallel.auto_choice")
+
+
+def check_config(path: Path, cfg: Config, saved_state: dict[str, Any], model: dict[str, Any], data_fingerprint: str) -> list[str]:
+    """Raise a one-line UserError for a change that breaks the checkpoint at `path`; return
+    the allowed changes as 'key old -> new' strings."""
+
+    def refuse(key: str, old: Any, new: Any, why: str) -> UserError:
+        return UserError(
+            f"{key} is {new!r} but checkpoint {path} was trained with {old!r} ({why}); "
+            f"accepted: {key}={old!r} to resume it, or a new run.dir (or train.resume=never there)"
+        )
+
+    saved_model = saved_state.get("model", {})
+    for key, old in saved_model.items():
+        if model.get(key) != old:
+            raise refuse(f"model.{key}", old, model.get(key), "the saved weights have its shape")
+    saved_cfg = _flatten(yaml.safe_load((path / "config.yaml").read_text()))
+    now = _flatten(cfg.model_dump(mode="json"))
+    if saved_state.get("data_fingerprint") not in (None, data_fingerprint):
+        raise refuse(
+            "data.paths",
+            saved_cfg.get("data.paths"),
+            now.get("data.paths"),
+            "other tokens: the data position would point elsewhere",
+        )
+    for key in _DATA_KEYS:
+        if saved_cfg.get(key) != now.get(key):
+            raise refuse(key, saved_cfg.get(key), now.get(key), "the data position would point elsewhere")
+    return [
+        f"{key} {saved_cfg.get(key)!r} -> {now.get(key)!r}"
+        for key in sorted(set(saved_cfg) | set(now))
+        if saved_cfg.get(key) != now.get(key) and key not in _IGNORED
+    ]
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "deepspeed_extra":
+            out |= _flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -1,0 +1,177 @@
+"""What the rest of scaletrain knows about a model: one small spec per model family.
+
+Engines build, wrap, checkpoint and shard through it (never `model.layers`), the planner
+counts and traces through it (never a model's own classes), the trainer takes the loss
+from it. Counts come from the model built on the meta device, so they are exact for any
+spec without a formula per family. The built-in Llama is the first spec; a Hugging Face
+one follows the same protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from scaletrain.models.llama import RMSNorm, TransformerBlock, build_meta_model, loss_fn, materialize, rope_tables
+from scaletrain.models.presets import ModelShape
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]  # (model output, targets) -> mean loss
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """Parameter counts of a model, from its meta-device instance."""
+
+    total: int  # distinct parameters (a tied weight once)
+    embedding: int  # token embedding tables
+    output: int  # an untied output head (0 when tied to the embedding)
+    non_embedding: int  # total - embedding - output: the blocks and norms
+    matmul: int  # parameters multiplied per token: every Linear weight, a tied head included
+    block: int  # parameters of one repeated block
+    numels: tuple[int, ...]  # each distinct parameter tensor's elements
+
+    @property
+    def largest(self) -> int:
+        return max(self.numels)
+
+
+class ModelSpec(Protocol):
+    """A model family as engines, planner and trainer see it. Frozen and hashable: the
+    planner caches by spec."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the residual stream between blocks."""
+
+    @property
+    def n_blocks(self) -> int: ...
+
+    def __hash__(self) -> int: ...
+
+    def build_meta(self, max_seq_len: int) -> nn.Module:
+        """The model on the meta device: no memory until an engine materializes it."""
+
+    def blocks(self, model: nn.Module) -> nn.ModuleList:
+        """The repeated units engines wrap, checkpoint and shard (in place, so wrappers stick)."""
+
+    def materialize(self, model: nn.Module, device: torch.device, seed: int) -> None:
+        """Allocate a meta-device (possibly sharded) model on `device` and initialize or load it."""
+
+    def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss of one micro-batch from the model's output."""
+
+    def config(self) -> dict[str, Any]:
+        """What fixes the model's tensors (shape fields): a resume must match it."""
+
+    def counts(self) -> ModelCounts: ...
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token at this context length."""
+
+    def traced_block(self, seq_len: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        """A fresh block and the extra inputs it takes after the hidden states (the planner
+        builds it under FakeTensorMode and traces what it saves for backward)."""
+
+    def traced_head(self) -> nn.Module:
+        """Final norm + output projection: hidden states -> logits, for the same tracing."""
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """The built-in Llama-style decoder of a given shape."""
+
+    shape: ModelShape
+    name: str = "llama"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shape.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.shape.dim
+
+    @property
+    def n_blocks(self) -> int:
+        return self.shape.n_layers
+
+    def build_meta(self, max_seq_len: int) -> nn.Module:
+        return build_meta_model(self.shape, max_seq_len)
+
+    def blocks(self, model: nn.Module) -> nn.ModuleList:
+        return model.layers  # type: ignore[return-value]
+
+    def materialize(self, model: nn.Module, device: torch.device, seed: int) -> None:
+        materialize(model, device, seed)  # type: ignore[arg-type]
+
+    def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, targets)
+
+    def config(self) -> dict[str, Any]:
+        return asdict(self.shape)
+
+    def counts(self) -> ModelCounts:
+        return _counts(self)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        # 6 x the parameters used in a matmul (PaLM / Chinchilla), plus attention scores and
+        # the weighted sum of values: 2 matmuls of 2 x seq_len x width FLOPs per layer and
+        # token, x3 for the backward pass, over the full sequence (causal mask not halved).
+        s = self.shape
+        return float(6 * self.counts().matmul + 12 * s.n_layers * s.n_heads * s.head_dim * seq_len)
+
+    def traced_block(self, seq_len: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        return TransformerBlock(self.shape), rope_tables(self.shape.head_dim, seq_len, self.shape.rope_theta)
+
+    def traced_head(self) -> nn.Module:
+        return nn.Sequential(
+            RMSNorm(self.shape.dim, self.shape.norm_eps), nn.Linear(self.shape.dim, self.shape.vocab_size, bias=False)
+        )
+
+
+@lru_cache(maxsize=64)
+def _counts(spec: ModelSpec) -> ModelCounts:
+    model = spec.build_meta(max_seq_len=1)
+    distinct = {id(p): p for p in model.parameters()}  # parameters() already yields a tied weight once
+    total = sum(p.numel() for p in distinct.values())
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    embedding = sum(distinct[i].numel() for i in embedding_ids)
+    linear_weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    output = _output_head(model)
+    untied_output = output.weight.numel() if output is not None and id(output.weight) not in embedding_ids else 0
+    return ModelCounts(
+        total=total,
+        embedding=embedding,
+        output=untied_output,
+        non_embedding=total - embedding - untied_output,
+        matmul=sum(w.numel() for w in linear_weights),
+        block=sum(p.numel() for p in spec.blocks(model)[0].parameters()),
+        numels=tuple(p.numel() for p in distinct.values()),
+    )
+
+
+def _output_head(model: nn.Module) -> nn.Linear | None:
+    """The last Linear the model defines: its output projection."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return linears[-1] if linears else None
+
+
+def count_params(shape: ModelShape) -> dict[str, int]:
+    """Parameter counts of the built-in Llama of `shape` (see ModelCounts)."""
+    c = LlamaSpec(shape).counts()
+    return {"total": c.total, "embedding": c.embedding, "output": c.output, "non_embedding": c.non_embedding}
+
+
+def flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    return LlamaSpec(shape).flops_per_token(seq_len)

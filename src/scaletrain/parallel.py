@@ -1,0 +1,130 @@
+"""The parallel layout: dp_replicate x dp_shard x tp x pp x cp = world size, validated once.
+
+Everything that means "data-parallel rank or size" (the loader, the global batch, the loss
+mean, DeepSpeed's train_batch_size, the planner) asks a ParallelDims, never the raw world
+size: once tensor or pipeline parallelism splits a model over several ranks, those ranks
+share one data-parallel rank. The layout of ranks follows torchtitan's: the mesh is
+(pp, dp_replicate, dp_shard, cp, tp), row-major, tp innermost (the fastest links).
+
+Which data-parallel dimension a strategy uses: ddp replicates (dp_replicate = dp), ZeRO
+partitions over its whole data-parallel group (dp_shard = dp), fsdp shards within groups
+of dp / parallel.dp_replicate and replicates across them (hybrid when dp_replicate > 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from scaletrain.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported on first use: planning needs no process group
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+# Mesh dimensions, outermost first.
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    _mesh: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in DIMS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different data (each sees micro_batch samples per micro-batch)."""
+        return self.dp_replicate * self.dp_shard
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along every dimension."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside the world of {self.world_size}")
+        out = {}
+        for name in reversed(DIMS):  # tp varies fastest
+            size = getattr(self, name)
+            rank, out[name] = divmod(rank, size)
+        return out
+
+    def dp_rank(self, rank: int) -> int:
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in DIMS} | {"dp_size": self.dp_size}
+
+    def mesh(self, device_type: str) -> DeviceMesh:
+        """The device mesh with every dimension larger than 1 (and dp_shard, which FSDP
+        always shards over), named as in DIMS; built once, on first use (a collective)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            names = [n for n in DIMS if getattr(self, n) > 1 or n == "dp_shard"]
+            self._mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=tuple(names))
+        return self._mesh
+
+    def fsdp_mesh(self, device: torch.device) -> DeviceMesh:
+        """What FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for hybrid sharding."""
+        mesh = self.mesh(device.type)
+        return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def parallel_dims(strategy: str, world_size: int, dp_replicate: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelDims:
+    """The layout for `strategy` on `world_size` ranks, or a one-line UserError naming the
+    closest valid layout."""
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise UserError(
+            f"parallel.tp={tp} x parallel.pp={pp}{f' x cp={cp}' if cp > 1 else ''} = {model_parallel} does not divide "
+            f"the world size {world_size}; closest valid layout: {_closest_model_parallel(world_size, tp, pp, cp)}"
+        )
+    dp = world_size // model_parallel
+    if dp_replicate > 1 and strategy not in ("fsdp", "auto"):
+        raise UserError(
+            f"parallel.dp_replicate={dp_replicate} (hybrid sharding) needs parallel.strategy=fsdp, not {strategy}; "
+            "closest valid layout: parallel.dp_replicate=1"
+        )
+    if dp % dp_replicate:
+        divisors = _divisors(dp)
+        closest = min(divisors, key=lambda d: (abs(d - dp_replicate), d))
+        raise UserError(
+            f"parallel.dp_replicate={dp_replicate} must divide the data-parallel size {dp} (world size {world_size}"
+            + (f" / tp {tp} / pp {pp}" if model_parallel > 1 else "")
+            + f"); accepted: {', '.join(map(str, divisors))} (closest valid layout: parallel.dp_replicate={closest})"
+        )
+    if strategy == "ddp":
+        return ParallelDims(dp_replicate=dp, dp_shard=1, tp=tp, pp=pp, cp=cp)
+    if strategy in ("fsdp", "auto"):
+        return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp // dp_replicate, tp=tp, pp=pp, cp=cp)
+    return ParallelDims(dp_replicate=1, dp_shard=dp, tp=tp, pp=pp, cp=cp)  # ZeRO
+
+
+def dims_for(parallel: Any, world_size: int) -> ParallelDims:
+    """The layout a ParallelConfig asks for on `world_size` ranks (see parallel_dims)."""
+    return parallel_dims(parallel.strategy, world_size, parallel.dp_replicate, parallel.tp, parallel.pp)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _closest_model_parallel(world_size: int, tp: int, pp: int, cp: int) -> str:
+    """The nearest (tp, pp) whose product with cp divides the world: tp moved first."""
+    options = [(t, p) for t in _divisors(world_size) for p in _divisors(world_size) if world_size % (t * p * cp) == 0]
+    if not options:  # cp itself does not divide the world
+        return "parallel.tp=1 x parallel.pp=1 without context parallelism"
+    t, p = min(options, key=lambda o: (abs(o[0] - tp) + abs(o[1] - pp), o[1] != pp, -o[0]))
+    return f"parallel.tp={t} x parallel.pp={p}"

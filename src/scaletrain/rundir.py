@@ -1,0 +1,100 @@
+"""The run directory, the single source of truth about a run: where things go, which
+checkpoint a run continues, whether it may, and run.json (what ran where)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from scaletrain import checkpoint
+from scaletrain.checkpoint.resume import check_config
+from scaletrain.config import Config
+from scaletrain.distributed import World, versions
+from scaletrain.errors import UserError
+from scaletrain.models import ModelSpec
+from scaletrain.parallel import ParallelDims
+
+
+@dataclass
+class RunPaths:
+    root: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def run_info(self) -> Path:
+        return self.root / "run.json"
+
+
+def resume_point(resume: str, paths: RunPaths) -> Path | None:
+    """The checkpoint this run continues (train.resume), or None for a fresh start."""
+    latest = checkpoint.latest_complete(paths.checkpoints)
+    if resume == "auto":
+        return latest
+    if resume == "never":
+        if latest is not None:
+            raise UserError(
+                f"train.resume=never but run.dir {paths.root} already holds checkpoints (newest {latest.name}); "
+                "accepted: train.resume=auto to continue it, or another run.dir for a fresh run"
+            )
+        return None
+    path = Path(resume)
+    if not path.is_dir():
+        raise UserError(
+            f"train.resume={resume!r}: no such checkpoint directory; accepted: auto, never, or a checkpoints/step_<N> path"
+        )
+    if not checkpoint.is_complete(path):
+        raise UserError(
+            f"train.resume={resume!r} is an incomplete checkpoint (no {checkpoint.MARKER} marker); accepted: a complete one"
+        )
+    return path
+
+
+def check_resume(path: Path, cfg: Config, model: ModelSpec, data_fingerprint: str) -> list[str]:
+    """Before anything is allocated: may this config continue `path`? One-line UserError if
+    not (another engine's format, another model shape or data); else lines for the log."""
+    notes = []
+    note = checkpoint.check_engine(path, cfg.parallel.strategy)
+    if note:
+        notes.append(note)
+    saved = json.loads((path / "trainer.json").read_text())
+    changes = check_config(path, cfg, saved, model.config(), data_fingerprint)
+    if changes:
+        notes.append(f"resume: changed since {path.name}: " + ", ".join(changes))
+    return notes
+
+
+def write_run_info(
+    paths: RunPaths, cfg: Config, world: World, dims: ParallelDims, hosts: list[str], resume_from: Path | None
+) -> None:
+    """run.json: what ran where, for tools and tests (the banner is for people)."""
+    info: dict[str, Any] = {
+        "engine": cfg.parallel.strategy,
+        "world_size": world.world_size,
+        "parallel": dims.as_dict(),
+        "backend": world.backend,
+        "device": world.device.type,
+        "precision": cfg.precision,
+        "hosts": hosts,  # by rank
+        "versions": versions(),
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "resumed_from": str(resume_from) if resume_from else None,
+    }
+    checkpoint.write_atomic(paths.run_info, json.dumps(info, indent=1) + "\n")
+
+
+def read_run_info(root: Path) -> dict[str, Any]:
+    return json.loads((Path(root) / "run.json").read_text())
