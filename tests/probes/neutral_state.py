@@ -15,34 +15,17 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.config import load_config
 from scaletrain.distributed import init_distributed, shutdown
-from scaletrain.engines import build_engine
-from scaletrain.models import LlamaSpec, resolve_shape
-from scaletrain.optim import decay_groups
-from scaletrain.parallel import dims_for
+
+from common import SMALL_MODEL, Z3_PARTITION_ALL, build
 
 ENGINES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
-MODEL = [
-    "model.vocab_size=67",
-    "model.dim=32",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.ffn_dim=48",
-    "data.seq_len=16",
-    "train.micro_batch=2",
-    "train.seed=3",
-    "run.device=cpu",
-    "parallel.deepspeed_extra={zero_optimization: {stage3_param_persistence_threshold: 0}}",
-]
 
 
 def engine_for(strategy: str, world):
-    extra = [] if strategy.startswith("zero") else ["parallel.deepspeed_extra={}"]
-    cfg = load_config([], [*MODEL, f"parallel.strategy={strategy}", *extra])
-    spec = LlamaSpec(resolve_shape(cfg.model))
-    return build_engine(spec, world, dims_for(cfg.parallel, world.world_size), cfg, decay_groups(cfg.train.weight_decay)), spec
+    extra = [Z3_PARTITION_ALL] if strategy == "zero3" else []
+    engine, spec, _ = build([*SMALL_MODEL, "train.seed=3", f"parallel.strategy={strategy}", *extra], world)
+    return engine, spec
 
 
 def main() -> None:

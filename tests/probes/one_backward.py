@@ -18,19 +18,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scaletrain.config import load_config
 from scaletrain.data import RankBatches
 from scaletrain.distributed import init_distributed, shutdown
-from scaletrain.engines import build_engine
 from scaletrain.engines.checkpointing import plain_name
-from scaletrain.models import LlamaSpec, resolve_shape
-from scaletrain.optim import decay_groups
 from scaletrain.parallel import dims_for
+
+from common import Z3_PARTITION_ALL, build
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 32, 512
 # The model every variant and the test's reference build (tiny preset, seed 0).
 MODEL = ["model.preset=tiny", f"model.vocab_size={VOCAB}", f"data.seq_len={SEQ}", "train.seed=0", "run.device=cpu"]
-Z3_PARTITION_ALL = "parallel.deepspeed_extra={zero_optimization: {stage3_param_persistence_threshold: 0}}"
 # name -> overrides; every variant covers the global batch of 4 on 2 ranks.
 VARIANTS = {
     "ddp": ["parallel.strategy=ddp", "train.micro_batch=2"],
@@ -85,10 +82,8 @@ def main() -> None:
     world = init_distributed("cpu", "gloo")
     results = {}
     for variant in args.variants:
-        cfg = load_config([], [*MODEL, *VARIANTS[variant]])
-        spec = LlamaSpec(resolve_shape(cfg.model))
+        engine, spec, cfg = build([*MODEL, *VARIANTS[variant]], world)
         dims = dims_for(cfg.parallel, world.world_size)
-        engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay))
         batches = RankBatches(FixedBatch(), cfg.train.micro_batch, cfg.train.grad_accum, dims.dp_rank(world.rank), dims.dp_size)
         loss = engine.forward_backward(batches.next_step(), spec.loss)
         dist.all_reduce(loss)

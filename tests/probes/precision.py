@@ -17,30 +17,16 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.config import load_config
 from scaletrain.distributed import init_distributed, shutdown
-from scaletrain.engines import build_engine
-from scaletrain.models import LlamaSpec, build_model, loss_fn, resolve_shape
+from scaletrain.models import build_model, loss_fn
 from scaletrain.models.llama import canonical_name
-from scaletrain.optim import decay_groups
-from scaletrain.parallel import dims_for
 
-SEQ = 16
-Z3_PARTITION_ALL = "parallel.deepspeed_extra={zero_optimization: {stage3_param_persistence_threshold: 0}}"
+from common import SMALL_MODEL, Z3_PARTITION_ALL, build
+
+SEQ = 16  # SMALL_MODEL's data.seq_len
 # strategy -> its overrides; FSDP with activation checkpointing (the recompute goes through
 # the mixed-precision casts again).
 ENGINES = {"ddp": [], "fsdp": ["parallel.activation_checkpointing=true"], "zero2": [], "zero3": [Z3_PARTITION_ALL]}
-MODEL = [
-    "model.vocab_size=67",
-    "model.dim=32",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.ffn_dim=48",
-    f"data.seq_len={SEQ}",
-    "train.micro_batch=2",
-    "run.device=cpu",
-]
 
 
 def forward_dtype(engine) -> dict[str, str]:
@@ -80,16 +66,12 @@ def snapshot(engine) -> list[torch.Tensor]:
 def probe_engine(strategy: str, world) -> dict:
     report = {}
     for precision in ("bf16", "fp16"):
-        cfg = load_config(
-            [], [*MODEL, f"parallel.strategy={strategy}", f"precision={precision}", "train.seed=7", *ENGINES[strategy]]
-        )
-        shape = resolve_shape(cfg.model)
-        spec = LlamaSpec(shape)
-        engine = build_engine(spec, world, dims_for(cfg.parallel, world.world_size), cfg, decay_groups(cfg.train.weight_decay))
+        overrides = [*SMALL_MODEL, f"parallel.strategy={strategy}", f"precision={precision}", "train.seed=7", *ENGINES[strategy]]
+        engine, spec, _ = build(overrides, world)
         full = engine.full_weights()  # collective; the torch engines fill it on rank 0 only
         r = {}
         if world.rank == 0:  # compared now: unsharded entries may be the live parameters
-            plain = build_model(shape, SEQ, seed=7).state_dict()
+            plain = build_model(spec.shape, SEQ, seed=7).state_dict()
             # DeepSpeed casts the module to 16 bits before it copies fp32 masters from it, so
             # its masters start at the init rounded to that type; torch engines keep fp32.
             low = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision] if engine.name.startswith("zero") else torch.float32

@@ -1,0 +1,21 @@
+"""What the probes share: a model small enough to build in a blink, and building an engine
+exactly as `train` does (spec, layout, the default parameter groups)."""
+
+from __future__ import annotations
+
+from scaletrain.config import Config, load_config
+from scaletrain.engines import Engine, build_engine
+from scaletrain.models import LlamaSpec, resolve_shape
+from scaletrain.optim import decay_groups
+from scaletrain.parallel import dims_for
+
+Z3_PARTITION_ALL = "parallel.deepspeed_extra={zero_optimization: {stage3_param_persistence_threshold: 0}}"
+SMALL_MODEL = ["model.vocab_size=67", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
+               "model.ffn_dim=48", "data.seq_len=16", "train.micro_batch=2", "run.device=cpu"]  # fmt: skip
+
+
+def build(overrides: list[str], world) -> tuple[Engine, LlamaSpec, Config]:
+    cfg = load_config([], overrides)
+    spec = LlamaSpec(resolve_shape(cfg.model))
+    engine = build_engine(spec, world, dims_for(cfg.parallel, world.world_size), cfg, decay_groups(cfg.train.weight_decay))
+    return engine, spec, cfg
