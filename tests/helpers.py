@@ -288,3 +288,28 @@ def assert_scale_moved(run) -> None:
     assert any(r["skipped"] for r in rows[:5]), scales  # backed off before the checkpoint at step 5
     assert len(set(scales[4:])) > 1, scales  # and moved again after it
     assert np.mean([r["loss"] for r in rows[-3:]]) < rows[0]["loss"] - 0.3  # and it trained
+
+
+# ---------------------------------------------------------------------------- exports
+
+
+def assert_hf_export_matches(ckpt: Path, out: Path, tokens: int = 48) -> None:
+    """transformers loads the export `out` of checkpoint `ckpt` and gives the logits of the
+    built-in model holding the checkpoint's weights. fp32 both sides, same weights: the two
+    implementations differ only in summation order (attention through SDPA or not, RMSNorm's
+    mean), a few ulps of logits of size ~10 after 4 layers; atol 1e-5 is ~100 ulps."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from scaletrain.models.llama import Llama
+    from scaletrain.models.presets import ModelShape
+
+    saved = json.loads((ckpt / "trainer.json").read_text())
+    ours = Llama(ModelShape(**saved["model"]), max_seq_len=tokens)
+    ours.load_state_dict(read_model_weights(ckpt))
+    theirs = LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    text = (STDLIB / "json" / "decoder.py").read_text()
+    ids = torch.tensor([tokenizer.encode(text)[:tokens]])
+    assert ids.shape[1] == tokens
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids), rtol=0, atol=1e-5)

@@ -64,7 +64,7 @@ def test_save_load_round_trip_restores_state_and_rng(tmp_path):
     fresh = nn.Linear(3, 2)
     fresh_opt = torch.optim.AdamW(fresh.parameters())
     torch.manual_seed(99)
-    trainer_state = checkpoint.load_checkpoint(path, world, lambda d: load_dcp(fresh, fresh_opt, d))
+    trainer_state = checkpoint.load_checkpoint(path, world, lambda d: load_dcp(fresh, fresh_opt, d / "state"))
     assert trainer_state["step"] == 1
     assert torch.equal(torch.rand(3), expected_draw)  # RNG continues where the save left it
     for a, b in zip(model.parameters(), fresh.parameters()):

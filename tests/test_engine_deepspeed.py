@@ -22,6 +22,7 @@ from scaletrain.errors import UserError
 from helpers import (
     FP16_MOVING_SCALE,
     assert_bit_exact,
+    assert_hf_export_matches,
     assert_same_training,
     assert_scale_moved,
     base_overrides,
@@ -32,6 +33,7 @@ from helpers import (
     one_line_error,
     probe,
     run_info,
+    scaletrain,
     train,
 )
 
@@ -221,6 +223,16 @@ def test_zero_run_resumes_bit_exactly(small_dataset, zero_runs, tmp_path, case):
     check(train([*base_overrides(small_dataset, resumed), *CASES[case], "checkpoint.every=5"], nproc=2, timeout=LAUNCH_S))
     assert run_info(resumed)["resumed_from"].endswith("step_5")
     assert_bit_exact(resumed, straight, 10)
+
+
+# Export reads DeepSpeed's partitions through its universal converter: ZeRO-3's flat
+# per-parameter files, with activation checkpointing's wrapper in the names.
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_zero3_checkpoint_exports_to_hugging_face(zero_runs, tmp_path):
+    run, out = zero_runs("zero3_accum_ac"), tmp_path / "hf"
+    check(scaletrain(["ckpt", "export", str(run), str(out), "--dtype", "fp32"]))
+    assert_hf_export_matches(run / "checkpoints" / "step_10", out)
 
 
 FP16_ZERO2 = [

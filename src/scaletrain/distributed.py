@@ -138,12 +138,25 @@ _OWN_GROUP = False
 
 def all_hostnames(world: World) -> list[str]:
     """Every rank's host name, by rank (one collective, at start-up)."""
-    me = socket.gethostname()
+    return gather_objects(world, socket.gethostname())
+
+
+def gather_objects(world: World, obj: T) -> list[T]:
+    """Collective: every rank's `obj` (picklable), by rank, on every rank."""
     if not world.distributed:
-        return [me]
-    names: list[str] = [""] * world.world_size
-    dist.all_gather_object(names, me)
-    return names
+        return [obj]
+    out: list[T] = [obj] * world.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(world: World, obj: T) -> T:
+    """Collective: rank 0's `obj` (picklable) on every rank."""
+    if not world.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def versions() -> dict[str, str | None]:

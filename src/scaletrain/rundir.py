@@ -4,6 +4,7 @@ checkpoint a run continues, whether it may, and run.json (what ran where)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,11 +40,12 @@ class RunPaths:
         return self.root / "run.json"
 
 
-def resume_point(resume: str, paths: RunPaths) -> Path | None:
-    """The checkpoint this run continues (train.resume), or None for a fresh start."""
-    latest = checkpoint.latest_complete(paths.checkpoints)
+def resume_point(resume: str, paths: RunPaths, world: World, report: Callable[[str], None]) -> Path | None:
+    """Collective: the checkpoint this run continues (train.resume), or None for a fresh
+    start. `auto` takes the newest whole one and reports each damaged one it skips."""
     if resume == "auto":
-        return latest
+        return checkpoint.latest_valid(paths.checkpoints, world, report)
+    latest = checkpoint.latest_complete(paths.checkpoints)
     if resume == "never":
         if latest is not None:
             raise UserError(
@@ -60,6 +62,9 @@ def resume_point(resume: str, paths: RunPaths) -> Path | None:
         raise UserError(
             f"train.resume={resume!r} is an incomplete checkpoint (no {checkpoint.MARKER} marker); accepted: a complete one"
         )
+    problem = checkpoint.find_problem(path, world)
+    if problem:
+        raise UserError(f"train.resume={resume!r} is damaged: {problem}; accepted: a whole checkpoint, or train.resume=auto")
     return path
 
 

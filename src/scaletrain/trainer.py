@@ -14,6 +14,7 @@ import torch
 from rich.console import Console
 
 from scaletrain import checkpoint, faults
+from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.config import Config
 from scaletrain.data import PackedTokens, RankBatches, ensure_prepared, resolve_dataset_dir
 from scaletrain.distributed import World, all_hostnames, init_distributed, rank0_first, shutdown
@@ -41,7 +42,8 @@ def train(cfg: Config, console: Console | None = None) -> dict[str, Any]:
 def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     main = world.is_main
     paths = RunPaths(Path(cfg.run.dir))
-    resume_from = resume_point(cfg.train.resume, paths)
+    say = lambda line: console.print(line, highlight=False, soft_wrap=True) if main else None  # noqa: E731
+    resume_from = resume_point(cfg.train.resume, paths, world, say)  # the newest whole checkpoint
     dims_for(cfg.parallel, world.world_size)  # a bad layout stops here, before any work
     if main:
         paths.root.mkdir(parents=True, exist_ok=True)
@@ -54,8 +56,8 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
         notes += check_resume(resume_from, cfg, spec, data.fingerprint)
     if main:
         paths.config.write_text(cfg.to_yaml())
-        for line in notes:
-            console.print(line, highlight=False, soft_wrap=True)
+    for line in notes:
+        say(line)
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay))
     hosts = all_hostnames(world)
@@ -67,7 +69,12 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     metrics = MetricsLog(paths.metrics, enabled=main)
     step, position, tokens_seen = 0, 0, 0
     if resume_from is not None:
-        trainer_state = checkpoint.load_checkpoint(resume_from, world, engine.load)
+        # Natively, or resharded / converted from another engine and then verified.
+        layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
+        trainer_state, how = checkpoint.resume_state(resume_from, world, engine, layout, dims.as_dict())
+        if how != "native":
+            was = f"{trainer_state['engine']} at world {trainer_state['world_size']}"
+            say(f"resume: {resume_from.name} ({was}) {how} onto {engine.name} at world {world.world_size}; verified")
         engine.load_extra_state(trainer_state["engine_state"])
         step, position, tokens_seen = trainer_state["step"], trainer_state["data_position"], trainer_state["tokens_seen"]
     metrics.truncate_after(step)

@@ -39,19 +39,17 @@ def read_stamp(path: Path) -> dict[str, str]:
 
 
 def check_engine(path: Path, strategy: str) -> str | None:
-    """None if `strategy` resumes what `path` holds as it is, else a note for the log when
-    it does through the same format (ddp <-> fsdp); a UserError when it cannot."""
+    """None if `strategy` resumes what `path` holds as it is, else a note for the log saying
+    how it is carried over (checkpoint/restore.py); a UserError for an unknown format."""
     stamp = read_stamp(path)
     wrote, fmt = stamp["engine"], stamp["format"]
+    if fmt not in ENGINE_FORMATS.values():
+        raise UserError(f"checkpoint {path} is in format {fmt!r}, which this version cannot read; accepted: dcp, deepspeed")
     if wrote == strategy:
         return None
-    if fmt == "dcp" and ENGINE_FORMATS.get(strategy) == "dcp":
+    if fmt == ENGINE_FORMATS.get(strategy) == "dcp":
         return f"resume: {path.name} was written by {wrote}; {strategy} loads it through torch.distributed.checkpoint"
-    same_format = sorted(e for e, f in ENGINE_FORMATS.items() if f == fmt) if fmt == "dcp" else [wrote]
-    raise UserError(
-        f"checkpoint {path} was written by {wrote} ({fmt} format) and parallel.strategy={strategy} cannot resume it; "
-        f"accepted: parallel.strategy={' or '.join(same_format)}, or a new run.dir (no conversion between engines yet)"
-    )
+    return f"resume: {path.name} was written by {wrote} ({fmt} format); converting it to {strategy} on the fly"
 
 
 def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -76,7 +74,7 @@ def _read_dcp_weights(state_dir: Path) -> dict[str, torch.Tensor]:
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
     with quiet_single_process():
-        dcp.load(state, storage_reader=reader)
+        dcp.load(state, storage_reader=reader, no_dist=True)  # offline, even inside a process group
     return {key.removeprefix("model."): t for key, t in state.items()}
 
 

@@ -8,7 +8,10 @@ Layout of `checkpoints/step_<N>/`:
                     the stamp {format, engine} (checkpoint/formats.py), model shape, data fingerprint
   rng_rank<R>.pt    each rank's RNG states (tensors and ints only: loads with weights_only)
   config.yaml       the resolved config that produced it
-  COMPLETE          written last, after every rank finished: no marker, no checkpoint
+  COMPLETE          written last, after every rank finished: no marker, no checkpoint. It
+                    holds the manifest: every file's size and CRC-32 as saved, so a
+                    truncated, emptied, missing or overwritten file is found before a resume
+                    trusts it (the ranks hash and check the files between them)
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,11 +29,12 @@ from typing import Any
 import torch
 
 from scaletrain import faults
-from scaletrain.distributed import World, barrier
+from scaletrain.distributed import World, barrier, gather_objects
 from scaletrain.errors import UserError
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_ALONE = World(0, 1, 0, torch.device("cpu"), None)  # for checks one process makes by itself
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -57,6 +62,41 @@ def latest_complete(root: Path) -> Path | None:
     return done[-1][1] if done else None
 
 
+def latest_valid(root: Path, world: World, report: Callable[[str], None]) -> Path | None:
+    """Collective: the newest complete checkpoint whose files are all as saved; each newer
+    one that is not gets one `report` line naming what is wrong, and is skipped."""
+    for _, path in reversed(complete_checkpoints(root)):
+        problem = find_problem(path, world)
+        if problem is None:
+            return path
+        report(f"resume: skipping {path}: {problem}")
+    return None
+
+
+def find_problem(path: Path, world: World, checksums: bool = True) -> str | None:
+    """Collective: None if the checkpoint `path` is whole, else what is wrong, in a few words
+    (the same on every rank). Sizes are checked by everyone, checksums split between ranks."""
+    try:
+        marker = json.loads((path / MARKER).read_text())
+        files = marker["files"] if isinstance(marker, dict) and "files" in marker else None
+    except (OSError, ValueError) as e:
+        return f"its {MARKER} marker is unreadable ({type(e).__name__})"
+    if files is None:  # written before manifests existed: only completeness is known
+        return None
+    for rel, (size, _) in sorted(files.items()):
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != size:
+            return f"{rel} is {f.stat().st_size} bytes, {size} when saved"
+    if not checksums:
+        return None
+    mine = sorted(files)[world.rank :: world.world_size]
+    bad = [rel for rel in mine if _crc32(path / rel) != files[rel][1]]
+    found = sorted(b for part in gather_objects(world, bad) for b in part)
+    return f"{found[0]} does not match its checksum (overwritten or corrupted)" if found else None
+
+
 def save_checkpoint(
     path: Path,
     world: World,
@@ -80,19 +120,37 @@ def save_checkpoint(
         for name, text in files.items():
             write_atomic(path / name, text)
     barrier(world)  # every rank's shard and RNG file exists before the marker
+    manifest = _manifest(path, world)
     faults.kill_at("save", trainer_state["step"])
     if world.is_main:
-        write_atomic(path / MARKER, json.dumps({"step": trainer_state["step"]}))
+        write_atomic(path / MARKER, json.dumps({"step": trainer_state["step"], "files": manifest}, indent=0))
 
 
-def load_checkpoint(path: Path, world: World, load_state: Callable[[Path], None]) -> dict[str, Any]:
-    """Collective: `load_state(dir)` restores model + optimizer; restore this rank's RNG; return trainer state."""
+def _manifest(path: Path, world: World) -> dict[str, list[int]]:
+    """Collective: {relative path: [bytes, crc32]} of every file under `path`, each rank
+    hashing a share (a checkpoint is mostly its ranks' shards: hashing scales with them)."""
+    every = sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f.name != MARKER)
+    mine = {rel: [(path / rel).stat().st_size, _crc32(path / rel)] for rel in every[world.rank :: world.world_size]}
+    return {rel: entry for part in gather_objects(world, mine) for rel, entry in part.items()}
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def load_checkpoint(path: Path, world: World, load_state: Callable[[Path], Any]) -> dict[str, Any]:
+    """Collective: `load_state(path)` restores model + optimizer (checkpoint/restore.py);
+    restore this rank's RNG; return the trainer state."""
     if not is_complete(path):
         raise UserError(
             f"checkpoint {path} is incomplete (no {MARKER} marker: its save was interrupted); "
             "accepted: a complete checkpoints/step_<N> directory, or train.resume=auto"
         )
-    load_state(path / "state")
+    load_state(path)
     trainer_state = json.loads((path / "trainer.json").read_text())
     rng_file = path / f"rng_rank{world.rank}.pt"
     # RNG streams belong to ranks: only restorable when the world size is unchanged.
@@ -102,19 +160,22 @@ def load_checkpoint(path: Path, world: World, load_state: Callable[[Path], None]
 
 
 def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints, and incomplete ones older than those."""
-    done = complete_checkpoints(root)
-    doomed = [p for _, p in done[:-keep]] if len(done) > keep else []
-    if done:
-        newest_kept = done[-min(keep, len(done))][0]
-        for p in root.iterdir():
-            m = _STEP_DIR.match(p.name)
-            if m and p.is_dir() and not is_complete(p) and int(m.group(1)) < newest_kept:
-                doomed.append(p)
+    """Keep the newest `keep` whole checkpoints (all files present at their saved sizes);
+    delete every older one, complete or not. A damaged checkpoint never counts as kept, so
+    the last whole one survives whatever happened to newer ones."""
+    whole = [(s, p) for s, p in complete_checkpoints(root) if find_problem(p, _ALONE, checksums=False) is None]
+    if not whole:
+        return []
+    oldest_kept = whole[-min(keep, len(whole))][0]
+    doomed = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir() and int(m.group(1)) < oldest_kept:
+            doomed.append(p)
     for p in doomed:
         # Remove the marker first: a crash mid-delete leaves an incomplete dir, never a broken "complete" one.
         (p / MARKER).unlink(missing_ok=True)
-        faults.kill_at("prune", done[-1][0])
+        faults.kill_at("prune", whole[-1][0])
         shutil.rmtree(p, ignore_errors=True)
     return doomed
 

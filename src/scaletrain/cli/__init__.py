@@ -81,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.parquet records")
     prep.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens, help="tokens per shard file")
     prep.set_defaults(func=_cmd_data_prepare)
+
+    from scaletrain.cli.ckpt import add_parser as add_ckpt_parser
+
+    add_ckpt_parser(sub)
     return p
 
 

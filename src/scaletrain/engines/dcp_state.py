@@ -25,25 +25,28 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from scaletrain.checkpoint.formats import quiet_single_process
 from scaletrain.engines.base import AccumulationWindow, StepStats, set_lr
 
+# Engine-neutral state (Engine.state_dict): full tensors on every rank, plain names,
+# torch's flattened optimizer layout ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr").
+NEUTRAL = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+# The same keys, each rank holding its own shards: what DCP saves. On disk a checkpoint is
+# then keyed exactly as the neutral state ("model.<fqn>", "optim.state.<fqn>.exp_avg"), so
+# checkpoint/neutral.py reads it without knowing the engine that wrote it.
+LOCAL = StateDictOptions(flatten_optimizer_state_dict=True)
+
 
 def save_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=LOCAL)
     with quiet_single_process():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
 
 
 def load_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    """Each rank reads the byte ranges its shards overlap: any world size, ddp or fsdp."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=LOCAL)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     with quiet_single_process():
         dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-# Engine-neutral state (Engine.state_dict): full tensors on every rank, plain names,
-# torch's flattened optimizer layout ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr").
-NEUTRAL = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
-LOCAL = StateDictOptions(flatten_optimizer_state_dict=True)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=LOCAL)
 
 
 class TorchEngineMixin(AccumulationWindow):
@@ -99,9 +102,12 @@ class TorchEngineMixin(AccumulationWindow):
         # Each rank cuts its own shard from the full tensors (every rank has them, so no
         # communication) and loads in the engine's own layout. torch's full_state_dict load
         # path fails on a fresh optimizer (KeyError 'param_groups.0.params.0', torch 2.13).
-        template: dict[str, Any] = get_state_dict(self.model, self.optimizer, options=LOCAL)[0]
+        model_template, optim_template = get_state_dict(self.model, self.optimizer, options=LOCAL)
+        template: dict[str, Any] = dict(model_template)
         model_sd: dict[str, Any] = {k: _like(template[k], v) for k, v in state["model"].items() if k in template}
-        optim_sd: dict[str, Any] = {}
+        # Group settings a converted DeepSpeed checkpoint does not carry come from this
+        # optimizer (the config's); torch also reads them to tell a tied weight's names apart.
+        optim_sd: dict[str, Any] = {k: v for k, v in optim_template.items() if k.startswith("param_groups.")}
         for key, value in state["optim"].items():
             fqn = key.split(".", 1)[1].rsplit(".", 1)[0] if key.startswith("state.") else None
             if fqn in template and isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -115,6 +121,8 @@ class TorchEngineMixin(AccumulationWindow):
     def load_extra_state(self, state: dict[str, Any]) -> None:
         if self.scaler and "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
+        elif self.scaler and "loss_scale" in state:  # a DeepSpeed checkpoint, converted: its scale carries over
+            self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": float(state["loss_scale"])})
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -131,7 +131,11 @@ class DeepSpeedEngine(AccumulationWindow):
         return {"loss_scale": float(self.optimizer.loss_scale), "skipped_steps": int(self.ds.skipped_steps)}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        pass  # DeepSpeed's load_checkpoint already restored the scaler (see extra_state)
+        # DeepSpeed's own load_checkpoint restores its scaler; a checkpoint of a torch engine
+        # (converted on resume) carries torch's GradScaler state: its scale carries over.
+        scale = state.get("loss_scaler", {}).get("scale")
+        if scale is not None and self.precision == "fp16":
+            self.optimizer.loss_scaler.cur_scale = float(scale)
 
     def state_dict(self) -> dict[str, Any]:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -156,7 +160,6 @@ class DeepSpeedEngine(AccumulationWindow):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         params = dict(self._named_parameters())
         self._link_optimizer_state(create=True)
@@ -169,17 +172,40 @@ class DeepSpeedEngine(AccumulationWindow):
         for name, param in params.items():
             if name not in first:
                 continue
-            safe_set_full_fp32_param(param, state["model"][name].to(self.device))
+            self._set_full(param, state["model"][name], None)
             group = self._group_of(param)
             for key in ("lr", "betas", "eps", "weight_decay"):
                 group[key] = state["optim"].get(f"param_groups.{name}.{key}", group[key])
             for key in ("exp_avg", "exp_avg_sq"):
-                safe_set_full_optimizer_state(param, state["optim"][f"state.{name}.{key}"].to(self.device), key)
+                self._set_full(param, state["optim"][f"state.{name}.{key}"], key)
         steps = {float(v) for k, v in state["optim"].items() if k.endswith(".step")}
         if len(steps) != 1:
             raise ValueError(f"DeepSpeed keeps one optimizer step for all parameters; the state holds {sorted(steps)}")
         _set_optimizer_step(self.ds.basic_optimizer, int(steps.pop()))
         _replay_cpu_adam_steps(self.ds.basic_optimizer)
+
+    def _set_full(self, param: nn.Parameter, full: torch.Tensor, key: str | None) -> None:
+        """Set the fp32 master (key None) or an Adam moment of `param` from its full value."""
+        from deepspeed.utils import (
+            safe_set_full_fp32_param,
+            safe_set_full_optimizer_state,
+            safe_set_local_fp32_param,
+            safe_set_local_optimizer_state,
+        )
+
+        full = full.to(self.device)
+        if not hasattr(param, "ds_tensor"):  # ZeRO-1/2
+            safe_set_full_fp32_param(param, full) if key is None else safe_set_full_optimizer_state(param, full, key)
+            return
+        # ZeRO-3: this rank's own partition, cut here. DeepSpeed 0.19.8's full setter reads
+        # past the end of the value on the last rank when the world size does not divide
+        # the parameter's size (its partition is padded): start + length > numel.
+        size = param.ds_tensor.numel()
+        rank = self.optimizer._get_param_partition_rank(param)
+        local = torch.zeros(size, dtype=full.dtype, device=self.device)
+        piece = full.flatten()[rank * size : (rank + 1) * size]
+        local[: piece.numel()] = piece
+        safe_set_local_fp32_param(param, local) if key is None else safe_set_local_optimizer_state(param, local, key)
 
     def _link_optimizer_state(self, create: bool) -> bool:
         """Make every parameter's view of its optimizer state valid; False if there is none.

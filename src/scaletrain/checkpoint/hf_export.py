@@ -1,0 +1,182 @@
+"""Export a checkpoint of the built-in Llama as a Hugging Face LlamaForCausalLM directory:
+safetensors shards + index, config.json, generation_config.json and the run's tokenizer.
+
+The built-in model uses rotate-half RoPE, HF Llama's layout, so tensors are renamed, never
+permuted. Peak memory stays near the largest tensor, not the model: each shard's header is
+computed from shapes alone, then every tensor is read from the checkpoint (one DCP key,
+or one DeepSpeed universal file), converted and appended to its shard, and dropped. The
+safetensors format (an 8-byte little-endian header length, a JSON header of dtype, shape
+and byte offsets, then the raw bytes) is written directly for that reason: the package's
+writer needs every tensor of a file in memory at once. The package reads the result back
+as the last step of every export, so a malformed file never leaves this module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scaletrain.checkpoint.formats import read_stamp
+from scaletrain.checkpoint.neutral import ParamLayout, WeightStream
+from scaletrain.errors import UserError
+from scaletrain.models.presets import ModelShape
+
+DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16"), "fp16": (torch.float16, "F16")}
+_RENAMES = [
+    (r"^tok_embeddings\.", "model.embed_tokens."),
+    (r"^norm\.", "model.norm."),
+    (r"^output\.", "lm_head."),
+    (r"^layers\.(\d+)\.attention\.w([qkvo])\.", r"model.layers.\1.self_attn.\2_proj."),
+    (r"^layers\.(\d+)\.feed_forward\.w1\.", r"model.layers.\1.mlp.gate_proj."),
+    (r"^layers\.(\d+)\.feed_forward\.w3\.", r"model.layers.\1.mlp.up_proj."),
+    (r"^layers\.(\d+)\.feed_forward\.w2\.", r"model.layers.\1.mlp.down_proj."),
+    (r"^layers\.(\d+)\.attention_norm\.", r"model.layers.\1.input_layernorm."),
+    (r"^layers\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
+]
+
+
+def hf_name(name: str) -> str:
+    for pattern, repl in _RENAMES:
+        new, n = re.subn(pattern, repl, name)
+        if n:
+            return new
+    raise UserError(f"parameter {name!r} has no Hugging Face Llama name; accepted: checkpoints of the built-in Llama")
+
+
+def hf_config(shape: ModelShape, max_positions: int, dtype: str, bos_eos: int | None) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.dim,
+        "intermediate_size": shape.ffn_dim,
+        "num_hidden_layers": shape.n_layers,
+        "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_kv_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": shape.norm_eps,
+        "rope_theta": shape.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": shape.tie_embeddings,
+        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+        "bos_token_id": bos_eos,
+        "eos_token_id": bos_eos,
+    }
+
+
+def export_hf(
+    ckpt: Path,
+    out: Path,
+    layout: ParamLayout,
+    shape: ModelShape,
+    max_positions: int,
+    dtype: str = "bf16",
+    trainable_only: bool = False,
+    tokenizer: Path | None = None,
+    max_shard_bytes: int = 2 << 30,
+) -> dict[str, Any]:
+    """Write the HF directory `out` (must not exist); returns a summary for the CLI."""
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype} is invalid; accepted: {', '.join(DTYPES)}")
+    if out.exists():
+        raise UserError(f"{out} already exists; accepted: a path that does not exist yet (nothing is overwritten)")
+    torch_dtype, st_dtype = DTYPES[dtype]
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with WeightStream(ckpt, layout) as weights:
+        names = [n for n in layout.shapes if not (shape.tie_embeddings and n in layout.aliases)]
+        if trainable_only:
+            names = [n for n in names if layout.aliases.get(n, n) in weights.trained]
+            if not names:
+                raise UserError(f"checkpoint {ckpt} holds no optimizer state, so no parameter is known to be trained")
+        shards = _plan_shards(names, layout, torch_dtype, max_shard_bytes)
+        weight_map: dict[str, str] = {}
+        total = 0
+        for i, shard in enumerate(shards):
+            file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            total += _write_shard(tmp / file, shard, layout, weights, torch_dtype, st_dtype)
+            weight_map |= {hf_name(n): file for n in shard}
+    index = {"metadata": {"total_size": total, "format": "pt"}, "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    eos = _write_tokenizer(tmp, tokenizer) if tokenizer else None
+    config = hf_config(shape, max_positions, dtype, eos)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": eos}, indent=2) + "\n")
+    _check_readable(tmp, weight_map)
+    tmp.rename(out)  # whole or not at all
+    stamp = read_stamp(ckpt)
+    return {"tensors": len(weight_map), "bytes": total, "files": len(shards), "engine": stamp["engine"]}
+
+
+def _plan_shards(names: list[str], layout: ParamLayout, dtype: torch.dtype, limit: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for name in names:
+        nbytes = layout.shapes[name].numel() * itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _write_shard(
+    path: Path, names: list[str], layout: ParamLayout, weights: WeightStream, dtype: torch.dtype, st_dtype: str
+) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        nbytes = layout.shapes[name].numel() * itemsize
+        header[hf_name(name)] = {"dtype": st_dtype, "shape": list(layout.shapes[name]), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name in names:  # one tensor in memory at a time
+            tensor = weights.get(name).to(dtype).contiguous()
+            f.write(tensor.view(torch.uint8).numpy().data)  # the tensor's own bytes, no copy
+            del tensor
+    return offset
+
+
+def _write_tokenizer(out: Path, tokenizer: Path) -> int | None:
+    """Copy the run's tokenizer.json and say how transformers should load it; returns the
+    end-of-document token id."""
+    from tokenizers import Tokenizer
+
+    from scaletrain.data.prepare import EOS_CANDIDATES
+
+    shutil.copyfile(tokenizer, out / "tokenizer.json")
+    tok = Tokenizer.from_file(str(tokenizer))
+    eos = next((t for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30, "clean_up_tokenization_spaces": False}
+    if eos:
+        config |= {"eos_token": eos, "bos_token": eos}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return tok.token_to_id(eos) if eos else None
+
+
+def _check_readable(out: Path, weight_map: dict[str, str]) -> None:
+    from safetensors import safe_open
+
+    for file in sorted(set(weight_map.values())):
+        with safe_open(str(out / file), framework="pt") as f:
+            want = sorted(n for n, shard in weight_map.items() if shard == file)
+            if sorted(f.keys()) != want:
+                raise RuntimeError(f"{file}: safetensors reads {len(list(f.keys()))} tensors, {len(want)} were written")
