@@ -276,6 +276,12 @@ def assert_bit_exact(run: Path, straight: Path, step: int) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# The tiny model's tensors are all below DeepSpeed's default persistence threshold (1e5
+# elements), so ZeRO-3 would keep every one of them whole on every rank; 0 makes it really
+# partition them. It is also a non-conflicting deepspeed_extra key, merged in.
+Z3_PARTITION_ALL = "parallel.deepspeed_extra={zero_optimization: {stage3_param_persistence_threshold: 0}}"
+
+
 # A loss scale that overflows on this model (2**20) and a window of 2: within 10 steps the
 # scale halves (skipped steps) and grows again, before and after the checkpoint at step 5,
 # so the resumed run is only identical if the scaler's whole state came back.

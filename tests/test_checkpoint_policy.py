@@ -81,10 +81,13 @@ def test_fault_points_parse_and_refuse_bad_values():
     from scaletrain import faults
     from scaletrain.errors import UserError
 
-    assert faults.parse("") is None
-    assert faults.parse("save:12") == ("save", 12)
-    for bad in ("save", "save:0", "boom:3", "step:x"):
+    assert faults.parse("") == []
+    assert faults.parse("save:12") == [("save", 12, None)]
+    # One fault per elastic attempt, optionally on one rank.
+    assert faults.parse("step:3@1,term:8") == [("step", 3, 1), ("term", 8, None)]
+    for bad in ("save", "save:0", "boom:3", "step:x", "step:3@x"):
         with pytest.raises(
-            UserError, match="SCALETRAIN_KILL_AT=.* accepted: POINT:STEP with POINT one of step, save, prune, metrics"
+            UserError,
+            match=r"SCALETRAIN_KILL_AT=.* accepted: POINT:STEP\[@RANK\]\[,...\] with POINT one of step, save, prune, metrics, term",
         ):
             faults.parse(bad)

@@ -22,12 +22,9 @@ CASES = [
     (1, ["model.preset=tiny", "data.seq_len=128", "train.micro_batch=16"]),
     (1, [*SMALL, "train.micro_batch=8", "parallel.activation_checkpointing=true"]),
     (1, ["model.preset=small", "data.seq_len=32", "train.micro_batch=1"]),  # peak at the end of backward
-    # bf16 matmuls are slow on CPUs without bf16 units: a shorter sequence keeps these quick.
-    (1, ["model.preset=small", "data.seq_len=64", "train.micro_batch=4", "precision=bf16"]),
-    (2, [*SMALL, "train.micro_batch=4", "parallel.strategy=fsdp"]),
     (2, [*SMALL, "train.micro_batch=8", "parallel.strategy=fsdp", "parallel.activation_checkpointing=true"]),
+    # bf16 matmuls are slow on CPUs without bf16 units: a shorter sequence keeps this quick.
     (2, ["model.preset=small", "data.seq_len=64", "train.micro_batch=4", "parallel.strategy=fsdp", "precision=bf16"]),
-    (2, [*SMALL, "train.micro_batch=4", "parallel.strategy=zero2"]),
     (2, [*SMALL, "train.micro_batch=8", "parallel.strategy=zero3", "parallel.activation_checkpointing=true"]),
 ]
 

@@ -161,6 +161,9 @@ class ParallelConfig(Section):
 class CheckpointConfig(Section):
     every: int = Field(100, ge=0)  # steps between checkpoints; 0: only at the end
     keep: int = Field(3, ge=1)  # newest complete checkpoints kept
+    # Save and reload once before the first step (verified tensor by tensor), so that a
+    # checkpoint problem (disk, permissions, engine) shows before hours of training.
+    verify_on_start: bool = False
 
 
 class RunConfig(Section):

@@ -7,3 +7,16 @@ class UserError(Exception):
     The message names the problem and what is accepted; the CLI prints it without a
     traceback. Anything else that escapes is a bug in scaletrain and keeps its traceback.
     """
+
+
+# Documented in README and docs/checkpointing.md: "stopped on request, checkpoint saved,
+# run again to continue" (EX_TEMPFAIL, sysexits.h: try again later).
+EXIT_PREEMPTED = 75
+
+
+class Preempted(Exception):
+    """The run stopped on a preemption signal after saving the checkpoint of `step` (preempt.py)."""
+
+    def __init__(self, step: int, signal_name: str):
+        super().__init__(f"preempted ({signal_name}) at step {step}: checkpoint saved; run the same command again to continue")
+        self.step = step

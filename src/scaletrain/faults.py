@@ -1,7 +1,8 @@
-"""Fault injection for recovery tests and drills: SIGKILL this process at a named point.
+"""Fault injection for recovery tests and drills.
 
-`SCALETRAIN_KILL_AT=<point>:<step>` kills every rank that reaches the point at that step,
-exactly as an OOM-killer or a preempted node would (no handler runs, nothing is flushed):
+`SCALETRAIN_KILL_AT=<point>:<step>[@<rank>]` SIGKILLs every rank (or only `rank`) that
+reaches the point at that step, exactly as an OOM-killer or a lost node would (no handler
+runs, nothing is flushed):
 
   step     right after optimizer step <step>
   save     inside the save of checkpoint <step>: model, optimizer, RNG and trainer.json
@@ -9,7 +10,12 @@ exactly as an OOM-killer or a preempted node would (no handler runs, nothing is 
   prune    inside the pruning after checkpoint <step>: an old checkpoint has lost its
            marker and not yet its files
   metrics  inside the metrics flush at step <step>: half of the rows' text is written
+  term     not a kill: after step <step>, SIGTERM to the launcher (torchrun's agent, which
+           forwards it to every worker) or, without one, to this process: a preemption
 
+A comma-separated list is one fault per attempt under elastic restarts: entry i fires only
+in attempt i (torchrun's TORCHELASTIC_RESTART_COUNT), so `step:3@1,step:8@0` kills rank 1
+at step 3, then, after the restart resumed from a checkpoint, rank 0 at step 8.
 The variable is read once; an unset variable costs one comparison per point.
 """
 
@@ -21,20 +27,38 @@ import signal
 from scaletrain.errors import UserError
 
 ENV = "SCALETRAIN_KILL_AT"
-POINTS = ("step", "save", "prune", "metrics")
+POINTS = ("step", "save", "prune", "metrics", "term")
+
+Fault = tuple[str, int, int | None]  # point, step, rank (None: every rank)
 
 
-def parse(value: str) -> tuple[str, int] | None:
-    """`point:step` -> (point, step); empty -> None; anything else is a UserError."""
-    if not value:
+def parse(value: str) -> list[Fault]:
+    """`point:step[@rank],...` -> [(point, step, rank)]; empty -> []; anything else is a UserError."""
+    faults: list[Fault] = []
+    for item in filter(None, value.split(",")):
+        point, _, rest = item.partition(":")
+        step, _, rank = rest.partition("@")
+        if point not in POINTS or not step.isdigit() or int(step) < 1 or (rank and not rank.isdigit()):
+            raise UserError(
+                f"{ENV}={value!r} is invalid; accepted: POINT:STEP[@RANK][,...] with POINT one of {', '.join(POINTS)} "
+                "and STEP >= 1"
+            )
+        faults.append((point, int(step), int(rank) if rank else None))
+    return faults
+
+
+def _armed_now() -> tuple[str, int] | None:
+    faults = parse(os.environ.get(ENV, ""))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt >= len(faults):
         return None
-    point, _, step = value.partition(":")
-    if point not in POINTS or not step.isdigit() or int(step) < 1:
-        raise UserError(f"{ENV}={value!r} is invalid; accepted: POINT:STEP with POINT one of {', '.join(POINTS)} and STEP >= 1")
-    return point, int(step)
+    point, step, rank = faults[attempt]
+    if rank is not None and rank != int(os.environ.get("RANK", "0")):
+        return None
+    return point, step
 
 
-_ARMED = parse(os.environ.get(ENV, ""))
+_ARMED = _armed_now()
 
 
 def armed(point: str, step: int) -> bool:
@@ -42,9 +66,13 @@ def armed(point: str, step: int) -> bool:
 
 
 def kill_at(point: str, step: int) -> None:
-    """SIGKILL this process if the fault is armed for (point, step)."""
+    """SIGKILL this process (or, for `term`, SIGTERM the launcher) if armed for (point, step)."""
     if armed(point, step):
-        kill()
+        if point == "term":
+            under_agent = "TORCHELASTIC_RUN_ID" in os.environ
+            os.kill(os.getppid() if under_agent else os.getpid(), signal.SIGTERM)
+        else:
+            kill()
 
 
 def kill() -> None:

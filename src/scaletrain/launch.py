@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.errors import UserError
+from scaletrain.errors import EXIT_PREEMPTED, UserError
 
 # Set by `run_torchrun` for its workers: a rank that stops on a UserError writes its one
 # line into this directory instead of printing it, and the launcher prints each distinct
@@ -35,6 +35,7 @@ class LaunchOptions:
     master_port: int | None = None
     hostfile: str | None = None
     launcher: str = "torchrun"
+    max_restarts: int = 0
     train_args: tuple[str, ...] = ()
 
 
@@ -75,6 +76,10 @@ def launch_command(opts: LaunchOptions) -> list[str]:
         opts = _from_hostfile(opts)
     _check_numbers(opts)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={opts.nproc}"]
+    if opts.max_restarts:
+        # A failed worker restarts the whole group, which resumes from the newest whole
+        # checkpoint by itself (train.resume=auto).
+        cmd.append(f"--max-restarts={opts.max_restarts}")
     if opts.nnodes == 1 and opts.master_addr is None:
         cmd.append("--standalone")  # a private rendezvous on a free local port
     else:
@@ -141,6 +146,7 @@ def _from_hostfile(opts: LaunchOptions) -> LaunchOptions:
         master_addr=opts.master_addr or hosts[0].name,
         master_port=opts.master_port,
         launcher=opts.launcher,
+        max_restarts=opts.max_restarts,
         train_args=opts.train_args,
     )
 
@@ -152,6 +158,10 @@ def _check_numbers(opts: LaunchOptions) -> None:
         raise UserError(f"--nnodes {opts.nnodes} is invalid; accepted: >= 1")
     if opts.node_rank is not None and not 0 <= opts.node_rank < opts.nnodes:
         raise UserError(f"--node-rank {opts.node_rank} is invalid with --nnodes {opts.nnodes}; accepted: 0..{opts.nnodes - 1}")
+    if opts.max_restarts < 0:
+        raise UserError(f"--max-restarts {opts.max_restarts} is invalid; accepted: an integer >= 0")
+    if opts.max_restarts and opts.launcher == "deepspeed":
+        raise UserError("--max-restarts needs --launcher torchrun (DeepSpeed's launcher does not restart workers)")
     if opts.master_port is not None and not 0 < opts.master_port < 65536:
         raise UserError(f"--master-port {opts.master_port} is invalid; accepted: 1..65535")
 
@@ -174,12 +184,19 @@ def run_torchrun(cmd: list[str]) -> int:
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic.addHandler(logging.NullHandler())
     elastic.propagate = False  # torch's own handler sits on the "torch" logger above
+    # torchrun shares its rendezvous TCPStore with the workers' process group by default,
+    # and a restarted group then reads its peers' addresses from the failed attempt (gloo:
+    # "connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712). A store of
+    # their own per attempt makes --max-restarts work.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     with tempfile.TemporaryDirectory(prefix="scaletrain-errors-") as errors:
         os.environ[ERROR_DIR_ENV] = errors
         try:
             run(parse_args(cmd[3:]))
             return 0
         except ChildFailedError as e:
+            if _preempted(errors) and all(f.exitcode in (EXIT_PREEMPTED, -signal.SIGTERM) for f in e.failures.values()):
+                return EXIT_PREEMPTED  # the workers were signalled directly and saved
             # A rank that met bad input wrote its line and exited 2; ranks the agent stopped
             # after that died of SIGTERM. Anything else crashed: its traceback is above.
             messages = sorted({p.read_text().strip() for p in Path(errors).glob("rank*")})
@@ -195,10 +212,31 @@ def run_torchrun(cmd: list[str]) -> int:
                 )
             return 1
         except SignalException as e:
+            # The agent forwarded the signal and waited for the workers: on SIGTERM/SIGUSR1
+            # they stopped at one step boundary and saved (preempt.py).
+            if _preempted(errors):
+                return EXIT_PREEMPTED
             print(f"scaletrain launch: stopped by {e.sigval.name}; the workers were stopped too", file=sys.stderr)
             return 128 + int(e.sigval)
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
+
+
+def _preempted(errors: str) -> bool:
+    """Print the workers' preemption line once; True if any worker wrote one."""
+    lines = sorted({p.read_text().strip() for p in Path(errors).glob("preempted-rank*")})
+    for line in lines:
+        print(f"scaletrain: {line}", file=sys.stderr)
+    return bool(lines)
+
+
+def report_preempted(message: str, rank: int) -> None:
+    """A worker that stopped on a preemption signal, checkpoint saved (exit EXIT_PREEMPTED)."""
+    directory = os.environ.get(ERROR_DIR_ENV)
+    if directory and Path(directory).is_dir():
+        (Path(directory) / f"preempted-rank{rank}").write_text(message)
+    elif rank == 0:
+        print(f"scaletrain: {message}", file=sys.stderr)
 
 
 def report_error(message: str, rank: int) -> None:

@@ -6,6 +6,8 @@ steps (forward_backward, step, metrics, checkpoints) -> summary.
 from __future__ import annotations
 
 import gc
+import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -17,11 +19,12 @@ from scaletrain import checkpoint, faults
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.config import Config
 from scaletrain.data import PackedTokens, RankBatches, ensure_prepared, resolve_dataset_dir
-from scaletrain.distributed import World, all_hostnames, init_distributed, rank0_first, shutdown
+from scaletrain.distributed import World, all_hostnames, barrier, init_distributed, rank0_first, shutdown
 from scaletrain.engines import Engine, build_engine
 from scaletrain.models import LlamaSpec, ModelSpec, resolve_shape
 from scaletrain.optim import decay_groups, lr_at, scaled_lr
 from scaletrain.parallel import ParallelDims, dims_for
+from scaletrain.preempt import Preempted, PreemptionWatch
 from scaletrain.preflight import plan_run
 from scaletrain.rundir import RunPaths, check_resume, resume_point, write_run_info
 from scaletrain.telemetry import MetricsLog, StepRecorder, TrainProgress, print_banner, print_run_summary
@@ -78,6 +81,9 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
         engine.load_extra_state(trainer_state["engine_state"])
         step, position, tokens_seen = trainer_state["step"], trainer_state["data_position"], trainer_state["tokens_seen"]
     metrics.truncate_after(step)
+    # After this start's first step: torch creates optimizer state lazily, and saving before
+    # it exists would create it early (shifting Adam's step count).
+    verify_pending = cfg.checkpoint.verify_on_start
 
     global_batch = cfg.train.micro_batch * cfg.train.grad_accum * dims.dp_size
     tokens_per_step = global_batch * cfg.data.seq_len
@@ -90,6 +96,7 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     )
     recorder = StepRecorder(dims.dp_size, world.distributed)
     progress = TrainProgress(console, cfg.train.steps, step, enabled=main)
+    watch = PreemptionWatch(world)
     started, start_step = time.perf_counter(), step
     try:
         while step < cfg.train.steps:
@@ -111,7 +118,9 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
                 **({"loss_scale": stats.loss_scale, "skipped": stats.skipped} if stats.loss_scale else {}),
             )
             progress.advance(step)
-            save_now = step == cfg.train.steps or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0)
+            faults.kill_at("term", step)
+            stop = watch.agreed()  # a preemption signal on any rank stops all after this step
+            save_now = stop or step == cfg.train.steps or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0)
             if save_now or step % cfg.train.log_every == 0:
                 rows = recorder.flush()
                 metrics.write(rows)
@@ -119,7 +128,16 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
             if save_now:
                 _save(cfg, world, dims, engine, spec, data, paths, step, batches.position, tokens_seen)
             faults.kill_at("step", step)
+            if verify_pending:
+                scratch = paths.checkpoints / ".verify_on_start"
+                _save(cfg, world, dims, engine, spec, data, paths, step, batches.position, tokens_seen, to=scratch)
+                _reload_and_compare(scratch, world, engine, ParamLayout(spec.build_meta(cfg.data.seq_len)))
+                say(f"checkpoint: verify_on_start saved and reloaded step {step}: every tensor came back exactly")
+                verify_pending = False
+            if stop:
+                raise Preempted(step, signal.Signals(stop).name)
     finally:
+        watch.close()
         progress.close()
         # An exception's traceback keeps this frame's locals alive; the engine (a DDP
         # wrapper, say) must not outlive the process group (see train()).
@@ -160,6 +178,7 @@ def _save(
     step: int,
     position: int,
     tokens_seen: int,
+    to: Path | None = None,
 ) -> None:
     trainer_state = {
         "step": step,
@@ -175,8 +194,18 @@ def _save(
         "data_fingerprint": data.fingerprint,
         "engine_state": engine.extra_state(),
     }
-    target = checkpoint.step_dir(paths.checkpoints, step)
+    target = checkpoint.step_dir(paths.checkpoints, step) if to is None else to
     files = {"config.yaml": cfg.to_yaml(), **engine.checkpoint_files()}
     checkpoint.save_checkpoint(target, world, engine.save, trainer_state, files)
-    if world.is_main:
+    if world.is_main and to is None:
         checkpoint.prune(paths.checkpoints, cfg.checkpoint.keep)
+
+
+def _reload_and_compare(scratch: Path, world: World, engine: Engine, layout: ParamLayout) -> None:
+    """checkpoint.verify_on_start: load what was just saved into `scratch` natively, compare
+    every tensor with the files (checkpoint.verify), remove the scratch directory."""
+    checkpoint.load_checkpoint(scratch, world, lambda p: engine.load(p / "state"))
+    checkpoint.verify(scratch, world, engine, layout)
+    barrier(world)
+    if world.is_main:
+        shutil.rmtree(scratch)

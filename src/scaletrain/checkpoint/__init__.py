@@ -15,7 +15,7 @@ from scaletrain.checkpoint.manager import (
     step_dir,
     write_atomic,
 )
-from scaletrain.checkpoint.restore import resume_state
+from scaletrain.checkpoint.restore import resume_state, verify
 
 __all__ = [
     "ENGINE_FORMATS",
@@ -31,6 +31,7 @@ __all__ = [
     "read_model_weights",
     "read_stamp",
     "resume_state",
+    "verify",
     "save_checkpoint",
     "step_dir",
     "write_atomic",

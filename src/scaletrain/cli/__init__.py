@@ -8,7 +8,7 @@ from pathlib import Path
 
 from scaletrain import __version__
 from scaletrain.config import DataConfig
-from scaletrain.errors import UserError
+from scaletrain.errors import EXIT_PREEMPTED, Preempted, UserError
 
 EXIT_USAGE = 2
 
@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--master-port", type=int, help="port on node 0 (default 29500)")
     la.add_argument("--hostfile", help="'hostname slots=N' per line (DeepSpeed/MPI format)")
     la.add_argument("--launcher", choices=["torchrun", "deepspeed"], default="torchrun")
+    la.add_argument(
+        "--max-restarts", type=int, default=0, help="restart all workers after a failure up to N times; each resumes by itself"
+    )
     la.add_argument("--dry-run", action="store_true", help="print the launcher command and exit")
     la.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
     la.set_defaults(func=_cmd_launch)
@@ -130,6 +133,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
             master_port=args.master_port,
             hostfile=args.hostfile,
             launcher=args.launcher,
+            max_restarts=args.max_restarts,
             train_args=tuple(args.args),
         )
     )
@@ -173,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
 
         report_error(str(e), launcher_rank())
         return EXIT_USAGE
+    except Preempted as e:
+        from scaletrain.distributed import launcher_rank
+        from scaletrain.launch import report_preempted
+
+        report_preempted(str(e), launcher_rank())
+        return EXIT_PREEMPTED
     except KeyboardInterrupt:
         print("scaletrain: interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,52 @@
+"""Preemption: SIGTERM or SIGUSR1 stops every rank at the same step boundary, saves, and
+exits with EXIT_PREEMPTED.
+
+Schedulers announce a preemption with a signal (Slurm: SIGTERM, or SIGUSR1 with
+`--signal`; Kubernetes: SIGTERM; torchrun's agent forwards the SIGTERM it gets to every
+worker), then wait a grace period before SIGKILL. A handler only sets a flag: Python runs
+it between bytecodes, and a rank blocked in a collective sees it when that returns. At
+each step boundary the ranks agree on the flag with one all-reduce of a single integer on
+a CPU (gloo) group, so a signal that reached only some ranks, or reached them during
+different steps, still stops all of them after the same step.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.distributed import World
+from scaletrain.errors import Preempted
+
+__all__ = ["Preempted", "PreemptionWatch"]
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionWatch:
+    """Installs the handlers (main thread only) and answers `agreed()` once per step."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self.signum = 0
+        self._previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        # Gloo even when training uses NCCL: the check stays on the CPU (no device sync).
+        self._group = dist.new_group(backend="gloo") if world.distributed else None
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+
+    def agreed(self) -> int:
+        """Collective: the signal any rank received (0: none), the same on every rank."""
+        if self._group is None:
+            return self.signum
+        flag = torch.tensor([self.signum], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return int(flag.item())
+
+    def close(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
