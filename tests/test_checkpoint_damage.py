@@ -13,11 +13,9 @@ import torch
 
 from scaletrain import checkpoint
 from scaletrain.checkpoint.restore import first_difference
-from scaletrain.distributed import World
+from scaletrain.distributed import ALONE
 
 from helpers import assert_bit_exact, base_overrides, check, copy_until, run_info, train
-
-ALONE = World(0, 1, 0, torch.device("cpu"), None)
 
 
 def save(root, step):

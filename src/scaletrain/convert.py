@@ -19,7 +19,7 @@ from scaletrain import checkpoint
 from scaletrain.checkpoint.neutral import ParamLayout, read_state
 from scaletrain.checkpoint.restore import first_difference
 from scaletrain.config import load_config
-from scaletrain.distributed import World, shutdown
+from scaletrain.distributed import ALONE, shutdown
 from scaletrain.engines import build_engine
 from scaletrain.errors import UserError
 from scaletrain.models import LlamaSpec
@@ -34,7 +34,7 @@ def convert(src: Path, dst: Path, strategy: str, overrides: list[str]) -> str:
     saved = json.loads((src / "trainer.json").read_text())
     reset = ["parallel.offload_optimizer=none", "parallel.offload_params=none", "parallel.dp_replicate=1", "run.device=cpu"]
     cfg = load_config([str(src / "config.yaml")], [*reset, f"parallel.strategy={strategy}", *overrides])
-    world = World(0, 1, 0, torch.device("cpu"), None)
+    world = ALONE
     dims = dims_for(cfg.parallel, 1)
     spec = LlamaSpec(ModelShape(**saved["model"]))
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))

@@ -42,6 +42,11 @@ class World:
         return self.backend is not None
 
 
+# A world of one process on the CPU, no process group: offline tools (`scaletrain ckpt`)
+# and checks one process makes by itself.
+ALONE = World(0, 1, 0, torch.device("cpu"), None)
+
+
 def launcher_rank() -> int:
     """Rank from the environment, usable before any process group exists (error printing)."""
     return int(os.environ.get("RANK", "0"))

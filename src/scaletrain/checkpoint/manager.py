@@ -29,12 +29,11 @@ from typing import Any
 import torch
 
 from scaletrain import faults
-from scaletrain.distributed import World, barrier, gather_objects
+from scaletrain.distributed import ALONE, World, barrier, gather_objects
 from scaletrain.errors import UserError
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_ALONE = World(0, 1, 0, torch.device("cpu"), None)  # for checks one process makes by itself
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -163,7 +162,7 @@ def prune(root: Path, keep: int) -> list[Path]:
     """Keep the newest `keep` whole checkpoints (all files present at their saved sizes);
     delete every older one, complete or not. A damaged checkpoint never counts as kept, so
     the last whole one survives whatever happened to newer ones."""
-    whole = [(s, p) for s, p in complete_checkpoints(root) if find_problem(p, _ALONE, checksums=False) is None]
+    whole = [(s, p) for s, p in complete_checkpoints(root) if find_problem(p, ALONE, checksums=False) is None]
     if not whole:
         return []
     oldest_kept = whole[-min(keep, len(whole))][0]

@@ -192,14 +192,3 @@ def _read_universal(zero: Path, layout: ParamLayout) -> State:
             step = torch.load(folder / "step.pt", weights_only=False) if (folder / "step.pt").is_file() else group_step
             state["optim"][f"state.{name}.step"] = torch.tensor(float(step))
     return state
-
-
-def describe(state: State) -> dict[str, Any]:
-    """Counts and sizes for `scaletrain ckpt inspect`."""
-    tensors = [v for part in state.values() for v in part.values() if isinstance(v, torch.Tensor)]
-    return {
-        "parameters": sum(v.numel() for v in state["model"].values()),
-        "tensors": len(tensors),
-        "bytes": sum(v.numel() * v.element_size() for v in tensors),
-        "optimizer_state": any(k.startswith("state.") for k in state["optim"]),
-    }

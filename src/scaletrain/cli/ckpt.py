@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain import checkpoint
+from scaletrain.distributed import ALONE
 from scaletrain.errors import UserError
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
@@ -62,7 +63,7 @@ def resolve(arg: str) -> Path:
             raise UserError(f"checkpoint {path} is incomplete (no {checkpoint.MARKER} marker); accepted: a complete one")
         return path
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    found = checkpoint.latest_valid(root, _alone(), lambda line: print(line))
+    found = checkpoint.latest_valid(root, ALONE, lambda line: print(line))
     if found is None:
         raise UserError(f"{arg}: no checkpoint found; accepted: a checkpoints/step_<N> directory or a run directory holding one")
     return found
@@ -84,7 +85,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "model": saved.get("model"),
         "files": len(files),
         "bytes": sum(f.stat().st_size for f in files),
-        "whole": checkpoint.find_problem(path, _alone(), checksums=False) or "yes (sizes; `ckpt verify` checks contents)",
+        "whole": checkpoint.find_problem(path, ALONE, checksums=False) or "yes (sizes; `ckpt verify` checks contents)",
         "engine_state": saved.get("engine_state"),
     }
     if args.json:
@@ -102,7 +103,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     path = resolve(args.ckpt)
-    problem = checkpoint.find_problem(path, _alone())
+    problem = checkpoint.find_problem(path, ALONE)
     if problem:
         raise UserError(f"checkpoint {path} is damaged: {problem}")
     marker = json.loads((path / checkpoint.MARKER).read_text())
@@ -171,11 +172,3 @@ def _run_tokenizer(cfg: Any) -> Path | None:
     except UserError:
         return None
     return found if found.is_file() else None
-
-
-def _alone() -> Any:
-    import torch
-
-    from scaletrain.distributed import World
-
-    return World(0, 1, 0, torch.device("cpu"), None)
