@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import socket
-import sys
 
 import pytest
 
@@ -12,7 +10,7 @@ from scaletrain import checkpoint
 from scaletrain.errors import UserError
 from scaletrain.launch import LaunchOptions, launch_command, read_hostfile
 
-from helpers import Launched, check, losses, run_info, scaletrain, train
+from helpers import check, losses, run_info, scaletrain, train
 
 
 @pytest.mark.unit
@@ -52,12 +50,6 @@ def test_hostfile_gives_nodes_master_and_slots(tmp_path):
         read_hostfile(str(tmp_path / "missing"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     # The default config's data (the stdlib corpus), prepared once for the module.
@@ -69,45 +61,10 @@ def default_config_overrides(data_dir, run_dir) -> list[str]:
     return ["train.steps=4", "checkpoint.every=2", f"data.dir={data_dir}", f"run.dir={run_dir}", "run.device=cpu"]
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(300)
-def test_two_node_loopback_launch(data_dir, tmp_path):
-    # Two torchrun agents must agree on node 0's port in advance, so this is the one place a
-    # test picks a port before using it; a port taken in between fails fast and is retried.
-    for attempt in range(3):
-        run = tmp_path / f"two-nodes-{attempt}"
-        common = [
-            "-m",
-            "scaletrain",
-            "launch",
-            "--nproc",
-            "1",
-            "--nnodes",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-        ]
-        args = default_config_overrides(data_dir, run)
-        node1 = Launched([sys.executable, *common, "--node-rank", "1", *args])
-        try:
-            node0 = Launched([sys.executable, *common, "--node-rank", "0", *args]).wait(timeout=150)
-            out1 = node1.wait(timeout=60)
-        finally:
-            node1.kill()
-        if "address already in use" not in (node0.stderr + out1.stderr).lower():
-            break
-    check(node0)
-    check(out1)
-    assert (run_info(run)["world_size"], run_info(run)["backend"]) == (2, "gloo")
-    assert len(losses(run)) == 4
-    assert checkpoint.is_complete(run / "checkpoints" / "step_4")
-
-
-# Every multi-rank test goes through `scaletrain launch`; this one and the two below run the
-# embedded default config (not the tests' small one): fsdp here, ddp on two nodes, zero2
-# under DeepSpeed's launcher.
+# Every multi-rank test goes through `scaletrain launch`; this one and the one below run the
+# embedded default config (not the tests' small one): fsdp here, zero2 under DeepSpeed's
+# launcher. Two nodes on loopback: tests/test_cluster.py (the sbatch script's c10d
+# rendezvous); the --node-rank/--master-addr command is checked above.
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["fsdp"])

@@ -86,6 +86,14 @@ class TrainConfig(Section):
     # of 2 halves at the second overflow in a row, see engines/deepspeed_config.py).
     loss_scale_init: float = Field(65536.0, ge=1, le=2.0**64)
     loss_scale_window: int = Field(1000, ge=1)
+    # A step whose loss (any rank) or gradient norm is NaN/inf is never applied: every
+    # engine leaves weights and optimizer state as they were (nonfinite.py). Then: skip
+    # (go on with the next batch), rollback (after `nonfinite_patience` bad steps in a
+    # row, reload the newest valid checkpoint and go on past the offending data) or
+    # abort (stop at the first one). skip also stops after `nonfinite_patience` in a row:
+    # a run that only skips is not training.
+    nonfinite: Literal["skip", "rollback", "abort"] = "skip"
+    nonfinite_patience: int = Field(10, ge=1)
 
     @field_validator("loss_scale_init")
     @classmethod
@@ -164,6 +172,9 @@ class CheckpointConfig(Section):
     # Save and reload once before the first step (verified tensor by tensor), so that a
     # checkpoint problem (disk, permissions, engine) shows before hours of training.
     verify_on_start: bool = False
+    # Torch engines (ddp, fsdp): the loop waits only while the state is copied to CPU
+    # memory; DCP writes it from a thread (saves.py). DeepSpeed always writes synchronously.
+    async_save: bool = True
 
 
 class RunConfig(Section):

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ class World:
     local_rank: int
     device: torch.device
     backend: str | None  # None: single process, no process group
+    # The group the helpers below use: None is the default (training's) group; a thread
+    # beside training uses a group of its own (side_group).
+    group: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -151,7 +154,7 @@ def gather_objects(world: World, obj: T) -> list[T]:
     if not world.distributed:
         return [obj]
     out: list[T] = [obj] * world.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=world.group)
     return out
 
 
@@ -160,7 +163,7 @@ def broadcast_object(world: World, obj: T) -> T:
     if not world.distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=world.group)
     return box[0]
 
 
@@ -179,13 +182,30 @@ def versions() -> dict[str, str | None]:
 
 def barrier(world: World) -> None:
     if world.distributed:
-        dist.barrier()
+        dist.barrier(group=world.group)
+
+
+_SIDE_GROUPS: dict[str, Any] = {}
+
+
+def side_group(name: str) -> Any:
+    """Collective on its first call per `name`: a gloo group of every rank for work that runs
+    beside training (a checkpoint written by a background thread). Collectives of two
+    threads on one group interleave and deadlock (seen with gloo), so each gets its own;
+    gloo also keeps that work on the CPU while training uses NCCL. None without a process
+    group."""
+    if not dist.is_initialized():
+        return None
+    if name not in _SIDE_GROUPS:
+        _SIDE_GROUPS[name] = dist.new_group(backend="gloo")
+    return _SIDE_GROUPS[name]
 
 
 def shutdown(world: World) -> None:
     """Destroy the process group (the launcher's or a single rank's own). Free the engines
     first: a DDP model alive at this point intermittently aborts gloo."""
     global _OWN_GROUP
+    _SIDE_GROUPS.clear()  # they go with the process group
     if (world.distributed or _OWN_GROUP) and dist.is_initialized():
         dist.destroy_process_group()
     _OWN_GROUP = False

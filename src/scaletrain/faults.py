@@ -12,6 +12,8 @@ runs, nothing is flushed):
   metrics  inside the metrics flush at step <step>: half of the rows' text is written
   term     not a kill: after step <step>, SIGTERM to the launcher (torchrun's agent, which
            forwards it to every worker) or, without one, to this process: a preemption
+  nan      not a kill: the loss of step <step> is NaN (so are its gradients), once per
+           process, as a blown-up batch would make it (train.nonfinite)
 
 A comma-separated list is one fault per attempt under elastic restarts: entry i fires only
 in attempt i (torchrun's TORCHELASTIC_RESTART_COUNT), so `step:3@1,step:8@0` kills rank 1
@@ -27,7 +29,7 @@ import signal
 from scaletrain.errors import UserError
 
 ENV = "SCALETRAIN_KILL_AT"
-POINTS = ("step", "save", "prune", "metrics", "term")
+POINTS = ("step", "save", "prune", "metrics", "term", "nan")
 
 Fault = tuple[str, int, int | None]  # point, step, rank (None: every rank)
 
@@ -63,6 +65,16 @@ _ARMED = _armed_now()
 
 def armed(point: str, step: int) -> bool:
     return _ARMED is not None and (point, step) == _ARMED
+
+
+def fire_once(point: str, step: int) -> bool:
+    """True the first time (point, step) is reached while armed: a fault of the data, which a
+    rollback past it must not meet again."""
+    global _ARMED
+    if armed(point, step):
+        _ARMED = None
+        return True
+    return False
 
 
 def kill_at(point: str, step: int) -> None:

@@ -24,6 +24,8 @@ from scaletrain.errors import EXIT_PREEMPTED, UserError
 # line once. Without it (plain torchrun), rank 0 prints and the others stay quiet.
 ERROR_DIR_ENV = "SCALETRAIN_ERROR_DIR"
 EXIT_USAGE = 2
+# torchrun's default set plus SIGUSR1, the other signal the workers stop on (preempt.py).
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 @dataclass
@@ -37,6 +39,11 @@ class LaunchOptions:
     launcher: str = "torchrun"
     max_restarts: int = 0
     train_args: tuple[str, ...] = ()
+    # torchrun's c10d rendezvous: every node runs the same command and the agents meet at
+    # HOST:PORT (the store runs on whichever node HOST is), so no node needs a rank of its
+    # own; what a Slurm script or a Kubernetes pod can give every node alike (cluster.py).
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "scaletrain"
 
 
 @dataclass(frozen=True)
@@ -72,21 +79,37 @@ def launch_command(opts: LaunchOptions) -> list[str]:
     if opts.launcher == "deepspeed":
         _check_numbers(opts)
         return _deepspeed_command(opts)
-    if opts.hostfile:
+    if opts.hostfile and opts.rdzv_endpoint is None:
         opts = _from_hostfile(opts)
     _check_numbers(opts)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={opts.nproc}"]
+    # SIGUSR1 too: Slurm's warning before the time limit (`--signal=USR1@...`, cluster.py)
+    # reaches the agent as well as the workers, and an agent without a handler would die of
+    # it (the default action) instead of waiting for the workers' save.
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={opts.nproc}",
+        f"--signals-to-handle={AGENT_SIGNALS}",
+    ]
     if opts.max_restarts:
         # A failed worker restarts the whole group, which resumes from the newest whole
         # checkpoint by itself (train.resume=auto).
         cmd.append(f"--max-restarts={opts.max_restarts}")
-    if opts.nnodes == 1 and opts.master_addr is None:
+    if opts.rdzv_endpoint is not None:
+        cmd += [
+            f"--nnodes={opts.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={opts.rdzv_endpoint}",
+            f"--rdzv-id={opts.rdzv_id}",
+        ]
+    elif opts.nnodes == 1 and opts.master_addr is None:
         cmd.append("--standalone")  # a private rendezvous on a free local port
     else:
         if opts.node_rank is None or opts.master_addr is None:
             raise UserError(
                 f"--nnodes {opts.nnodes} needs --node-rank (0..{opts.nnodes - 1}) and --master-addr on each node "
-                "(or --hostfile listing the nodes)"
+                "(or --hostfile listing the nodes, or --rdzv-endpoint HOST:PORT on every node)"
             )
         cmd += [
             f"--nnodes={opts.nnodes}",
@@ -95,6 +118,37 @@ def launch_command(opts: LaunchOptions) -> list[str]:
             f"--master-port={opts.master_port or 29500}",
         ]
     return cmd + ["-m", "scaletrain", "train", *opts.train_args]
+
+
+def parse_endpoint(value: str) -> tuple[str, int]:
+    """`HOST:PORT` (an IPv6 host in brackets) -> (host, port); anything else is a UserError."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or any(c.isspace() for c in host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--rdzv-endpoint {value!r} is invalid; accepted: HOST:PORT with PORT in 1..65535")
+    return host, int(port)
+
+
+def _check_rendezvous(opts: LaunchOptions) -> None:
+    parse_endpoint(opts.rdzv_endpoint or "")
+    given = [
+        name
+        for name, value in (
+            ("--node-rank", opts.node_rank),
+            ("--master-addr", opts.master_addr),
+            ("--master-port", opts.master_port),
+            ("--hostfile", opts.hostfile),
+        )
+        if value is not None
+    ]
+    if given:
+        raise UserError(
+            f"--rdzv-endpoint does not go with {', '.join(given)}; accepted: the same command on every node, "
+            "the agents meet at the endpoint and number the nodes themselves"
+        )
+    if opts.launcher == "deepspeed":
+        raise UserError("--rdzv-endpoint needs --launcher torchrun (DeepSpeed's launcher has no rendezvous)")
+    if not opts.rdzv_id or any(c.isspace() for c in opts.rdzv_id):
+        raise UserError(f"--rdzv-id {opts.rdzv_id!r} is invalid; accepted: a non-empty id without spaces, the same on every node")
 
 
 def _deepspeed_command(opts: LaunchOptions) -> list[str]:
@@ -152,6 +206,8 @@ def _from_hostfile(opts: LaunchOptions) -> LaunchOptions:
 
 
 def _check_numbers(opts: LaunchOptions) -> None:
+    if opts.rdzv_endpoint is not None:
+        _check_rendezvous(opts)
     if opts.nproc < 1:
         raise UserError(f"--nproc {opts.nproc} is invalid; accepted: processes per node >= 1")
     if opts.nnodes < 1:

@@ -6,7 +6,6 @@ steps (forward_backward, step, metrics, checkpoints) -> summary.
 from __future__ import annotations
 
 import gc
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -19,14 +18,17 @@ from scaletrain import checkpoint, faults
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.config import Config
 from scaletrain.data import PackedTokens, RankBatches, ensure_prepared, resolve_dataset_dir
-from scaletrain.distributed import World, all_hostnames, barrier, init_distributed, rank0_first, shutdown
-from scaletrain.engines import Engine, build_engine
+from scaletrain.distributed import World, all_hostnames, init_distributed, rank0_first, shutdown
+from scaletrain.engines import build_engine
+from scaletrain.errors import UserError
 from scaletrain.models import LlamaSpec, ModelSpec, resolve_shape
+from scaletrain.nonfinite import NonfiniteGuard, nan_loss
 from scaletrain.optim import decay_groups, lr_at, scaled_lr
-from scaletrain.parallel import ParallelDims, dims_for
+from scaletrain.parallel import dims_for
 from scaletrain.preempt import Preempted, PreemptionWatch
 from scaletrain.preflight import plan_run
 from scaletrain.rundir import RunPaths, check_resume, resume_point, write_run_info
+from scaletrain.saves import Saves
 from scaletrain.telemetry import MetricsLog, StepRecorder, TrainProgress, print_banner, print_run_summary
 
 
@@ -71,16 +73,19 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
 
     metrics = MetricsLog(paths.metrics, enabled=main)
     step, position, tokens_seen = 0, 0, 0
+    layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
+    saved: dict[str, Any] = {}
     if resume_from is not None:
         # Natively, or resharded / converted from another engine and then verified.
-        layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
         trainer_state, how = checkpoint.resume_state(resume_from, world, engine, layout, dims.as_dict())
         if how != "native":
             was = f"{trainer_state['engine']} at world {trainer_state['world_size']}"
             say(f"resume: {resume_from.name} ({was}) {how} onto {engine.name} at world {world.world_size}; verified")
         engine.load_extra_state(trainer_state["engine_state"])
         step, position, tokens_seen = trainer_state["step"], trainer_state["data_position"], trainer_state["tokens_seen"]
+        saved = trainer_state.get("nonfinite", {})
     metrics.truncate_after(step)
+    guard = NonfiniteGuard(cfg.train, cfg.precision, world, saved)
     # After this start's first step: torch creates optimizer state lazily, and saving before
     # it exists would create it early (shifting Adam's step count).
     verify_pending = cfg.checkpoint.verify_on_start
@@ -95,6 +100,7 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
         data, cfg.train.micro_batch, cfg.train.grad_accum, dims.dp_rank(world.rank), dims.dp_size, start=position
     )
     recorder = StepRecorder(dims.dp_size, world.distributed)
+    saves = Saves(cfg, world, dims, engine, spec, data, paths, guard, metrics, layout)
     progress = TrainProgress(console, cfg.train.steps, step, enabled=main)
     watch = PreemptionWatch(world)
     started, start_step = time.perf_counter(), step
@@ -102,10 +108,12 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
         while step < cfg.train.steps:
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.train, peak_lr)
-            loss = engine.forward_backward(batches.next_step(), spec.loss)
-            stats = engine.step(lr)
+            loss_fn = nan_loss(spec.loss) if faults.fire_once("nan", step + 1) else spec.loss
+            loss = engine.forward_backward(batches.next_step(), loss_fn)
+            stats = engine.step(lr)  # a non-finite step is not applied, whatever the policy
             step += 1
             tokens_seen += tokens_per_step
+            roll_back = guard.check(loss, stats.grad_norm, step, saves.newest)
             dt = time.perf_counter() - t0
             recorder.record(
                 loss,
@@ -116,7 +124,14 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
                 step_time_s=dt,
                 tokens=tokens_seen,
                 **({"loss_scale": stats.loss_scale, "skipped": stats.skipped} if stats.loss_scale else {}),
+                **guard.counters(),
             )
+            if roll_back:
+                metrics.write(recorder.flush())
+                step, tokens_seen = saves.roll_back(say)
+                metrics.truncate_after(step)  # the rows of the undone steps; the counters keep the tally
+                progress.advance(step)
+                continue
             progress.advance(step)
             faults.kill_at("term", step)
             stop = watch.agreed()  # a preemption signal on any rank stops all after this step
@@ -126,22 +141,26 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
                 metrics.write(rows)
                 progress.show(rows)
             if save_now:
-                _save(cfg, world, dims, engine, spec, data, paths, step, batches.position, tokens_seen)
+                saves.save(step, batches.position, tokens_seen)
+            saves.poll()
             faults.kill_at("step", step)
             if verify_pending:
-                scratch = paths.checkpoints / ".verify_on_start"
-                _save(cfg, world, dims, engine, spec, data, paths, step, batches.position, tokens_seen, to=scratch)
-                _reload_and_compare(scratch, world, engine, ParamLayout(spec.build_meta(cfg.data.seq_len)))
+                saves.verify_round_trip(step, batches.position, tokens_seen)
                 say(f"checkpoint: verify_on_start saved and reloaded step {step}: every tensor came back exactly")
                 verify_pending = False
             if stop:
+                saves.wait()
                 raise Preempted(step, signal.Signals(stop).name)
+        saves.wait()  # the last checkpoint is complete before the run says it finished
+    except UserError:
+        saves.wait()  # a clean stop, agreed by every rank: the save in flight still completes
+        raise
     finally:
         watch.close()
         progress.close()
         # An exception's traceback keeps this frame's locals alive; the engine (a DDP
         # wrapper, say) must not outlive the process group (see train()).
-        del engine
+        del engine, saves
 
     summary = {
         "run_dir": str(paths.root),
@@ -165,47 +184,3 @@ def _prepared_data(cfg: Config, world: World) -> Path:
         hint="accepted: a larger data.prepare_timeout_s, or `scaletrain data prepare` beforehand and data.paths=<its output>",
     )
     return resolve_dataset_dir(cfg.data)[0]
-
-
-def _save(
-    cfg: Config,
-    world: World,
-    dims: ParallelDims,
-    engine: Engine,
-    spec: ModelSpec,
-    data: PackedTokens,
-    paths: RunPaths,
-    step: int,
-    position: int,
-    tokens_seen: int,
-    to: Path | None = None,
-) -> None:
-    trainer_state = {
-        "step": step,
-        "data_position": position,  # the global sample index where step+1 starts
-        "tokens_seen": tokens_seen,
-        "world_size": world.world_size,
-        "parallel": dims.as_dict(),
-        "scheduler": {"name": "warmup_cosine", "step": step},
-        # What state/ is and what it fits: read on resume before anything is allocated.
-        "format": engine.format,
-        "engine": engine.name,
-        "model": spec.config(),
-        "data_fingerprint": data.fingerprint,
-        "engine_state": engine.extra_state(),
-    }
-    target = checkpoint.step_dir(paths.checkpoints, step) if to is None else to
-    files = {"config.yaml": cfg.to_yaml(), **engine.checkpoint_files()}
-    checkpoint.save_checkpoint(target, world, engine.save, trainer_state, files)
-    if world.is_main and to is None:
-        checkpoint.prune(paths.checkpoints, cfg.checkpoint.keep)
-
-
-def _reload_and_compare(scratch: Path, world: World, engine: Engine, layout: ParamLayout) -> None:
-    """checkpoint.verify_on_start: load what was just saved into `scratch` natively, compare
-    every tensor with the files (checkpoint.verify), remove the scratch directory."""
-    checkpoint.load_checkpoint(scratch, world, lambda p: engine.load(p / "state"))
-    checkpoint.verify(scratch, world, engine, layout)
-    barrier(world)
-    if world.is_main:
-        shutil.rmtree(scratch)

@@ -21,15 +21,19 @@ import os
 import random
 import re
 import shutil
+import threading
+import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from scaletrain import faults
-from scaletrain.distributed import ALONE, World, barrier, gather_objects
+from scaletrain.distributed import ALONE, World, barrier, gather_objects, side_group
 from scaletrain.errors import UserError
 
 MARKER = "COMPLETE"
@@ -99,30 +103,81 @@ def find_problem(path: Path, world: World, checksums: bool = True) -> str | None
 def save_checkpoint(
     path: Path,
     world: World,
-    save_state: Callable[[Path], None],
+    save_state: Callable[[Path], Future[Any] | None],
     trainer_state: dict[str, Any],
     files: dict[str, str],
-) -> None:
+    then: Callable[[], Any] = lambda: None,
+) -> PendingSave | None:
     """Collective: every rank calls it. The marker appears only once all ranks' data is on disk.
 
-    `save_state(dir)` writes model + optimizer (the engine's job); `files` are small text
-    files rank 0 writes beside them (resolved config, engine JSON).
+    `save_state(dir)` writes model + optimizer (the engine's job) and may return a future:
+    the state is then still being written, and the rest (waiting for it, the manifest, the
+    marker, then `then()`, e.g. pruning) runs in a thread of this rank: the PendingSave
+    returned, to be waited for before the next save. `files` are small text files rank 0
+    writes beside them (resolved config, engine JSON).
     """
     if world.is_main and path.exists():
         shutil.rmtree(path)  # a stale, incomplete attempt at the same step
     barrier(world)
-    save_state(path / "state")
+    writing = save_state(path / "state")
     path.mkdir(parents=True, exist_ok=True)
     torch.save(_rng_state(), path / f"rng_rank{world.rank}.pt")
     if world.is_main:
         write_atomic(path / "trainer.json", json.dumps(trainer_state, indent=1))
         for name, text in files.items():
             write_atomic(path / name, text)
+    step = trainer_state["step"]
+    if writing is None:
+        _seal(path, world, step)
+        then()
+        return None
+    # The thread's collectives go on a group of their own, beside training's.
+    beside = replace(world, group=side_group("checkpoint"))
+
+    def finish() -> None:
+        writing.result()
+        _seal(path, beside, step)
+        then()
+
+    return PendingSave(step, finish)
+
+
+def _seal(path: Path, world: World, step: int) -> None:
+    """Collective: once every rank's files are on disk, the manifest and the marker."""
     barrier(world)  # every rank's shard and RNG file exists before the marker
     manifest = _manifest(path, world)
-    faults.kill_at("save", trainer_state["step"])
+    faults.kill_at("save", step)
     if world.is_main:
-        write_atomic(path / MARKER, json.dumps({"step": trainer_state["step"], "files": manifest}, indent=0))
+        write_atomic(path / MARKER, json.dumps({"step": step, "files": manifest}, indent=0))
+
+
+class PendingSave:
+    """A checkpoint still being written by a thread of this rank. A daemon thread: a run that
+    crashes meanwhile exits without it, leaving the checkpoint without its marker (so
+    ignored), as a kill would."""
+
+    def __init__(self, step: int, finish: Callable[[], Any]):
+        self.step = step
+        self.finished = 0.0  # time.perf_counter() when the marker was written
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(finish,), name=f"checkpoint-step-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self, finish: Callable[[], Any]) -> None:
+        try:
+            finish()
+        except BaseException as e:  # handed to the training thread by wait()
+            self._error = e
+        self.finished = time.perf_counter()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Until the marker is written; raises what the writing raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _manifest(path: Path, world: World) -> dict[str, list[int]]:

@@ -66,7 +66,20 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument(
         "--max-restarts", type=int, default=0, help="restart all workers after a failure up to N times; each resumes by itself"
     )
-    la.add_argument("--dry-run", action="store_true", help="print the launcher command and exit")
+    la.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="torchrun's c10d rendezvous: the same command on every node")
+    la.add_argument("--rdzv-id", help="rendezvous id, the same on every node (default scaletrain)")
+    la.add_argument("--dry-run", action="store_true", help="print the launcher command (or the --slurm/--k8s file) and exit")
+    cl = la.add_argument_group("clusters (docs/clusters.md)")
+    cl.add_argument("--slurm", metavar="OUT.sbatch", help="write an sbatch script for --nnodes nodes instead of launching")
+    cl.add_argument("--k8s", metavar="OUT.yaml", help="write a Kubeflow PyTorchJob manifest instead of launching")
+    cl.add_argument("--submit", action="store_true", help="then submit it (sbatch, or kubectl create -f)")
+    cl.add_argument("--job-name", help="job name (default scaletrain)")
+    cl.add_argument("--gpus-per-node", type=int, help="GPUs to request per node (default: none)")
+    cl.add_argument("--partition", help="Slurm partition")
+    cl.add_argument("--account", help="Slurm account")
+    cl.add_argument("--time", help="Slurm time limit, e.g. 24:00:00")
+    cl.add_argument("--image", help="--k8s: container image with scaletrain installed (required)")
+    cl.add_argument("--pvc", help="--k8s: PersistentVolumeClaim mounted as the working directory (run.dir, data.dir)")
     la.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
     la.set_defaults(func=_cmd_launch)
 
@@ -114,16 +127,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
+    from scaletrain.cli.cluster import check_cluster_args, cmd_cluster
     from scaletrain.config import load_config, split_args
     from scaletrain.data import resolve_dataset_dir
     from scaletrain.launch import LaunchOptions, exec_launcher, launch_command, run_torchrun
     from scaletrain.parallel import dims_for
 
+    check_cluster_args(args)
     # One clear error here, not one per rank after N processes have started.
     cfg = load_config(*split_args(args.args))
-    resolve_dataset_dir(cfg.data)
+    if not args.k8s:  # a pod's data is in its image or volume, not necessarily here
+        resolve_dataset_dir(cfg.data)
     if args.hostfile is None and args.nproc >= 1 and args.nnodes >= 1:
         dims_for(cfg.parallel, args.nproc * args.nnodes)  # the layout fits the world it will get
+    if args.slurm or args.k8s:
+        return cmd_cluster(args)
     cmd = launch_command(
         LaunchOptions(
             nproc=args.nproc,
@@ -135,6 +153,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
             launcher=args.launcher,
             max_restarts=args.max_restarts,
             train_args=tuple(args.args),
+            rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id or "scaletrain",
         )
     )
     if args.dry_run:
@@ -175,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         from scaletrain.distributed import launcher_rank
         from scaletrain.launch import report_error
 
-        report_error(str(e), launcher_rank())
+        # The launcher itself is no rank, whatever RANK a cluster put in its environment
+        # (the Kubeflow operator sets RANK per pod): it always says what stopped it.
+        report_error(str(e), 0 if args.command == "launch" else launcher_rank())
         return EXIT_USAGE
     except Preempted as e:
         from scaletrain.distributed import launcher_rank

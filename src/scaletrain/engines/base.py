@@ -17,6 +17,7 @@ Hugging Face output object fit without the loop knowing. Then `step(lr)`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ ParamGroups = Callable[[nn.Module], list[dict[str, Any]]]
 class StepStats:
     grad_norm: torch.Tensor  # 0-d, stays on device: the trainer syncs once per log interval
     loss_scale: float | None  # fp16 dynamic loss scale after this step; None without scaling
-    skipped: bool  # the optimizer step was skipped (fp16 overflow)
+    skipped: bool  # not applied: non-finite gradients (an fp16 overflow, a NaN); nothing changed
 
 
 class Engine(Protocol):
@@ -50,7 +51,9 @@ class Engine(Protocol):
         at its end. Returns this rank's mean loss over the window (on device, no sync)."""
 
     def step(self, lr: float) -> StepStats:
-        """Unscale, clip, optimizer step at `lr` (x each group's lr_scale), zero gradients."""
+        """Unscale, clip, optimizer step at `lr` (x each group's lr_scale), zero gradients.
+        A step whose global gradient norm is NaN or inf is not applied: weights and
+        optimizer state stay exactly as they were (StepStats.skipped)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: engine-neutral state, full tensors on CPU on every rank, keyed by plain
@@ -61,8 +64,11 @@ class Engine(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Collective: restore what some engine's state_dict gave (weights and optimizer)."""
 
-    def save(self, path: Path) -> None:
-        """Collective, the fast path: write model + optimizer state natively into directory `path`."""
+    def save(self, path: Path, background: bool = False) -> Future[Any] | None:
+        """Collective, the fast path: write model + optimizer state natively into directory `path`.
+        With `background`, an engine that can returns as soon as the state is copied
+        (training may change it) and a future that completes once it is on disk; one
+        that cannot writes it now and returns None."""
 
     def load(self, path: Path) -> None:
         """Collective: restore what `save` wrote (on any world size the engine supports)."""

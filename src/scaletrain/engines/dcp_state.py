@@ -8,12 +8,14 @@ engine: the resharding the roadmap builds on.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from scaletrain.checkpoint.formats import quiet_single_process
+from scaletrain.distributed import side_group
 from scaletrain.engines.base import AccumulationWindow, StepStats, set_lr
 
 # Engine-neutral state (Engine.state_dict): full tensors on every rank, plain names,
@@ -34,10 +37,38 @@ NEUTRAL = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=Tr
 LOCAL = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def save_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+def save_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, background: bool = False) -> Future[Any] | None:
+    """Write now; or copy the state to CPU memory and write that from a thread (the future
+    completes once it is on disk)."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=LOCAL)
+    state = {"model": model_sd, "optim": optim_sd}
     with quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        if not background:
+            dcp.save(state, checkpoint_id=str(path))
+            return None
+        stager = make_stager(model_sd)
+        # async_save returns once the copy is done (training may change the weights right
+        # after). Its collectives (the save plan, the final metadata) run on a gloo group
+        # of their own: on training's group they interleave with training's and deadlock.
+        # A plain Future: the staging/upload pair comes only with an asynchronous stager.
+        group = side_group("checkpoint")
+        written = cast(Future, dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=stager))
+        written.add_done_callback(lambda _: stager.close())  # its CPU copy is not needed any more
+        return written
+
+
+def make_stager(model_sd: dict[str, Any]) -> DefaultStager:
+    """Where async_save copies the state to. From a GPU into pinned memory: the copy runs at
+    the bus's speed (non-blocking, then one synchronize); measured on an H100, a 1B-parameter
+    FSDP state (12 GB) blocked 4 s pinned against 9 s unpinned (docs/checkpointing.md). On
+    a CPU a plain copy (the pinned and non-blocking options need an accelerator).
+
+    A new one per save: a stager kept for the next save (its buffers cached) failed on
+    torch 2.11 + CUDA at the second save (KeyError: <class 'type'> while copying a DTensor)."""
+    on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in model_sd.values())
+    return DefaultStager(
+        StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=on_gpu)
+    )
 
 
 def load_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -83,13 +114,17 @@ class TorchEngineMixin(AccumulationWindow):
             self.scaler.update()
             loss_scale = self.scaler.get_scale()
             skipped = loss_scale < before
-        else:
+        elif torch.isfinite(grad_norm):
+            # One host sync per step (the scaler's step above makes the same one): a NaN or
+            # inf gradient would poison both Adam moments for good, so it is never applied.
             self.optimizer.step()
+        else:
+            skipped = True
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(grad_norm.detach(), loss_scale, skipped)
 
-    def save(self, path: Path) -> None:
-        save_dcp(self.model, self.optimizer, path)
+    def save(self, path: Path, background: bool = False) -> Future[Any] | None:
+        return save_dcp(self.model, self.optimizer, path, background)
 
     def load(self, path: Path) -> None:
         load_dcp(self.model, self.optimizer, path)

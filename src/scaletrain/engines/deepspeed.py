@@ -98,7 +98,10 @@ class DeepSpeedEngine(AccumulationWindow):
         loss_scale = float(self.optimizer.loss_scale) if self.precision == "fp16" else None
         return StepStats(grad_norm.reshape(()), loss_scale, skipped)
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, background: bool = False) -> None:
+        # Always now, whatever `background` asks: DeepSpeed's decoupled writer commits
+        # before the next optimizer step anyway (it would overlap one forward and
+        # backward), and it switches the whole process to the spawn start method.
         path.mkdir(parents=True, exist_ok=True)
         # Collective: each rank writes its own partition of optimizer state (and, for
         # ZeRO-3, of the parameters); the fp32 master weights live in those files.

@@ -53,7 +53,11 @@ class StepRecorder:
 
 
 class MetricsLog:
-    """metrics.jsonl: append-only during a run; on resume, rows after the checkpoint are dropped."""
+    """metrics.jsonl: append-only during a run; on resume, rows after the checkpoint are dropped.
+
+    One row per optimizer step, and event rows between them ({"step", "event": kind, ...},
+    e.g. each checkpoint's blocking time, saves.py), which read_metrics leaves out unless
+    asked for."""
 
     def __init__(self, path: Path, enabled: bool):
         self.path = path
@@ -74,17 +78,20 @@ class MetricsLog:
         """Keep rows up to `step`: later ones describe work lost with the process, redone now."""
         if not (self.enabled and self.path.exists()):
             return
-        kept = [r for r in read_metrics(self.path) if r["step"] <= step]
+        kept = [r for r in read_metrics(self.path, events=True) if r["step"] <= step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, self.path)
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
+def read_metrics(path: Path, events: bool = False) -> list[dict[str, Any]]:
+    """The step rows of a metrics.jsonl, in order; with `events`, the event rows as well."""
     rows = []
     for line in Path(path).read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a kill mid-write
+        if events or "event" not in row:
+            rows.append(row)
     return rows
