@@ -4,7 +4,7 @@
 reaches the point at that step, exactly as an OOM-killer or a lost node would (no handler
 runs, nothing is flushed):
 
-  step     right after optimizer step <step>
+  step     right after optimizer step <step> (and its checkpoint, complete, if it has one)
   save     inside the save of checkpoint <step>: model, optimizer, RNG and trainer.json
            are on disk, the COMPLETE marker is not
   prune    inside the pruning after checkpoint <step>: an old checkpoint has lost its

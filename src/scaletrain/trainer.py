@@ -143,6 +143,8 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
             if save_now:
                 saves.save(step, batches.position, tokens_seen)
             saves.poll()
+            if faults.armed("step", step):
+                saves.wait()  # the point is "after step N and its checkpoint"; `save` kills mid-save
             faults.kill_at("step", step)
             if verify_pending:
                 saves.verify_round_trip(step, batches.position, tokens_seen)

@@ -149,6 +149,7 @@ def _seal(path: Path, world: World, step: int) -> None:
     faults.kill_at("save", step)
     if world.is_main:
         write_atomic(path / MARKER, json.dumps({"step": step, "files": manifest}, indent=0))
+    barrier(world)  # returned on one rank: complete for all (verify_on_start reads it next)
 
 
 class PendingSave:
