@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaletrain.distributed import World
+from scaletrain.distributed import World, side_group
 from scaletrain.errors import Preempted
 
 __all__ = ["Preempted", "PreemptionWatch"]
@@ -38,7 +38,7 @@ class PreemptionWatch:
         self.signum = 0
         self._previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
         # Gloo even when training uses NCCL: the check stays on the CPU (no device sync).
-        self._group = dist.new_group(backend="gloo") if world.distributed else None
+        self._group = side_group("preemption") if world.distributed else None
         self._pending: tuple[Any, torch.Tensor] | None = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
