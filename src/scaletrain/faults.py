@@ -11,7 +11,9 @@ runs, nothing is flushed):
            marker and not yet its files
   metrics  inside the metrics flush at step <step>: half of the rows' text is written
   term     not a kill: after step <step>, SIGTERM to the launcher (torchrun's agent, which
-           forwards it to every worker) or, without one, to this process: a preemption
+           forwards it to every worker) or, without one, to this process: a preemption.
+           The rank waits until the signal is back in its own handler, so every rank
+           agrees to stop after step <step> + 1 however slowly the launcher forwards it
   nan      not a kill: the loss of step <step> is NaN (so are its gradients), once per
            process, as a blown-up batch would make it (train.nonfinite)
 
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from collections.abc import Callable
 
 from scaletrain.errors import UserError
 
@@ -78,13 +82,21 @@ def fire_once(point: str, step: int) -> bool:
 
 
 def kill_at(point: str, step: int) -> None:
-    """SIGKILL this process (or, for `term`, SIGTERM the launcher) if armed for (point, step)."""
+    """SIGKILL this process if armed for (point, step)."""
     if armed(point, step):
-        if point == "term":
-            under_agent = "TORCHELASTIC_RUN_ID" in os.environ
-            os.kill(os.getppid() if under_agent else os.getpid(), signal.SIGTERM)
-        else:
-            kill()
+        kill()
+
+
+def preempt_at(step: int, received: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """If `term` is armed for this step: SIGTERM the launcher (or this process without one)
+    and wait until `received()` says the signal got here. Without the wait the stop step
+    would depend on how fast the agent forwards it, and a test could not name it."""
+    if armed("term", step):
+        under_agent = "TORCHELASTIC_RUN_ID" in os.environ
+        os.kill(os.getppid() if under_agent else os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while not received() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def kill() -> None:

@@ -133,7 +133,7 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
                 progress.advance(step)
                 continue
             progress.advance(step)
-            faults.kill_at("term", step)
+            faults.preempt_at(step, received=lambda: watch.signum != 0)
             stop = watch.agreed()  # a preemption signal on any rank stops all after this step
             save_now = stop or step == cfg.train.steps or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0)
             if save_now or step % cfg.train.log_every == 0:
