@@ -15,11 +15,16 @@ setup: $(VENV)/.installed
 
 # torch goes first: pip takes the local CPU wheel for the exact pin, whereas an open range
 # resolved by another package would pull a multi-GB CUDA build.
+# Debian's chromium renders diagnose's report.html in tests/test_diagnose.py: installed where
+# it is absent and apt-get is usable (root); elsewhere that test fails saying what to install.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	$(BIN)/python -m scaletrain.engines.deepspeed_ops
+	command -v chromium >/dev/null || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] || \
+		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q --no-install-recommends chromium || \
+		(apt-get update -q && apt-get install -y -q --no-install-recommends chromium))
 	touch $@
 
 demo: setup

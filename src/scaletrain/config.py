@@ -177,6 +177,44 @@ class CheckpointConfig(Section):
     async_save: bool = True
 
 
+class TelemetryConfig(Section):
+    # Optional sinks beside metrics.jsonl (which is always written), on rank 0.
+    tensorboard: bool = False  # event files in <run.dir>/tensorboard (tensorboardX)
+    wandb: bool = False  # W&B offline files in <run.dir>/wandb; never touches the network
+    wandb_project: str = "scaletrain"
+    # [first, last] optimizer steps (inclusive) traced by torch.profiler into
+    # <run.dir>/profile as Chrome traces, one per rank; diagnose reads them. Empty: off.
+    profile_steps: list[int] = Field(default_factory=list)
+    # Every this many steps one step runs under torch.profiler to measure the communication
+    # each rank waits for (exposed communication) and, from it, stragglers; 0: off.
+    # Its cost is in docs/telemetry.md.
+    comm_sample_every: int = Field(200, ge=0)
+    cost_per_gpu_hour: float = Field(0.0, ge=0)  # per device (a GPU, or a process on CPU); 0: no cost shown
+    # A rank whose mean step time over a log interval exceeds the median rank's by this
+    # fraction is flagged as a straggler (with its host).
+    straggler_threshold: float = Field(0.2, gt=0)
+    # Per-device peak FLOP/s (in TFLOP/s) for MFU; unset: the table of known GPUs (bf16/fp16
+    # dense, or tf32 for fp32), or on CPU a matmul measured once at start.
+    peak_tflops: float | None = Field(None, gt=0)
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _window(cls, v: list[int]) -> list[int]:
+        if v and not (len(v) == 2 and 1 <= v[0] <= v[1]):
+            raise ValueError(f"telemetry.profile_steps={v}: accepted: [] (off) or [first, last] with 1 <= first <= last")
+        return v
+
+
+class GuardsConfig(Section):
+    # Steps between checks that data-parallel replicas hold identical weights (one small
+    # all-gather of a hash); 0: off. Only engines that replicate weights (ddp, zero1, zero2).
+    weight_hash_every: int = Field(100, ge=0)
+    # A rank that makes no progress for this long has every rank dump its Python stacks and
+    # flight-recorder collectives into <run.dir>/hang and the job exits non-zero naming the
+    # stuck ranks; well before parallel.timeout_s, the collective timeout. 0: off.
+    hang_timeout_s: float = Field(300.0, ge=0)
+
+
 class RunConfig(Section):
     dir: str = "runs/demo"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -189,7 +227,18 @@ class Config(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    guards: GuardsConfig = Field(default_factory=GuardsConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _watchdog_before_timeout(self) -> Config:
+        if self.guards.hang_timeout_s >= self.parallel.timeout_s:
+            raise ValueError(
+                f"guards.hang_timeout_s={self.guards.hang_timeout_s:g} is not below parallel.timeout_s={self.parallel.timeout_s:g}: "
+                "the watchdog would fire after the collective already timed out; accepted: a smaller guards.hang_timeout_s (0: off)"
+            )
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

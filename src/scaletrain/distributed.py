@@ -76,6 +76,9 @@ def init_distributed(device_choice: str = "auto", backend_choice: str = "auto", 
         )
     if world_size == 1:
         return World(0, 1, 0, device, None)
+    # The flight recorder keeps the last collectives of every group (a ring buffer, read only
+    # when the hang watchdog fires: guards/watchdog.py); it must be on before the group exists.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,

@@ -12,6 +12,9 @@ class UserError(Exception):
 # Documented in README and docs/checkpointing.md: "stopped on request, checkpoint saved,
 # run again to continue" (EX_TEMPFAIL, sysexits.h: try again later).
 EXIT_PREEMPTED = 75
+# The hang watchdog stopped the job (guards.hang_timeout_s): not bad input (2), not a
+# preemption (75); the run was healthy until something stopped making progress.
+EXIT_HUNG = 3
 
 
 class Preempted(Exception):

@@ -16,6 +16,15 @@ runs, nothing is flushed):
            agrees to stop after step <step> + 1 however slowly the launcher forwards it
   nan      not a kill: the loss of step <step> is NaN (so are its gradients), once per
            process, as a blown-up batch would make it (train.nonfinite)
+  perturb  not a kill: after step <step>, one weight of this rank's replica moves by 1e-3,
+           as a flipped bit or a bad kernel would (guards.weight_hash_every)
+  hang     not a kill: after step <step> the rank stops making progress (sleeps), as a
+           deadlocked data loader or a wedged device would (guards.hang_timeout_s)
+
+`SCALETRAIN_SLOW=<kind>:<seconds>[@<rank>][,...]` slows every step instead, for telemetry:
+  compute  the rank sleeps inside each forward (a slower GPU, a throttled host)
+  comm     each DDP gradient bucket's all-reduce completes that much later on the rank (a
+           slow link); the other ranks wait for it in their backward
 
 A comma-separated list is one fault per attempt under elastic restarts: entry i fires only
 in attempt i (torchrun's TORCHELASTIC_RESTART_COUNT), so `step:3@1,step:8@0` kills rank 1
@@ -29,11 +38,14 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 from scaletrain.errors import UserError
 
 ENV = "SCALETRAIN_KILL_AT"
-POINTS = ("step", "save", "prune", "metrics", "term", "nan")
+POINTS = ("step", "save", "prune", "metrics", "term", "nan", "perturb", "hang")
+SLOW_ENV = "SCALETRAIN_SLOW"
+SLOW_KINDS = ("compute", "comm")
 
 Fault = tuple[str, int, int | None]  # point, step, rank (None: every rank)
 
@@ -97,6 +109,49 @@ def preempt_at(step: int, received: Callable[[], bool], timeout_s: float = 60.0)
         deadline = time.monotonic() + timeout_s
         while not received() and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def slowdown(kind: str) -> float:
+    """Seconds this rank is to lose per step (or per gradient bucket) to `kind`; 0 when unset."""
+    value = os.environ.get(SLOW_ENV, "")
+    total = 0.0
+    for item in filter(None, value.split(",")):
+        name, _, rest = item.partition(":")
+        seconds, _, rank = rest.partition("@")
+        try:
+            ok = name in SLOW_KINDS and float(seconds) >= 0 and (not rank or rank.isdigit())
+        except ValueError:
+            ok = False
+        if not ok:
+            raise UserError(
+                f"{SLOW_ENV}={value!r} is invalid; accepted: KIND:SECONDS[@RANK][,...] with KIND one of {', '.join(SLOW_KINDS)}"
+            )
+        if name == kind and (not rank or int(rank) == int(os.environ.get("RANK", "0"))):
+            total += float(seconds)
+    return total
+
+
+def slowed(loss: Callable[..., Any], seconds: float) -> Callable[..., Any]:
+    """`loss` that first sleeps: inside forward, so the rank's compute is what is slow."""
+
+    def slow_loss(*args: Any) -> Any:
+        time.sleep(seconds)
+        return loss(*args)
+
+    return slow_loss
+
+
+def perturb(model: Any) -> None:
+    """Move one weight of this rank's replica (fault point perturb)."""
+    import torch
+
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1e-3
+
+
+def hang_forever() -> None:
+    while True:  # only the watchdog (or a signal) ends this
+        time.sleep(1)
 
 
 def kill() -> None:

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.errors import EXIT_PREEMPTED, UserError
+from scaletrain.errors import EXIT_HUNG, EXIT_PREEMPTED, UserError
 
 # Set by `run_torchrun` for its workers: a rank that stops on a UserError writes its one
 # line into this directory instead of printing it, and the launcher prints each distinct
@@ -261,6 +261,9 @@ def run_torchrun(cmd: list[str]) -> int:
             crashed = {r: f for r, f in e.failures.items() if f.exitcode not in (EXIT_USAGE, -signal.SIGTERM)}
             if messages and not crashed:
                 return EXIT_USAGE
+            codes = {f.exitcode for f in crashed.values()}
+            if EXIT_HUNG in codes and codes <= {EXIT_HUNG, -signal.SIGKILL}:
+                return EXIT_HUNG  # the watchdog's rank 0 printed which ranks and where (guards/watchdog.py)
             for rank, failure in sorted((crashed or e.failures).items()):
                 how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
                 print(

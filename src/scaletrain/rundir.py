@@ -83,7 +83,13 @@ def check_resume(path: Path, cfg: Config, model: ModelSpec, data_fingerprint: st
 
 
 def write_run_info(
-    paths: RunPaths, cfg: Config, world: World, dims: ParallelDims, hosts: list[str], resume_from: Path | None
+    paths: RunPaths,
+    cfg: Config,
+    world: World,
+    dims: ParallelDims,
+    hosts: list[str],
+    resume_from: Path | None,
+    device: dict[str, Any] | None = None,
 ) -> None:
     """run.json: what ran where, for tools and tests (the banner is for people)."""
     info: dict[str, Any] = {
@@ -97,6 +103,7 @@ def write_run_info(
         "versions": versions(),
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "resumed_from": str(resume_from) if resume_from else None,
+        **(device or {}),  # device_name, peak_flops (+ its source), flops_per_token, device_memory_bytes
     }
     checkpoint.write_atomic(paths.run_info, json.dumps(info, indent=1) + "\n")
 

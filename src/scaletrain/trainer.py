@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from scaletrain.data import PackedTokens, RankBatches, ensure_prepared, resolve_
 from scaletrain.distributed import World, all_hostnames, init_distributed, rank0_first, shutdown
 from scaletrain.engines import build_engine
 from scaletrain.errors import UserError
+from scaletrain.guards import ReplicaCheck, Watchdog
 from scaletrain.models import LlamaSpec, ModelSpec, resolve_shape
 from scaletrain.nonfinite import NonfiniteGuard, nan_loss
 from scaletrain.optim import decay_groups, lr_at, scaled_lr
@@ -29,7 +31,8 @@ from scaletrain.preempt import Preempted, PreemptionWatch
 from scaletrain.preflight import plan_run
 from scaletrain.rundir import RunPaths, check_resume, resume_point, write_run_info
 from scaletrain.saves import Saves
-from scaletrain.telemetry import MetricsLog, StepRecorder, TrainProgress, print_banner, print_run_summary
+from scaletrain.telemetry import MetricsLog, TrainProgress, print_banner, print_run_summary
+from scaletrain.telemetry.session import Telemetry
 
 
 def train(cfg: Config, console: Console | None = None) -> dict[str, Any]:
@@ -66,11 +69,6 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay))
     hosts = all_hostnames(world)
-    if main:
-        for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON
-            (paths.root / name).write_text(text)
-        write_run_info(paths, cfg, world, dims, hosts, resume_from)
-
     metrics = MetricsLog(paths.metrics, enabled=main)
     step, position, tokens_seen = 0, 0, 0
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
@@ -85,6 +83,11 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
         step, position, tokens_seen = trainer_state["step"], trainer_state["data_position"], trainer_state["tokens_seen"]
         saved = trainer_state.get("nonfinite", {})
     metrics.truncate_after(step)
+    telemetry = Telemetry(cfg, world, dims.dp_size, hosts, spec.flops_per_token(cfg.data.seq_len), paths.root, metrics, step)
+    if main:
+        for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON
+            (paths.root / name).write_text(text)
+        write_run_info(paths, cfg, world, dims, hosts, resume_from, telemetry.run_info())
     guard = NonfiniteGuard(cfg.train, cfg.precision, world, saved)
     # After this start's first step: torch creates optimizer state lazily, and saving before
     # it exists would create it early (shifting Adam's step count).
@@ -99,23 +102,31 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     batches = RankBatches(
         data, cfg.train.micro_batch, cfg.train.grad_accum, dims.dp_rank(world.rank), dims.dp_size, start=position
     )
-    recorder = StepRecorder(dims.dp_size, world.distributed)
     saves = Saves(cfg, world, dims, engine, spec, data, paths, guard, metrics, layout)
-    progress = TrainProgress(console, cfg.train.steps, step, enabled=main)
+    progress = TrainProgress(console, cfg.train.steps, step, cfg.train.log_every, enabled=main)
     watch = PreemptionWatch(world)
+    replicas = ReplicaCheck(world, engine.name, cfg.guards.weight_hash_every, hosts)
+    watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=lambda line: print(line, file=sys.stderr, flush=True))
     started, start_step = time.perf_counter(), step
+    slow = faults.slowdown("compute")
     try:
         while step < cfg.train.steps:
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.train, peak_lr)
             loss_fn = nan_loss(spec.loss) if faults.fire_once("nan", step + 1) else spec.loss
-            loss = engine.forward_backward(batches.next_step(), loss_fn)
-            stats = engine.step(lr)  # a non-finite step is not applied, whatever the policy
+            loss_fn = faults.slowed(loss_fn, slow) if slow else loss_fn
+            with telemetry.step(step + 1) as mark:
+                batch = batches.next_step()
+                mark("data")
+                loss = engine.forward_backward(batch, loss_fn, mark)
+                stats = engine.step(lr)  # a non-finite step is not applied, whatever the policy
+                mark("optimizer")
             step += 1
+            watchdog.beat(step)
             tokens_seen += tokens_per_step
             roll_back = guard.check(loss, stats.grad_norm, step, saves.newest)
             dt = time.perf_counter() - t0
-            recorder.record(
+            telemetry.record(
                 loss,
                 stats.grad_norm,
                 step=step,
@@ -127,7 +138,7 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
                 **guard.counters(),
             )
             if roll_back:
-                metrics.write(recorder.flush())
+                telemetry.flush()
                 step, tokens_seen = saves.roll_back(say)
                 metrics.truncate_after(step)  # the rows of the undone steps; the counters keep the tally
                 progress.advance(step)
@@ -137,11 +148,16 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
             stop = watch.agreed()  # a preemption signal on any rank stops all after this step
             save_now = stop or step == cfg.train.steps or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0)
             if save_now or step % cfg.train.log_every == 0:
-                rows = recorder.flush()
-                metrics.write(rows)
-                progress.show(rows)
+                progress.show(telemetry.flush())
+            if replicas.due(step):
+                _check_replicas(replicas, step, engine, telemetry, say)
+            if faults.fire_once("perturb", step):
+                faults.perturb(engine.model)
+            if faults.armed("hang", step):
+                faults.hang_forever()
             if save_now:
                 saves.save(step, batches.position, tokens_seen)
+                watchdog.beat()  # a long synchronous save is progress, not a hang
             saves.poll()
             if faults.armed("step", step):
                 saves.wait()  # the point is "after step N and its checkpoint"; `save` kills mid-save
@@ -158,6 +174,8 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
         saves.wait()  # a clean stop, agreed by every rank: the save in flight still completes
         raise
     finally:
+        watchdog.close()
+        telemetry.close()
         watch.close()
         progress.close()
         # An exception's traceback keeps this frame's locals alive; the engine (a DDP
@@ -173,6 +191,17 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     if main:
         print_run_summary(console, paths, summary, resume_from)
     return summary
+
+
+def _check_replicas(replicas: ReplicaCheck, step: int, engine: Any, telemetry: Telemetry, say: Any) -> None:
+    event = replicas.check(step, engine.model.parameters())
+    if event is not None:
+        telemetry.event(event)  # every check while they differ; said once
+    if event is not None and replicas.first_seen == step:
+        say(
+            f"warning: data-parallel replicas hold different weights at step {step}: rank(s) {event['ranks']} "
+            f"on {', '.join(sorted(set(event['hosts'])))} differ from the others (guards.weight_hash_every)"
+        )
 
 
 def _prepared_data(cfg: Config, world: World) -> Path:

@@ -101,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
     from scaletrain.cli.ckpt import add_parser as add_ckpt_parser
 
     add_ckpt_parser(sub)
+    from scaletrain.cli.diagnose import add_compare_parser, add_diagnose_parser
+
+    add_diagnose_parser(sub)
+    add_compare_parser(sub)
     return p
 
 

@@ -29,6 +29,13 @@ from torch import nn
 from scaletrain.models.spec import LossFn
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
+Mark = Callable[[str], None]  # called at the end of a phase (telemetry/clock.py)
+
+
+def no_mark(phase: str) -> None:
+    pass
+
+
 # What the caller optimizes: the model (as the engine holds it, sharded or wrapped) ->
 # torch-style parameter groups. Parameters in no group are not optimized (frozen); a
 # group's "lr_scale" multiplies the scheduled learning rate for it.
@@ -45,10 +52,12 @@ class StepStats:
 class Engine(Protocol):
     name: str  # the strategy: ddp | fsdp | zero1 | zero2 | zero3
     format: str  # what save() writes: "dcp" (torch.distributed.checkpoint) | "deepspeed"
+    model: nn.Module  # what forward runs: the wrapper (DDP, DeepSpeed) or the sharded module
 
-    def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn, mark: Mark = no_mark) -> torch.Tensor:
         """Forward and backward over one accumulation window; gradients are synchronised
-        at its end. Returns this rank's mean loss over the window (on device, no sync)."""
+        at its end. Returns this rank's mean loss over the window (on device, no sync).
+        `mark(phase)` is called as each phase ends ("forward", "backward"), for telemetry."""
 
     def step(self, lr: float) -> StepStats:
         """Unscale, clip, optimizer step at `lr` (x each group's lr_scale), zero gradients.
@@ -106,7 +115,7 @@ class AccumulationWindow:
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn, mark: Mark = no_mark) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         n = len(micro_batches)
         for i, (inputs, targets) in enumerate(micro_batches):
@@ -114,8 +123,10 @@ class AccumulationWindow:
             with self.accumulate(boundary=i == n - 1):
                 with self.autocast():
                     value = loss(self.model(inputs), targets)
+                mark("forward")
                 # Mean over the window: every micro-batch holds the same number of tokens.
                 self.backward(value / n)
+                mark("backward")
             total += value.detach()
         return total / n
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from scaletrain import faults
 from scaletrain.config import Config
 from scaletrain.distributed import World
 from scaletrain.engines.base import ParamGroups
@@ -35,6 +38,9 @@ class DDPEngine(TorchEngineMixin):
             # Gradients as views into DDP's communication buckets: one copy of the gradients
             # instead of two (bucket + .grad), 4 bytes per parameter less in fp32.
             self.model: nn.Module = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+            delay = faults.slowdown("comm")
+            if delay:
+                self.model.register_comm_hook(delay, _slow_link_allreduce)
         else:
             self.model = model
         self.device = world.device
@@ -57,3 +63,16 @@ class DDPEngine(TorchEngineMixin):
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+
+# No annotations on bucket and result: DDP compares them with dist.GradBucket and
+# Future[Tensor] as objects, and this module's annotations are strings (PEP 563).
+def _slow_link_allreduce(delay: float, bucket):
+    """Fault injection (SCALETRAIN_SLOW=comm:S): the bucket's all-reduce completes `delay`
+    seconds late, as over a slow link; DDP's backward waits for it like for a real one."""
+
+    def late(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        time.sleep(delay)
+        return fut.value()
+
+    return allreduce_hook(None, bucket).then(late)  # type: ignore[arg-type]

@@ -1,55 +1,167 @@
-"""Per-step metrics: recorded without host syncs, reduced across ranks once per interval.
+"""Per-step metrics: recorded without host syncs, gathered across ranks once per interval.
 
 Losses and grad norms stay on the device as 0-d tensors until `flush`, which does one
-all-reduce of the stacked losses and one device-to-host copy for the whole interval;
-metrics.jsonl still gets one JSON object per optimizer step.
+device-to-host copy and one all_gather_object (on a gloo side group, so nothing of it
+touches the GPU) of everything the interval needs from every rank: losses, the phase
+times, memory, the communication sample. metrics.jsonl still gets one JSON object per
+optimizer step, and event rows: the interval's figures and its stragglers.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from scaletrain import faults
+from scaletrain.distributed import World, side_group
+from scaletrain.telemetry.clock import PhaseClock
+from scaletrain.telemetry.device import gpu_utilisation, memory_peak
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What turns step counts into throughput, MFU and cost."""
+
+    tokens_per_step: int  # all data-parallel ranks
+    samples_per_step: int
+    flops_per_token: float  # training (forward + backward)
+    peak_flops: float | None  # per device
+    devices: int
+    memory_bytes: float  # per device
+    cost_per_gpu_hour: float
+    straggler_threshold: float
+
+
+@dataclass
+class Flushed:
+    rows: list[dict[str, Any]] = field(default_factory=list)  # step rows, every rank
+    events: list[dict[str, Any]] = field(default_factory=list)  # interval + stragglers (rank 0 writes)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # ranks.jsonl rows
 
 
 class StepRecorder:
-    """The loss logged is the mean over data-parallel ranks: a sum over `group` (all ranks
-    while every rank is a data-parallel rank, i.e. tp = pp = 1) divided by `dp_size`."""
+    """The loss logged is the mean over data-parallel ranks (tp = pp = 1: every rank is
+    one); the phase and memory figures are per rank, in ranks.jsonl."""
 
-    def __init__(self, dp_size: int, distributed: bool, group: Any = None):
+    def __init__(self, world: World, dp_size: int, hosts: list[str], clock: PhaseClock, rates: Rates, gpu_hours: float = 0.0):
+        self.world = world
         self.dp_size = dp_size
-        self.distributed = distributed
-        self.group = group
+        self.hosts = hosts
+        self.clock = clock
+        self.rates = rates
+        self.gpu_hours = gpu_hours  # so far, the runs this one resumed included
+        self._group = side_group("telemetry") if world.distributed else None
         self._losses: list[torch.Tensor] = []
         self._norms: list[torch.Tensor] = []
         self._rows: list[dict[str, Any]] = []
+        self._since = time.perf_counter()
 
     def record(self, local_loss: torch.Tensor, grad_norm: torch.Tensor, **fields: Any) -> None:
         self._losses.append(local_loss.detach().float())
         self._norms.append(grad_norm.detach().float())
         self._rows.append(fields)
 
-    def flush(self) -> list[dict[str, Any]]:
-        """Every rank must call this at the same steps (it is a collective when distributed)."""
+    def flush(self, comm: dict[str, float] | None = None) -> Flushed:
+        """Collective when distributed (every rank calls it at the same steps). `comm`: this
+        rank's communication sample of the interval, if one was taken (telemetry.comm)."""
         if not self._rows:
-            return []
-        losses = torch.stack(self._losses)
-        if self.distributed:
-            dist.all_reduce(losses, op=dist.ReduceOp.SUM, group=self.group)
-            losses /= self.dp_size
-        both = torch.stack([losses, torch.stack(self._norms).to(losses.device)]).cpu().tolist()
+            return Flushed()
+        both = torch.stack([torch.stack(self._losses), torch.stack(self._norms).to(self._losses[0].device)]).cpu()
+        phases = self.clock.take()
+        peak, reserved = memory_peak(self.world.device)
+        n = len(self._rows)
+        mine: dict[str, Any] = {
+            "losses": both[0],
+            "phases": {f"{k}_s": v / n for k, v in phases.items()},
+            "mem_peak_bytes": peak,
+            "mem_reserved_bytes": reserved,
+            "gpu_util": gpu_utilisation(self.world.device),
+            "comm": comm,
+        }
+        everyone = [mine] * self.world.world_size
+        if self._group is not None:
+            torch.distributed.all_gather_object(everyone, mine, group=self._group)
+        now = time.perf_counter()
+        wall, self._since = now - self._since, now
+        # Summed in rank order in fp32, as an all-reduce of the stacked losses would.
+        losses = (torch.stack([r["losses"] for r in everyone]).sum(0) / self.dp_size).tolist()
         rows = [
             {"step": row.pop("step"), "loss": loss, "grad_norm": norm, **row}
-            for row, loss, norm in zip(self._rows, both[0], both[1])
+            for row, loss, norm in zip(self._rows, losses, both[1].tolist())
         ]
         self._losses, self._norms, self._rows = [], [], []
-        return rows
+        step = rows[-1]["step"]
+        ranks = [self._rank_row(step, rank, n, wall, r) for rank, r in enumerate(everyone)]
+        return Flushed(rows, [self._interval(step, n, wall, ranks), *self._stragglers(step, ranks)], ranks)
+
+    def _rank_row(self, step: int, rank: int, n: int, wall: float, r: dict[str, Any]) -> dict[str, Any]:
+        row = {"step": step, "rank": rank, "host": self.hosts[rank], "steps": n, "step_s": wall / n, **r["phases"]}
+        comm = r["comm"]
+        # The sample's exposed share applied to this interval's step time (docs/telemetry.md).
+        row["comm_s"] = comm["comm_s"] / comm["total_s"] * row["step_s"] if comm and comm["total_s"] > 0 else None
+        row["sample"] = comm
+        row.update({k: r[k] for k in ("mem_peak_bytes", "mem_reserved_bytes", "gpu_util")})
+        return row
+
+    def _interval(self, step: int, n: int, wall: float, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        rates = self.rates
+        self.gpu_hours += rates.devices * wall / 3600
+        tokens_per_s = rates.tokens_per_step * n / wall
+        phases = {}
+        for key in ("data_s", "forward_s", "backward_s", "optimizer_s", "comm_s"):
+            values = [r[key] for r in ranks if r[key] is not None]
+            phases[key] = statistics.median(values) if values else None
+        step_s = wall / n
+        phases["other_s"] = max(0.0, step_s - sum(phases[k] or 0.0 for k in ("data_s", "forward_s", "backward_s", "optimizer_s")))
+        utils = [r["gpu_util"] for r in ranks if r["gpu_util"] is not None]
+        return {
+            "step": step,
+            "event": "interval",
+            "steps": n,
+            "wall_s": wall,
+            "step_s": step_s,
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": rates.samples_per_step * n / wall,
+            "effective_batch": rates.samples_per_step,
+            "mfu": tokens_per_s * rates.flops_per_token / (rates.devices * rates.peak_flops) if rates.peak_flops else None,
+            "mem_peak_bytes": max(r["mem_peak_bytes"] for r in ranks),
+            "mem_capacity_bytes": rates.memory_bytes,
+            "gpu_util": sum(utils) / len(utils) if utils else None,
+            "gpu_hours": self.gpu_hours,
+            "cost": self.gpu_hours * rates.cost_per_gpu_hour if rates.cost_per_gpu_hour else None,
+            "phases": phases,
+        }
+
+    def _stragglers(self, step: int, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Synchronous training makes every rank's step equally long (the fast ones wait), so a
+        straggler shows in its busy time: the sampled step minus the communication it
+        waited for. Only intervals with a sample on every rank are judged."""
+        if len(ranks) < 2 or any(r["sample"] is None for r in ranks):
+            return []
+        busy = [r["sample"]["total_s"] - r["sample"]["comm_s"] for r in ranks]
+        median = statistics.median(busy)
+        if median <= 0:
+            return []
+        return [
+            {
+                "step": step,
+                "event": "straggler",
+                "rank": r["rank"],
+                "host": r["host"],
+                "step_s": b,
+                "median_s": median,
+                "excess": b / median - 1,
+            }
+            for r, b in zip(ranks, busy)
+            if b > median * (1 + self.rates.straggler_threshold)
+        ]
 
 
 class MetricsLog:
@@ -57,10 +169,11 @@ class MetricsLog:
 
     One row per optimizer step, and event rows between them ({"step", "event": kind, ...},
     e.g. each checkpoint's blocking time, saves.py), which read_metrics leaves out unless
-    asked for."""
+    asked for. ranks.jsonl beside it: one row per rank per interval."""
 
     def __init__(self, path: Path, enabled: bool):
         self.path = path
+        self.ranks_path = path.with_name("ranks.jsonl")
         self.enabled = enabled
 
     def write(self, rows: list[dict[str, Any]]) -> None:
@@ -74,14 +187,29 @@ class MetricsLog:
                 faults.kill()
             f.write(text)
 
+    def write_flushed(self, flushed: Flushed) -> None:
+        self.write(flushed.rows + flushed.events)
+        if self.enabled and flushed.ranks:
+            with open(self.ranks_path, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in flushed.ranks))
+
     def truncate_after(self, step: int) -> None:
         """Keep rows up to `step`: later ones describe work lost with the process, redone now."""
-        if not (self.enabled and self.path.exists()):
+        if not self.enabled:
             return
-        kept = [r for r in read_metrics(self.path, events=True) if r["step"] <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
+        for path in (self.path, self.ranks_path):
+            if path.exists():
+                kept = [r for r in read_metrics(path, events=True) if r["step"] <= step]
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+                os.replace(tmp, path)
+
+    def gpu_hours(self) -> float:
+        """GPU-hours recorded so far (after truncate_after: up to the resumed checkpoint)."""
+        if not (self.enabled and self.path.exists()):
+            return 0.0
+        intervals = [r for r in read_metrics(self.path, events=True) if r.get("event") == "interval"]
+        return intervals[-1]["gpu_hours"] if intervals else 0.0
 
 
 def read_metrics(path: Path, events: bool = False) -> list[dict[str, Any]]:

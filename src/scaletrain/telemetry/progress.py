@@ -10,7 +10,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 
 class TrainProgress:
-    def __init__(self, console: Console, total_steps: int, start_step: int, enabled: bool):
+    def __init__(self, console: Console, total_steps: int, start_step: int, log_every: int, enabled: bool):
         self.console = console
         self.enabled = enabled
         self.total = total_steps
@@ -19,7 +19,9 @@ class TrainProgress:
             self._bar = Progress(
                 TextColumn("step {task.completed}/{task.total}"),
                 BarColumn(),
-                TextColumn("loss {task.fields[loss]}"),
+                # Says what it shows: the mean over the last log interval, which differs from
+                # the last step's loss that the summary quotes beside it.
+                TextColumn(f"mean loss of the last {log_every} steps {{task.fields[loss]}}"),
                 TextColumn("{task.fields[tps]} tok/s"),
                 TimeElapsedColumn(),
                 TextColumn("ETA"),
@@ -33,20 +35,26 @@ class TrainProgress:
         if self._bar:
             self._bar.update(self._task, completed=step)
 
-    def show(self, rows: list[dict[str, Any]]) -> None:
+    def show(self, flushed: Any) -> None:
+        """One log interval (telemetry.metrics.Flushed): its mean loss, and the throughput
+        over its wall time, the metrics sync included."""
+        rows = flushed.rows
         if not (self.enabled and rows):
             return
         # Interval means: a single micro-batch's loss is too noisy to read progress from.
         last = rows[-1]
         loss = sum(r["loss"] for r in rows) / len(rows)
-        tps = sum(r["tokens_per_s"] for r in rows) / len(rows)
+        interval = next(e for e in flushed.events if e["event"] == "interval")
+        tps = interval["tokens_per_s"]
+        mfu = f"  MFU {interval['mfu']:.1%}" if interval["mfu"] is not None else ""
         if self._bar:
             self._bar.update(self._task, loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
         else:
             self.console.print(
-                f"step {last['step']}/{self.total}  loss {loss:.4f}  lr {last['lr']:.2e}  "
-                f"grad_norm {last['grad_norm']:.3f}  {tps:,.0f} tok/s",
+                f"step {last['step']}/{self.total}  mean loss (steps {rows[0]['step']}-{last['step']}) {loss:.4f}  "
+                f"lr {last['lr']:.2e}  grad_norm {last['grad_norm']:.3f}  {tps:,.0f} tok/s{mfu}",
                 highlight=False,
+                soft_wrap=True,
             )
 
     def close(self) -> None:
@@ -98,15 +106,28 @@ def print_run_summary(console: Console, paths: Any, summary: dict[str, Any], res
     from scaletrain.checkpoint import complete_checkpoints
     from scaletrain.telemetry.metrics import read_metrics
 
-    rows = read_metrics(paths.metrics) if paths.metrics.exists() else []
+    everything = read_metrics(paths.metrics, events=True) if paths.metrics.exists() else []
+    rows = [r for r in everything if "event" not in r]
+    intervals = [r for r in everything if r.get("event") == "interval"]
     items = [("run directory", str(paths.root)), ("steps", str(summary["steps"]))]
     if rows:
-        tps = sorted(r["tokens_per_s"] for r in rows)
+        tail = rows[-intervals[-1]["steps"] :] if intervals else rows[-1:]
         items += [
             ("loss", f"{rows[0]['loss']:.4f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.4f} (step {rows[-1]['step']})"),
+            (
+                "mean loss, last steps",
+                f"{sum(r['loss'] for r in tail) / len(tail):.4f} (steps {tail[0]['step']}-{tail[-1]['step']}, what the bar shows)",
+            ),
             ("tokens seen", f"{rows[-1]['tokens']:,}"),
-            ("median tokens/s", f"{tps[len(tps) // 2]:,.0f}"),
         ]
+    if intervals:
+        tps = sorted(r["tokens_per_s"] for r in intervals)
+        last = intervals[-1]
+        items.append(("median tokens/s", f"{tps[len(tps) // 2]:,.0f} (over each log interval, syncs included)"))
+        if last["mfu"] is not None:
+            items.append(("MFU (last interval)", f"{last['mfu']:.1%}"))
+        cost = f", cost {last['cost']:,.2f}" if last["cost"] is not None else ""
+        items.append(("device-hours", f"{last['gpu_hours']:.4f}{cost}"))
     items += [
         ("wall time (this run)", f"{summary['elapsed_s']:.1f} s" + (f", resumed from {resume_from.name}" if resume_from else "")),
         ("metrics", str(paths.metrics)),

@@ -1,0 +1,184 @@
+"""report.html: the findings and four plots in one file that needs nothing at view time.
+
+Plots are matplotlib SVG inlined into the page (glyphs as paths, so no font is loaded) and
+a Content-Security-Policy forbids every fetch: the report opens the same on an air-gapped
+cluster, from an e-mail attachment, or years later.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from scaletrain.diagnose import Finding, GiB, Run, load_run
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+PHASES = ("data_s", "forward_s", "backward_s", "optimizer_s", "comm_s")
+COLORS = ("#8c564b", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#7f7f7f")  # the phases, then other
+MAX_LEGEND = 8  # more ranks than this: lines without a legend, which would hide the plot
+
+_CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 1100px; color: #222; }
+h1 { font-size: 22px; margin-bottom: 4px; } .meta { color: #666; margin-top: 0; }
+.finding { border-left: 5px solid #1f77b4; background: #f4f8fc; padding: 8px 14px; margin: 10px 0; }
+.finding.warning { border-color: #e67e22; background: #fdf5ec; }
+.finding h3 { margin: 2px 0 4px; font-size: 15px; } .finding ul { margin: 4px 0; padding-left: 20px; }
+.sev { font-size: 12px; text-transform: uppercase; letter-spacing: .05em; margin-right: 8px; color: #1f77b4; }
+.warning .sev { color: #c0600b; } .advice { margin: 4px 0; } .code { color: #888; font: 12px monospace; }
+figure.plot { margin: 18px 0; } figure.plot svg { width: 100%; height: auto; }
+figcaption { font-weight: 600; margin-bottom: 4px; } .nodata { color: #888; font-style: italic; }
+"""
+
+
+def write_report(run_dir: str | Path, findings: list[Finding]) -> Path:
+    run = load_run(run_dir)
+    path = run.root / "report.html"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(render(run, findings), encoding="utf-8")
+    os.replace(tmp, path)  # a reader (a browser reloading) never sees half a report
+    return path
+
+
+def render(run: Run, findings: list[Finding]) -> str:
+    e = html.escape
+    n_warn = sum(f.severity == "warning" for f in findings)
+    head = (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">\n"
+        f"<title>scaletrain diagnose: {e(run.root.name)}</title>\n<style>{_CSS}</style></head>\n<body>\n"
+        f"<h1>scaletrain diagnose: {e(run.root.name)}</h1>\n"
+        f'<p class="meta">{e(str(run.root.resolve()))} &middot; {n_warn} warning{"s" if n_warn != 1 else ""} &middot; '
+        f"written {e(datetime.now(UTC).isoformat(timespec='seconds'))}</p>\n"
+    )
+    parts = [head, '<section id="findings"><h2>Findings</h2>\n', *(_finding(f) for f in findings), "</section>\n"]
+    parts.append('<section id="plots"><h2>Plots</h2>\n')
+    for plot_id, caption, draw in PLOTS:
+        parts.append(
+            f'<figure class="plot" id="{plot_id}"><figcaption>{e(caption)}</figcaption>\n{_plot(plot_id, draw, run)}</figure>\n'
+        )
+    parts.append("</section>\n</body></html>\n")
+    return "".join(parts)
+
+
+def _finding(f: Finding) -> str:
+    e = html.escape
+    items = "".join(f"<li>{e(line)}</li>" for line in f.evidence)
+    advice = f'<p class="advice"><b>advice:</b> {e(f.advice)}</p>' if f.advice else ""
+    return (
+        f'<div class="finding {e(f.severity)}" data-code="{e(f.code, quote=True)}" data-severity="{e(f.severity, quote=True)}">'
+        f'<h3><span class="sev">{e(f.severity)}</span>{e(f.title)} <span class="code">{e(f.code)}</span></h3>'
+        f"<ul>{items}</ul>{advice}</div>\n"
+    )
+
+
+def _plot(plot_id: str, draw: Callable[[Axes, Run], str | None], run: Run) -> str:
+    """The plot as inline SVG, or a note saying which data it lacks."""
+    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
+
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    ax = fig.add_subplot()
+    missing = draw(ax, run)
+    if missing:
+        return f'<p class="nodata">no data: {html.escape(missing)}</p>\n'
+    ax.grid(True, alpha=0.3)
+    buf = io.StringIO()
+    # A salt per plot: ids (clip paths) stay unique across the SVGs sharing one document.
+    with matplotlib.rc_context({"svg.fonttype": "path", "svg.hashsalt": plot_id}):
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+    text = buf.getvalue()
+    return text[text.index("<svg") :]
+
+
+def _loss(ax: Axes, run: Run) -> str | None:
+    pts = [(r["step"], r["loss"]) for r in run.steps if isinstance(r.get("loss"), int | float)]
+    if not pts:
+        return "metrics.jsonl has no step rows with a loss"
+    ax.plot(*zip(*pts), lw=1.2, color="#1f77b4")
+    ax.set(xlabel="step", ylabel="loss")
+    return None
+
+
+def _throughput(ax: Axes, run: Run) -> str | None:
+    pts = [(e["step"], e["tokens_per_s"]) for e in run.intervals if isinstance(e.get("tokens_per_s"), int | float)]
+    if not pts:
+        return "metrics.jsonl has no interval events with tokens_per_s"
+    ax.plot(*zip(*pts), marker="o", ms=3, lw=1.2, color="#2ca02c")
+    ax.set(xlabel="step (end of log interval)", ylabel="tokens/s")
+    ax.set_ylim(bottom=0)
+    return None
+
+
+def breakdown(run: Run) -> dict[int, dict[str, float]]:
+    """Mean seconds per step of each phase per rank over ranks.jsonl (intervals weighted by
+    their steps: saves cut some short), the first interval (warm-up) left out when there are
+    later ones; `other_s` is the rest of step_s."""
+    steps = sorted({r["step"] for r in run.ranks if "step" in r})
+    rows = [r for r in run.ranks if r.get("step") != steps[0]] if len(steps) > 1 else run.ranks
+    sums: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    counts: dict[int, float] = defaultdict(float)
+    for r in rows:
+        if "rank" not in r or not r.get("step_s"):
+            continue
+        rank, weight = int(r["rank"]), float(r.get("steps") or 1)
+        counts[rank] += weight
+        phases = {p: float(r.get(p) or 0.0) for p in PHASES}
+        for p, v in phases.items():
+            sums[rank][p] += weight * v
+        sums[rank]["other_s"] += weight * max(float(r["step_s"]) - sum(phases.values()), 0.0)
+    return {rank: {k: v / counts[rank] for k, v in sums[rank].items()} for rank in sorted(sums)}
+
+
+def _breakdown(ax: Axes, run: Run) -> str | None:
+    per_rank = breakdown(run)
+    if not per_rank:
+        return "no ranks.jsonl (per-rank step breakdown)"
+    ranks = list(per_rank)
+    bottom = [0.0] * len(ranks)
+    for phase, color in zip((*PHASES, "other_s"), COLORS):
+        values = [per_rank[r].get(phase, 0.0) for r in ranks]
+        ax.bar([str(r) for r in ranks], values, bottom=bottom, color=color, label=phase.removesuffix("_s"))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(xlabel="rank", ylabel="seconds per step (mean)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return None
+
+
+def _memory(ax: Axes, run: Run) -> str | None:
+    per_rank: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for r in run.ranks:
+        if "rank" in r and isinstance(r.get("mem_peak_bytes"), int | float):
+            per_rank[int(r["rank"])].append((r["step"], r["mem_peak_bytes"] / GiB))
+    if not per_rank:  # older runs: the interval events' largest peak of any rank
+        peaks = [
+            (e["step"], e["mem_peak_bytes"] / GiB) for e in run.intervals if isinstance(e.get("mem_peak_bytes"), int | float)
+        ]
+        if not peaks:
+            return "no memory peaks in ranks.jsonl or the interval events"
+        per_rank[-1] = peaks
+    for rank, pts in sorted(per_rank.items()):
+        ax.plot(*zip(*sorted(pts)), marker="o", ms=2, lw=1, label="largest of any rank" if rank < 0 else f"rank {rank}")
+    capacity = [e["mem_capacity_bytes"] for e in run.intervals if e.get("mem_capacity_bytes")]
+    if capacity:
+        ax.axhline(max(capacity) / GiB, color="#d62728", ls="--", lw=1, label="device capacity")
+    ax.set(xlabel="step (end of log interval)", ylabel="peak memory (GiB)")
+    ax.set_ylim(bottom=0)
+    if len(per_rank) <= MAX_LEGEND:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return None
+
+
+PLOTS: tuple[tuple[str, str, Callable[[Axes, Run], str | None]], ...] = (
+    ("plot-loss", "Loss per optimizer step", _loss),
+    ("plot-throughput", "Throughput per log interval", _throughput),
+    ("plot-breakdown", "Step time by phase per rank (mean over log intervals after the first)", _breakdown),
+    ("plot-memory", "Peak memory per rank", _memory),
+)

@@ -1,0 +1,93 @@
+"""Everything the loop tells telemetry, behind one object: phase marks, the sampled
+communication, the profiler window, per-interval figures from every rank, and the sinks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scaletrain.config import Config
+from scaletrain.distributed import World
+from scaletrain.engines.base import Mark
+from scaletrain.telemetry.clock import PhaseClock
+from scaletrain.telemetry.comm import CommSampler
+from scaletrain.telemetry.device import as_json, device_info
+from scaletrain.telemetry.metrics import Flushed, MetricsLog, Rates, StepRecorder
+from scaletrain.telemetry.profile import ProfileWindow
+
+
+class Telemetry:
+    def __init__(
+        self,
+        cfg: Config,
+        world: World,
+        dp_size: int,
+        hosts: list[str],
+        flops_per_token: float,
+        run_dir: Path,
+        metrics: MetricsLog,
+        start_step: int,
+    ):
+        t = cfg.telemetry
+        self.info = device_info(world.device, cfg.precision, t.peak_tflops)
+        self.flops_per_token = flops_per_token
+        samples = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
+        rates = Rates(
+            tokens_per_step=samples * cfg.data.seq_len,
+            samples_per_step=samples,
+            flops_per_token=flops_per_token,
+            peak_flops=self.info.peak_flops,
+            devices=world.world_size,
+            memory_bytes=self.info.memory_bytes,
+            cost_per_gpu_hour=t.cost_per_gpu_hour,
+            straggler_threshold=t.straggler_threshold,
+        )
+        self.metrics = metrics
+        self.clock = PhaseClock(world.device)
+        self.recorder = StepRecorder(world, dp_size, hosts, self.clock, rates, metrics.gpu_hours())
+        self.sampler = CommSampler(t.comm_sample_every if world.distributed else 0, world.device)
+        self.window = ProfileWindow(t.profile_steps, run_dir / "profile", world.rank, world.device)
+        self.sinks = None
+        if world.is_main and (t.tensorboard or t.wandb):
+            from scaletrain.telemetry.sinks import Sinks  # imports its packages only when asked for
+
+            self.sinks = Sinks(t, run_dir, cfg.model_dump(mode="json"), start_step)
+
+    def run_info(self) -> dict[str, Any]:
+        return {**as_json(self.info), "flops_per_token": self.flops_per_token}
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[Mark]:
+        """Around the whole of optimizer step `step` (1-based); gives the phase marker."""
+        self.window.before_step(step)
+        with self.sampler.around(step, allowed=not self.window.active):
+            self.clock.start()
+            yield self.clock.mark
+        self.window.after_step(step)
+
+    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor, **fields: Any) -> None:
+        self.recorder.record(loss, grad_norm, **fields)
+
+    def flush(self) -> Flushed:
+        """Collective: the interval's rows and figures from every rank, written (rank 0)."""
+        flushed = self.recorder.flush(self.sampler.take())
+        self.metrics.write_flushed(flushed)
+        if self.sinks is not None:
+            self.sinks.log_steps(flushed.rows)
+            for event in flushed.events:
+                self.sinks.log_event(event)
+        return flushed
+
+    def event(self, row: dict[str, Any]) -> None:
+        self.metrics.write([row])
+        if self.sinks is not None:
+            self.sinks.log_event(row)
+
+    def close(self) -> None:
+        self.window.close()
+        if self.sinks is not None:
+            self.sinks.close()

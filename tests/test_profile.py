@@ -1,0 +1,183 @@
+"""The profile_steps window (which steps it traces, when it writes) and analyze_trace:
+its interval rules on hand-made traces with known answers, and on a real world-2 DDP run
+where a peer's late all-reduce must show as this rank's exposed communication."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from scaletrain.telemetry.profile import ProfileWindow, analyze_trace
+
+from helpers import probe
+
+CPU = torch.device("cpu")
+
+
+def names(trace: Path) -> Counter[str]:
+    events = json.loads(trace.read_text())["traceEvents"]
+    return Counter(e["name"] for e in events if e.get("ph") == "X")
+
+
+def train(window: ProfileWindow, steps: range, after_each=None) -> None:
+    """A toy model's loop, marked the way the trainer marks its steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in steps:
+        window.before_step(step)
+        with window.phase("data"):
+            x = torch.randn(16, 8)
+        with window.phase("forward_backward"):
+            model(x).square().mean().backward()
+        with window.phase("optimizer"):
+            opt.step()
+            opt.zero_grad()
+        window.after_step(step)
+        if after_each:
+            after_each(step)
+
+
+# ---------------------------------------------------------------------------- the window
+
+
+@pytest.mark.unit
+def test_window_traces_exactly_its_steps_and_writes_after_the_last(tmp_path):
+    window = ProfileWindow([2, 3], tmp_path / "profile", rank=1, device=CPU)
+    trace = tmp_path / "profile" / "rank1.trace.json"
+    existed = {}
+    train(window, range(1, 6), after_each=lambda step: existed.setdefault(step, trace.exists()))
+    window.close()
+    assert existed == {1: False, 2: False, 3: True, 4: True, 5: True}  # written as step 3 ends
+    assert window.written == trace and window.steps_recorded == [2, 3]
+    seen = names(trace)
+    assert sorted(n for n in seen if n.startswith("ProfilerStep#")) == ["ProfilerStep#2", "ProfilerStep#3"]
+    for phase in ("data", "forward_backward", "optimizer"):
+        assert seen[f"scaletrain:{phase}"] == 2, phase
+    result = analyze_trace(trace)
+    assert result["steps"] == 2 and result["method"] == "cpu" and result["total_s"] > 0
+    assert result["comm_s"] == 0 and result["comm_share"] == 0  # one process: nothing to wait for
+    assert result["top_ops"] and {"name", "self_s", "count"} <= result["top_ops"][0].keys()
+    assert any(op["name"] in ("aten::addmm", "aten::mm") for op in result["top_ops"])
+
+
+@pytest.mark.unit
+def test_window_off_is_inert(tmp_path):
+    window = ProfileWindow([], tmp_path / "profile", rank=0, device=CPU)
+    assert window.phase("data") is window.phase("optimizer")  # one shared nullcontext: no allocation per call
+    train(window, range(1, 4))
+    window.close()
+    assert not window.active and window.written is None and not (tmp_path / "profile").exists()
+
+
+@pytest.mark.unit
+def test_run_ending_inside_the_window_writes_on_close(tmp_path):
+    window = ProfileWindow([2, 10], tmp_path, rank=0, device=CPU)
+    train(window, range(1, 4))
+    assert window.active and not (tmp_path / "rank0.trace.json").exists()
+    window.close()
+    assert sorted(n for n in names(tmp_path / "rank0.trace.json") if n.startswith("ProfilerStep#")) == [
+        "ProfilerStep#2",
+        "ProfilerStep#3",
+    ]
+
+
+@pytest.mark.unit
+def test_resumed_inside_the_window_traces_the_rest_of_it(tmp_path):
+    window = ProfileWindow([2, 4], tmp_path, rank=0, device=CPU)
+    train(window, range(3, 7))  # resumed from the checkpoint of step 2
+    assert window.steps_recorded == [3, 4] and not window.active
+    assert names(tmp_path / "rank0.trace.json")["scaletrain:optimizer"] == 2
+
+
+# ---------------------------------------------------------------------------- analysis rules
+
+
+def x(name: str, ts: float, end: float, tid: Any = 1, cat: str = "cpu_op") -> dict[str, Any]:
+    return {"ph": "X", "cat": cat, "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": end - ts}
+
+
+@pytest.mark.unit
+def test_cpu_rule_on_a_hand_made_trace(tmp_path):
+    events = [
+        # Step 1: a collective enqueued (explicit), then the thread waits with no operator
+        # running while gloo works; the wait ends before the collective's event does not matter.
+        x("ProfilerStep#1", 0, 1000, cat="user_annotation"),
+        x("aten::mm", 0, 300),
+        x("c10d::allreduce_", 300, 320),
+        x("gloo:all_reduce", 310, 650, tid=2, cat="user_annotation"),
+        x("aten::mm", 700, 1000),  # idle 320-700; the collective covers 320-650 of it
+        # Between steps: neither the metrics all-reduce nor its wait is the steps' communication.
+        x("c10d::allreduce_", 1020, 1040),
+        x("gloo:all_reduce", 1030, 1090, tid=2, cat="user_annotation"),
+        # Step 2: waits inside a Python hook (an enclosing op's self time) count; a 20 us gap
+        # between two operators during the collective is dispatch overhead, not a wait.
+        x("ProfilerStep#2", 1100, 1500, cat="user_annotation"),
+        x("autograd::engine::evaluate_function: MulBackward0", 1100, 1500),
+        x("aten::mul", 1100, 1180),
+        x("aten::add", 1200, 1250),
+        x("FSDP::post_backward_reduce (layers.0)", 1250, 1500, cat="user_annotation"),
+        x("gloo:all_reduce", 1150, 1450, tid=2, cat="user_annotation"),
+        # Another thread's operators never make the training thread busy.
+        x("aten::copy_", 1300, 1400, tid=2),
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    r = analyze_trace(path)
+    assert r["steps"] == 2 and r["method"] == "cpu"
+    assert r["total_s"] == pytest.approx(1400e-6)
+    assert r["comm_s"] == pytest.approx((650 - 300 + 1450 - 1250) * 1e-6)
+    assert r["compute_s"] == pytest.approx(r["total_s"] - r["comm_s"])
+    assert r["comm_share"] == pytest.approx(550 / 1400)
+    top = {op["name"]: op for op in r["top_ops"]}
+    assert top["aten::mm"]["self_s"] == pytest.approx(600e-6) and top["aten::mm"]["count"] == 2
+    assert top["autograd::engine::evaluate_function: MulBackward0"]["self_s"] == pytest.approx(270e-6)
+    assert [op["name"] for op in r["top_ops"]][0] == "aten::mm"
+
+
+@pytest.mark.unit
+def test_cuda_rule_counts_nccl_kernels_not_hidden_behind_compute(tmp_path):
+    events = [
+        x("ProfilerStep#5", 0, 1000, cat="user_annotation"),
+        x("nccl:all_reduce", 50, 60),  # the CPU-side enqueue: not what the rule measures on CUDA
+        x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 100, 500, tid=9, cat="kernel"),  # its own stream
+        x("ampere_sgemm_128x64_tn", 0, 300, tid=7, cat="kernel"),
+        x("ampere_sgemm_128x64_tn", 450, 600, tid=8, cat="kernel"),  # another stream
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    r = analyze_trace(path)
+    assert r["method"] == "cuda"
+    assert r["comm_s"] == pytest.approx(150e-6)  # 300-450: the only NCCL time with no compute kernel
+    assert r["comm_share"] == pytest.approx(0.15)
+    sgemm = {k["name"]: k for k in r["top_kernels"]}["ampere_sgemm_128x64_tn"]
+    assert sgemm["count"] == 2 and sgemm["self_s"] == pytest.approx(450e-6)
+
+
+# ---------------------------------------------------------------------------- world 2
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_late_peer_shows_as_exposed_communication(tmp_path):
+    """DDP at world 2: steps 3-4 as they are, steps 6-7 with rank 1 sleeping 150 ms in its
+    comm hook before each all-reduce. Rank 0 then waits for it at the end of backward
+    (2 x 150 ms of exposed communication); rank 1's sleep is its own time, not communication.
+    150 ms, not less: on 2 cores the undelayed window itself shows 5-50 ms of waiting between
+    the two ranks (measured over 5 runs), which the delay must stand well clear of."""
+    ranks = probe("profile_ddp", ["--delay-ms", "150", "--delay-rank", "1"], tmp_path, nproc=2)
+    (base_r0, delayed_r0), (base_r1, delayed_r1) = ((r["base"], r["delayed"]) for r in ranks)
+    for rank in ranks:
+        for trace in rank["traces"].values():
+            events = json.loads(Path(trace).read_text())["traceEvents"]
+            assert sum(e.get("name", "").startswith("ProfilerStep#") for e in events) == 2
+    assert delayed_r0["comm_s"] - base_r0["comm_s"] > 0.2, (base_r0, delayed_r0)  # 0.3 s injected
+    assert delayed_r0["comm_share"] > max(base_r0["comm_share"], 0.8), (base_r0, delayed_r0)
+    # The late rank: its sleep is its own (compute) time, not communication.
+    assert delayed_r1["compute_s"] - base_r1["compute_s"] > 0.25, (base_r1, delayed_r1)
+    assert delayed_r1["comm_s"] < 0.1, (base_r1, delayed_r1)
