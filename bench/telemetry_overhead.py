@@ -4,9 +4,11 @@ come from it.
     python bench/telemetry_overhead.py [--nproc 2] [--rounds 3] [--steps 400] [key=value ...]
 
 Two parts:
-1. The always-on recorder, per step: the phase clock's marks and the watchdog's heartbeat,
-   timed in a loop of 100,000 steps on this machine's CPU (on CUDA a mark records an event
-   instead, a few microseconds more).
+1. In this process: the always-on recorder per step (the phase clock's marks and the
+   watchdog's heartbeat, timed over 100,000 steps; on CUDA a mark records an event
+   instead, a few microseconds more), and what one communication sample (a step under the
+   profiler, its trace exported and analysed) and one weight digest add to a step of the
+   tiny model.
 2. End to end: the same run with the defaults (a profiled communication sample every 200
    steps, a weight hash every 100, the watchdog) against one with all three off, alternated
    A B A B to resist a noisy machine; per run the mean step time over its log intervals
@@ -51,6 +53,47 @@ def per_step_cost(n: int = 100_000) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def sampled_and_hash_cost(preset: str = "tiny", micro_batch: int = 16, seq_len: int = 64) -> tuple[float, float, float]:
+    """(plain step, extra seconds of one communication sample, one weight digest): a
+    training step of the built-in model in this process, with and without the sampler
+    (profiler on, trace exported and analysed), medians of 10."""
+    from scaletrain.config import load_config
+    from scaletrain.guards.weights import digest
+    from scaletrain.models import LlamaSpec, resolve_shape
+    from scaletrain.telemetry.comm import CommSampler
+
+    torch.manual_seed(0)
+    cfg = load_config([], [f"model.preset={preset}", f"data.seq_len={seq_len}"])
+    spec = LlamaSpec(resolve_shape(cfg.model, 512))
+    model = spec.build_meta(seq_len)
+    spec.materialize(model, torch.device("cpu"), 0)
+    opt = torch.optim.AdamW(model.parameters())
+    tokens = torch.randint(0, 512, (micro_batch, seq_len + 1))
+
+    def step() -> None:
+        spec.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    sampler = CommSampler(1, torch.device("cpu"))
+    for _ in range(3):
+        step()
+    plain, sampled, hashed = [], [], []
+    for i in range(10):
+        t0 = time.perf_counter()
+        step()
+        plain.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with sampler.around(i + 1):
+            step()
+        sampled.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        digest(model.parameters())
+        hashed.append(time.perf_counter() - t0)
+    base = statistics.median(plain)
+    return base, statistics.median(sampled) - base, statistics.median(hashed)
+
+
 def step_time(run: Path) -> float:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     intervals = [r for r in rows if r.get("event") == "interval"][1:]
@@ -62,13 +105,21 @@ def step_time(run: Path) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="0: only the in-process measurements")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--out", type=Path, default=Path("/tmp/telemetry-overhead"))
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     cost = per_step_cost()
     print(f"recorder per step (clock start + 4 marks + heartbeat, CPU): {cost * 1e6:.2f} us")
+    base, sample, digest_s = sampled_and_hash_cost()
+    print(
+        f"one step (tiny, micro-batch 16 x 64, 1 process) {base * 1e3:.1f} ms; one communication sample adds "
+        f"{sample * 1e3:.1f} ms ({sample / (200 * base):.2%} of the step at comm_sample_every=200); one weight digest "
+        f"{digest_s * 1e3:.2f} ms ({digest_s / (100 * base):.3%} at weight_hash_every=100)"
+    )
+    if args.rounds == 0:
+        return 0
     times: dict[str, list[float]] = {"off": [], "defaults": []}
     for r in range(args.rounds):
         for name, extra in (("off", OFF), ("defaults", [])):

@@ -139,7 +139,8 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
             )
             if roll_back:
                 telemetry.flush()
-                step, tokens_seen = saves.roll_back(say)
+                with watchdog.paused():
+                    step, tokens_seen = saves.roll_back(say)
                 metrics.truncate_after(step)  # the rows of the undone steps; the counters keep the tally
                 progress.advance(step)
                 continue
@@ -156,21 +157,25 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
             if faults.armed("hang", step):
                 faults.hang_forever()
             if save_now:
-                saves.save(step, batches.position, tokens_seen)
-                watchdog.beat()  # a long synchronous save is progress, not a hang
+                with watchdog.paused():  # a long save (or the wait for the previous one) is no hang
+                    saves.save(step, batches.position, tokens_seen)
             saves.poll()
             if faults.armed("step", step):
                 saves.wait()  # the point is "after step N and its checkpoint"; `save` kills mid-save
             faults.kill_at("step", step)
             if verify_pending:
-                saves.verify_round_trip(step, batches.position, tokens_seen)
+                with watchdog.paused():
+                    saves.verify_round_trip(step, batches.position, tokens_seen)
                 say(f"checkpoint: verify_on_start saved and reloaded step {step}: every tensor came back exactly")
                 verify_pending = False
             if stop:
+                watchdog.close()
                 saves.wait()
                 raise Preempted(step, signal.Signals(stop).name)
+        watchdog.close()
         saves.wait()  # the last checkpoint is complete before the run says it finished
     except UserError:
+        watchdog.close()
         saves.wait()  # a clean stop, agreed by every rank: the save in flight still completes
         raise
     finally:

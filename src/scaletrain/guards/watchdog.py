@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,7 @@ class Watchdog:
         self.say = say
         self.step = 0
         self._beat = time.monotonic()
+        self._paused = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if timeout_s > 0:
@@ -116,13 +118,24 @@ class Watchdog:
             self.step = step
         self._beat = time.monotonic()
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Around work whose length has nothing to do with a hang (a save waiting for the disk,
+        a rollback's load): not watched; it has its own collectives' timeout."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+            self.beat()
+
     def close(self) -> None:
         self._stop.set()
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout_s / 10)):
             idle = time.monotonic() - self._beat
-            if idle >= self.timeout_s:
+            if idle >= self.timeout_s and not self._paused:
                 self._fire(idle)
 
     def _fire(self, idle: float) -> None:
