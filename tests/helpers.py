@@ -319,3 +319,38 @@ def assert_hf_export_matches(ckpt: Path, out: Path, tokens: int = 48) -> None:
     assert ids.shape[1] == tokens
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours(ids), rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- the browser
+
+# Debian's chromium, as root, with nothing that reaches for the network (the machine has
+# none: background services would fail their lookups at every start).
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--window-size=1280,2400",
+    "--virtual-time-budget=5000",
+]
+
+
+def render_in_chromium(page: Path, tmp: Path) -> str:
+    """Render `page` in headless Chromium: asserts a full-size screenshot was produced and
+    returns the rendered DOM."""
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is not installed: `make test` installs it (apt-get install chromium) on a fresh machine"
+    png = tmp / "page.png"
+    args = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp / 'chromium-profile'}", f"--screenshot={png}", "--dump-dom"]
+    # run(): a timeout, and chromium's zygote and renderers are killed with it
+    proc = run([*args, page.resolve().as_uri()], timeout=90, one_thread=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000, len(data)
+    assert (int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")) == (1280, 2400)
+    return proc.stdout

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import sys
 import types
 from pathlib import Path
@@ -295,39 +294,12 @@ def test_report_is_self_contained_and_escaped(make_run):
     assert "<svg" in figure(page, "plot-memory")  # from the interval events instead
 
 
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--hide-scrollbars",
-    "--window-size=1280,2400",
-    "--virtual-time-budget=5000",
-]
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_report_renders_in_chromium(make_run, tmp_path):
-    chromium = shutil.which("chromium")
-    assert chromium, "chromium is not installed: `make test` installs it (apt-get install chromium) on a fresh machine"
     run = make_run(comm=0.35, straggler=(5, 0.23, 4), hang=True, mem=0.95)
     findings = diagnose(run)
-    report = write_report(run, findings)
-    png = tmp_path / "report.png"
-    args = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={png}", "--dump-dom"]
-    # helpers.run: a timeout, and chromium's zygote and renderers are killed with it
-    proc = helpers.run([*args, report.resolve().as_uri()], timeout=90, one_thread=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = png.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000, len(data)
-    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    assert (width, height) == (1280, 2400)
-    dom = proc.stdout
+    dom = helpers.render_in_chromium(write_report(run, findings), tmp_path)
     for plot_id in PLOT_IDS:
         assert "<svg" in figure(dom, plot_id), f"{plot_id} has no <svg> in the rendered DOM"
     rendered = set(re.findall(r'data-code="([^"]+)"', dom))

@@ -10,6 +10,7 @@ optional sinks on, must raise no alarm and its report must render.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 
@@ -19,7 +20,7 @@ from scaletrain.diagnose import diagnose, write_report
 from scaletrain.errors import EXIT_HUNG
 from scaletrain.telemetry import read_metrics
 
-from helpers import base_overrides, check, run_info, train
+from helpers import base_overrides, check, render_in_chromium, run_info, train
 from sink_readers import offline_runs, tensorboard_scalars, wandb_history, wandb_records
 
 pytestmark = pytest.mark.dist
@@ -103,7 +104,10 @@ def test_a_healthy_run_raises_no_alarm_and_has_every_figure(healthy):
     info = run_info(healthy)
     assert info["peak_flops"] > 0 and info["flops_per_token"] > 0 and info["device_name"] == "CPU"
     assert len((healthy / "ranks.jsonl").read_text().splitlines()) == 2 * 4  # 2 ranks x 4 intervals
-    assert write_report(healthy, diagnose(healthy)).is_file()
+    dom = render_in_chromium(write_report(healthy, diagnose(healthy)), healthy)
+    for plot_id in ("plot-loss", "plot-throughput", "plot-breakdown", "plot-memory"):
+        assert f'id="{plot_id}"' in dom and "<svg" in dom.split(f'id="{plot_id}"', 1)[1].split("</figure>", 1)[0], plot_id
+    assert 'data-code="summary"' in dom and "warning" not in re.findall(r'class="finding ([a-z]+)', dom)
 
 
 @pytest.mark.timeout(180)
