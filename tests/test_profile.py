@@ -14,8 +14,6 @@ import torch
 
 from scaletrain.telemetry.profile import ProfileWindow, analyze_trace
 
-from helpers import probe
-
 CPU = torch.device("cpu")
 
 
@@ -162,22 +160,5 @@ def test_cuda_rule_counts_nccl_kernels_not_hidden_behind_compute(tmp_path):
 # ---------------------------------------------------------------------------- world 2
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(120)
-def test_a_late_peer_shows_as_exposed_communication(tmp_path):
-    """DDP at world 2: steps 3-4 as they are, steps 6-7 with rank 1 sleeping 150 ms in its
-    comm hook before each all-reduce. Rank 0 then waits for it at the end of backward
-    (2 x 150 ms of exposed communication); rank 1's sleep is its own time, not communication.
-    150 ms, not less: on 2 cores the undelayed window itself shows 5-50 ms of waiting between
-    the two ranks (measured over 5 runs), which the delay must stand well clear of."""
-    ranks = probe("profile_ddp", ["--delay-ms", "150", "--delay-rank", "1"], tmp_path, nproc=2)
-    (base_r0, delayed_r0), (base_r1, delayed_r1) = ((r["base"], r["delayed"]) for r in ranks)
-    for rank in ranks:
-        for trace in rank["traces"].values():
-            events = json.loads(Path(trace).read_text())["traceEvents"]
-            assert sum(e.get("name", "").startswith("ProfilerStep#") for e in events) == 2
-    assert delayed_r0["comm_s"] - base_r0["comm_s"] > 0.2, (base_r0, delayed_r0)  # 0.3 s injected
-    assert delayed_r0["comm_share"] > max(base_r0["comm_share"], 0.8), (base_r0, delayed_r0)
-    # The late rank: its sleep is its own (compute) time, not communication.
-    assert delayed_r1["compute_s"] - base_r1["compute_s"] > 0.25, (base_r1, delayed_r1)
-    assert delayed_r1["comm_s"] < 0.1, (base_r1, delayed_r1)
+# The rule on real multi-rank runs, through the trainer (a late peer is the waiting rank's
+# exposed communication; an injected slow link raises the share): tests/test_telemetry.py.

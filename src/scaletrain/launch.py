@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,6 +223,9 @@ def _check_numbers(opts: LaunchOptions) -> None:
         raise UserError(f"--master-port {opts.master_port} is invalid; accepted: 1..65535")
 
 
+LINGER_S = 3.0  # how long the rendezvous host's agent outlives the others' shutdown
+
+
 def run_torchrun(cmd: list[str]) -> int:
     """Run torchrun's elastic agent in this process; the exit code says how the ranks ended.
 
@@ -279,6 +283,21 @@ def run_torchrun(cmd: list[str]) -> int:
             return 128 + int(e.sigval)
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
+            _linger_if_rendezvous_host(cmd)
+
+
+def _linger_if_rendezvous_host(cmd: list[str]) -> None:
+    """With c10d rendezvous the agent on the endpoint's machine serves the store the other
+    agents still talk to while they shut down; if it leaves first, an agent elsewhere can
+    abort inside torch ("terminate called without an active exception", exit 134, seen
+    once in CI after a preemption on two loopback nodes). So it leaves a moment later."""
+    endpoint = next((a.split("=", 1)[1] for a in cmd if a.startswith("--rdzv-endpoint=")), None)
+    if endpoint is None:
+        return
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname  # private: torch's own test
+
+    if _matches_machine_hostname(endpoint.rsplit(":", 1)[0]):
+        time.sleep(LINGER_S)
 
 
 def _preempted(errors: str) -> bool:
