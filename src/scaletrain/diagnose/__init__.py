@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from scaletrain.errors import UserError
+from scaletrain.telemetry.metrics import read_metrics
 
 if TYPE_CHECKING:
     from scaletrain.config import Config
@@ -109,17 +110,8 @@ def load_run(run_dir: str | Path) -> Run:
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill mid-write
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+    """Every row (step and event) of a metrics-style file; none when it is absent."""
+    return read_metrics(path, events=True) if path.is_file() else []
 
 
 def _config(path: Path) -> Config | None:
