@@ -88,6 +88,10 @@ def init_distributed(device_choice: str = "auto", backend_choice: str = "auto", 
     return World(rank, world_size, local_rank, device, backend)
 
 
+# How long a rank that learnt of rank 0's crash waits for the launcher to stop it.
+PEER_CRASH_GRACE_S = 30.0
+
+
 def rank0_first(world: World, fn: Callable[[], T], what: str, timeout_s: float, hint: str) -> T | None:
     """Run `fn` on rank 0 only (preparing data, say) while the other ranks wait for it.
 
@@ -122,7 +126,16 @@ def rank0_first(world: World, fn: Callable[[], T], what: str, timeout_s: float, 
     if status == "user":
         raise UserError(message)
     if status == "crash":
-        raise UserError(f"rank 0 failed while {what} ({message}); its traceback is in rank 0's output")
+        line = f"rank 0 failed while {what} ({message}); its traceback is in rank 0's output"
+        # Rank 0 is on its way out with its own exit code, but printing its traceback and
+        # tearing down can take it longer than this rank takes to exit 2; the agent reports
+        # whichever it sees first and stops the rest with SIGTERM, and a crash reported as
+        # bad input was seen in CI. So this rank says its line now and waits to be stopped.
+        from scaletrain.launch import report_error
+
+        report_error(line, world.rank)
+        time.sleep(PEER_CRASH_GRACE_S)
+        raise UserError(line)
     return None
 
 
