@@ -30,8 +30,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(BIN)/scaletrain train
 
+# Most tests wait on subprocesses (imports, rendezvous, gloo): two at a time keep both
+# cores busy (one worker per test file, so a module's shared runs are made once). The
+# tests that judge timing run afterwards, alone.
 test: setup lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 lint: setup
 	$(BIN)/ruff check src tests

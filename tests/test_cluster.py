@@ -105,6 +105,7 @@ STEPS = 16
 
 
 @pytest.mark.dist
+@pytest.mark.serial  # a preemption signal against two nodes' step timing
 @pytest.mark.timeout(240)
 def test_sbatch_script_trains_on_two_nodes_requeues_when_signalled_and_resumes(small_dataset, tmp_path, monkeypatch, capsys):
     bin_dir = fake_cluster(tmp_path)

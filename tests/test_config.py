@@ -54,18 +54,8 @@ BAD_VALUES = [
     ("parallel.strategy=magic", "parallel.strategy", "'magic'", "'ddp', 'fsdp', 'zero1', 'zero2', 'zero3' or 'auto'"),
     ("train.loss_scale_init=1000", "train.loss_scale_init", "1000", "accepted: 1, 2, 4, ..."),
     ("parallel.offload_optimizer=cpu", "parallel.offload_optimizer", "=cpu", "needs strategy zero1, zero2 or zero3, not ddp"),
-    (
-        "parallel.tp=2",
-        "parallel.tp",
-        "=2",
-        "tensor parallelism is not implemented yet (it comes with 3D parallelism); accepted: 1",
-    ),
-    (
-        "parallel.pp=4",
-        "parallel.pp",
-        "=4",
-        "pipeline parallelism is not implemented yet (it comes with 3D parallelism); accepted: 1",
-    ),
+    ("parallel.tp=2", "parallel.tp", "=2", "needs parallel.strategy=fsdp"),
+    ("parallel.pp=4", "parallel.pp", "=4", "pipeline parallelism is not implemented yet; accepted: 1"),
     ("train.lr_scaling=sqrt", "train.lr_scaling", "=sqrt", "needs train.lr_base_batch"),
     ("=3", "section.key=value", "'=3'", "e.g. train.lr=3e-4"),
 ]

@@ -93,9 +93,12 @@ def test_ranks_map_to_coordinates_tp_innermost():
         dims.coordinates(16)
 
 
-def test_config_refuses_tp_and_pp_until_implemented_and_dims_come_from_config():
-    for key, what in (("tp", "tensor"), ("pp", "pipeline")):
-        with pytest.raises(UserError, match=f"parallel.{key}=2: {what} parallelism is not implemented yet .*; accepted: 1"):
-            load_config([], [f"parallel.{key}=2"])
+def test_config_refuses_pp_until_implemented_tp_without_fsdp_and_dims_come_from_config():
+    with pytest.raises(UserError, match="parallel.pp=2: pipeline parallelism is not implemented yet; accepted: 1"):
+        load_config([], ["parallel.pp=2"])
+    with pytest.raises(UserError, match="parallel.tp=2 needs parallel.strategy=fsdp .*not zero3; accepted: strategy fsdp"):
+        load_config([], ["parallel.tp=2", "parallel.strategy=zero3"])
+    tp = load_config([], ["parallel.strategy=fsdp", "parallel.tp=2"])
+    assert dims_for(tp.parallel, 8).as_dict() == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 2, "dp_size": 4}
     cfg = load_config([], ["parallel.strategy=fsdp", "parallel.dp_replicate=2"])
     assert dims_for(cfg.parallel, 6).as_dict() == {"pp": 1, "dp_replicate": 2, "dp_shard": 3, "cp": 1, "tp": 1, "dp_size": 6}

@@ -23,6 +23,7 @@ EXIT_PREEMPTED = 75  # documented in README.md and docs/checkpointing.md
 
 
 @pytest.mark.e2e
+@pytest.mark.serial  # signals against step timing
 @pytest.mark.timeout(120)
 def test_sigterm_to_a_single_process_run_saves_and_exits_75(small_dataset, tmp_path):
     run = tmp_path / "run"
@@ -33,6 +34,7 @@ def test_sigterm_to_a_single_process_run_saves_and_exits_75(small_dataset, tmp_p
 
 
 @pytest.mark.dist
+@pytest.mark.serial  # signals against step timing
 @pytest.mark.timeout(500)
 def test_kill_9_under_elastic_restarts_then_sigterm_then_resume_equals_the_straight_run(small_dataset, ddp2_run, tmp_path):
     seed = random.randrange(1 << 30)

@@ -23,7 +23,9 @@ from scaletrain.telemetry import read_metrics
 from helpers import base_overrides, check, render_in_chromium, run_info, train
 from sink_readers import offline_runs, tensorboard_scalars, wandb_history, wandb_records
 
-pytestmark = pytest.mark.dist
+# Serial: they judge timing (stragglers, communication share, a hang's timeout), which a
+# neighbouring test on the same 2 cores would distort (Makefile: run after the parallel part).
+pytestmark = [pytest.mark.dist, pytest.mark.serial]
 
 # Every 2nd step is profiled for its communication (telemetry.comm), so that 8 steps give 4
 # judged intervals; the default (200) costs under 1% (docs/telemetry.md).

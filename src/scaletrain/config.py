@@ -125,10 +125,13 @@ class ParallelConfig(Section):
     reshard_after_forward: bool = True
     dp_replicate: int = Field(1, ge=1)
     # Tensor and pipeline parallel degrees (dp x tp x pp = world size; scaletrain.parallel).
-    # Only 1 until 3D parallelism is implemented; the keys exist so that layouts are
-    # validated and recorded in one place from now on.
+    # Tensor parallel splits every block over tp ranks (models/llama_tp.py) and composes
+    # with FSDP2 over the data-parallel ranks; pipeline parallel comes next (accepted: 1).
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
+    # With tp > 1: the norms and the residual stream hold 1/tp of the sequence each (less
+    # activation memory, the same communicated bytes). Off: they are replicated.
+    sequence_parallel: bool = True
     # Seconds a collective may wait before the job fails (torch's process-group timeout).
     timeout_s: float = Field(600.0, gt=0)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
@@ -142,19 +145,21 @@ class ParallelConfig(Section):
     # planner's reasons. Informational; ignored as input.
     auto_choice: str | None = None
 
-    @field_validator("tp", "pp")
+    @field_validator("pp")
     @classmethod
-    def _not_yet(cls, v: int, info: Any) -> int:
-        what = {"tp": "tensor", "pp": "pipeline"}[info.field_name]
+    def _not_yet(cls, v: int) -> int:
         if v != 1:
-            raise ValueError(
-                f"parallel.{info.field_name}={v}: {what} parallelism is not implemented yet (it comes with 3D parallelism); accepted: 1"
-            )
+            raise ValueError(f"parallel.pp={v}: pipeline parallelism is not implemented yet; accepted: 1")
         return v
 
     @model_validator(mode="after")
     def _combinations(self) -> ParallelConfig:
         s = self.strategy
+        if self.tp > 1 and s != "fsdp":
+            raise ValueError(
+                f"parallel.tp={self.tp} needs parallel.strategy=fsdp (tensor parallel composes with FSDP2 over the "
+                f"data-parallel ranks), not {s}; accepted: strategy fsdp, or tp 1"
+            )
         if self.offload_optimizer != "none" and s not in ZERO_STRATEGIES:
             raise ValueError(f"parallel.offload_optimizer={self.offload_optimizer} needs strategy zero1, zero2 or zero3, not {s}")
         if self.offload_params != "none" and not (s == "zero3" or (s == "fsdp" and self.offload_params == "cpu")):

@@ -142,11 +142,13 @@ def slowed(loss: Callable[..., Any], seconds: float) -> Callable[..., Any]:
 
 
 def perturb(model: Any) -> None:
-    """Move one weight of this rank's replica (fault point perturb)."""
+    """Move one weight of this rank's replica (fault point perturb): of the first norm, which
+    every replica holds whole, also the ranks of a tensor-parallel group."""
     import torch
 
+    param = next(p for n, p in model.named_parameters() if n.endswith("norm.weight"))
     with torch.no_grad():
-        next(model.parameters()).view(-1)[0] += 1e-3
+        (param.to_local() if hasattr(param, "to_local") else param).view(-1)[0] += 1e-3
 
 
 def hang_forever() -> None:

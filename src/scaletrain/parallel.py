@@ -74,6 +74,10 @@ class ParallelDims:
 
             names = [n for n in DIMS if getattr(self, n) > 1 or n == "dp_shard"]
             self._mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=tuple(names))
+            if len(names) > 1:
+                # A reduction over every dimension (the gradient norm of 2-D parameters) is
+                # then one all-reduce on the flattened group, not one per dimension in turn.
+                self._mesh._flatten()
         return self._mesh
 
     def fsdp_mesh(self, device: torch.device) -> DeviceMesh:
@@ -115,6 +119,12 @@ def parallel_dims(strategy: str, world_size: int, dp_replicate: int = 1, tp: int
 def dims_for(parallel: Any, world_size: int) -> ParallelDims:
     """The layout a ParallelConfig asks for on `world_size` ranks (see parallel_dims)."""
     return parallel_dims(parallel.strategy, world_size, parallel.dp_replicate, parallel.tp, parallel.pp)
+
+
+def describe(engine: str, world_size: int, parallel: dict[str, int] | None) -> str:
+    """ "fsdp at world 4 (tp 2)": an engine and its layout, for messages."""
+    split = [f"{n} {parallel[n]}" for n in ("tp", "pp", "cp") if parallel and parallel.get(n, 1) > 1]
+    return f"{engine} at world {world_size}" + (f" ({', '.join(split)})" if split else "")
 
 
 def _divisors(n: int) -> list[int]:

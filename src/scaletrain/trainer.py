@@ -26,7 +26,7 @@ from scaletrain.guards import ReplicaCheck, Watchdog
 from scaletrain.models import LlamaSpec, ModelSpec, resolve_shape
 from scaletrain.nonfinite import NonfiniteGuard, nan_loss
 from scaletrain.optim import decay_groups, lr_at, scaled_lr
-from scaletrain.parallel import dims_for
+from scaletrain.parallel import describe, dims_for
 from scaletrain.preempt import Preempted, PreemptionWatch
 from scaletrain.preflight import plan_run
 from scaletrain.rundir import RunPaths, check_resume, resume_point, write_run_info
@@ -77,8 +77,9 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
         # Natively, or resharded / converted from another engine and then verified.
         trainer_state, how = checkpoint.resume_state(resume_from, world, engine, layout, dims.as_dict())
         if how != "native":
-            was = f"{trainer_state['engine']} at world {trainer_state['world_size']}"
-            say(f"resume: {resume_from.name} ({was}) {how} onto {engine.name} at world {world.world_size}; verified")
+            was = describe(trainer_state["engine"], trainer_state["world_size"], trainer_state.get("parallel"))
+            now = describe(engine.name, world.world_size, dims.as_dict())
+            say(f"resume: {resume_from.name} ({was}) {how} onto {now}; verified")
         engine.load_extra_state(trainer_state["engine_state"])
         step, position, tokens_seen = trainer_state["step"], trainer_state["data_position"], trainer_state["tokens_seen"]
         saved = trainer_state.get("nonfinite", {})
@@ -105,7 +106,7 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     saves = Saves(cfg, world, dims, engine, spec, data, paths, guard, metrics, layout)
     progress = TrainProgress(console, cfg.train.steps, step, cfg.train.log_every, enabled=main)
     watch = PreemptionWatch(world)
-    replicas = ReplicaCheck(world, engine.name, cfg.guards.weight_hash_every, hosts)
+    replicas = ReplicaCheck(world, engine.name, cfg.guards.weight_hash_every, hosts, dims)
     watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=lambda line: print(line, file=sys.stderr, flush=True))
     started, start_step = time.perf_counter(), step
     slow = faults.slowdown("compute")
@@ -204,7 +205,7 @@ def _check_replicas(replicas: ReplicaCheck, step: int, engine: Any, telemetry: T
         telemetry.event(event)  # every check while they differ; said once
     if event is not None and replicas.first_seen == step:
         say(
-            f"warning: data-parallel replicas hold different weights at step {step}: rank(s) {event['ranks']} "
+            f"warning: replicas hold different {event['what']} at step {step}: rank(s) {event['ranks']} "
             f"on {', '.join(sorted(set(event['hosts'])))} differ from the others (guards.weight_hash_every)"
         )
 

@@ -225,7 +225,8 @@ def replicas_disagree(run: Run) -> list[Finding]:
     saves = [int(c["step"]) for c in run.events_of("checkpoint") if int(c.get("step", 0)) < first]
     resume = f"resume from the checkpoint of step {max(saves)}, saved before it" if saves else "no checkpoint precedes it"
     advice = (
-        "data-parallel replicas must hold identical weights after every step: suspect a rank that skipped or repeated "
+        "replicas (data-parallel ones, or the ranks of one tensor-parallel group for what they replicate) must hold "
+        "identical weights after every step: suspect a rank that skipped or repeated "
         "an update, a non-deterministic op that breaks replication, or faulty device memory on the smallest group's host; "
         + resume
     )

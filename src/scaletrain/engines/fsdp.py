@@ -1,4 +1,5 @@
-"""Fully sharded data parallel with FSDP2 (`fully_shard`): full shard, shard-grad-op, hybrid.
+"""Fully sharded data parallel with FSDP2 (`fully_shard`): full shard, shard-grad-op, hybrid,
+and composed with DTensor tensor parallelism (parallel.tp: 2-D parameters, dp x tp).
 
 Each transformer block is one FSDP unit (its parameters are all-gathered just before it
 runs and freed after), the root owns what is left: embeddings, final norm, output head.
@@ -24,14 +25,15 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletrain.config import Config
 from scaletrain.distributed import World, ensure_process_group
-from scaletrain.engines.base import ParamGroups
+from scaletrain.engines.base import Mark, MicroBatch, ParamGroups, no_mark
 from scaletrain.engines.checkpointing import apply_activation_checkpointing
 from scaletrain.engines.dcp_state import TorchEngineMixin
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
-from scaletrain.models.spec import ModelSpec
+from scaletrain.models.spec import LossFn, ModelSpec
 from scaletrain.optim import build_adamw
 from scaletrain.parallel import ParallelDims
 
@@ -54,6 +56,12 @@ class FSDPEngine(TorchEngineMixin):
         # Parameters that share one tensor (the tied embedding / output head) must stay one
         # parameter through sharding and materialization, or the head silently unties.
         tied = _shared_parameter_names(model)
+        # Tensor parallel first: FSDP then shards each rank's tp slice over the dp ranks
+        # (2-D parameters). The head's logits stay split over the vocabulary for the loss.
+        self.loss_parallel = dims.tp > 1
+        if dims.tp > 1:
+            spec.check_tp(dims.tp)
+            spec.apply_tp(model, dims.mesh(world.device.type)["tp"], par.sequence_parallel, loss_parallel=True)
         apply_fsdp(
             model,
             blocks,
@@ -82,6 +90,13 @@ class FSDPEngine(TorchEngineMixin):
         # mesh, so every rank takes the same skip decision. ShardedGradScaler is for FSDP1.
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
 
+    def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn, mark: Mark = no_mark) -> torch.Tensor:
+        if not self.loss_parallel:
+            return super().forward_backward(micro_batches, loss, mark)
+        # Cross entropy over vocabulary-split logits: forward and backward both inside.
+        with loss_parallel():
+            return super().forward_backward(micro_batches, lambda out, y: _local(loss(out, y)), mark)
+
     def accumulate(self, boundary: bool) -> Any:
         return self._gradient_sync(boundary)
 
@@ -103,14 +118,26 @@ class FSDPEngine(TorchEngineMixin):
     def clip_gradients(self) -> torch.Tensor:
         # The norm of sharded gradients is a partial DTensor; full_tensor() reduces it once
         # (one collective, no host sync) and the plain total then scales each local shard.
+        # Under tensor parallelism without sequence parallel the norms are 1-D (dp) DTensors
+        # beside the 2-D (dp, tp) rest, and one foreach norm cannot mix meshes: one per mesh.
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
-        total = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
+        by_mesh: dict[Any, list[torch.Tensor]] = defaultdict(list)
+        for p in params:
+            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+        norms = []
+        for group in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], foreach=True)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
         if self.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, total, foreach=True)
+            for group in by_mesh.values():
+                torch.nn.utils.clip_grads_with_norm_(group, self.clip_grad, total, foreach=True)
         return total
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """The loss parallel cross entropy's replicated DTensor as the plain scalar the loop sums."""
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def apply_fsdp(

@@ -64,15 +64,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them (llama_tp.py).
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, hd]
         # enable_gqa lets the fused kernels read each kv head for its group of query heads
         # instead of materializing repeated copies of k and v.
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):

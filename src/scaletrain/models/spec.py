@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from scaletrain.models import llama_tp
 from scaletrain.models.llama import RMSNorm, TransformerBlock, build_meta_model, loss_fn, materialize, rope_tables
 from scaletrain.models.presets import ModelShape
 
@@ -86,6 +87,12 @@ class ModelSpec(Protocol):
     def traced_head(self) -> nn.Module:
         """Final norm + output projection: hidden states -> logits, for the same tracing."""
 
+    def check_tp(self, tp: int) -> None:
+        """A one-line UserError unless the model splits evenly over `tp` ranks."""
+
+    def apply_tp(self, model: nn.Module, mesh: Any, sequence_parallel: bool, loss_parallel: bool) -> None:
+        """Split the (meta-device) model over the 1-D tensor-parallel `mesh` in place, before FSDP."""
+
 
 @dataclass(frozen=True)
 class LlamaSpec:
@@ -138,6 +145,12 @@ class LlamaSpec:
         return nn.Sequential(
             RMSNorm(self.shape.dim, self.shape.norm_eps), nn.Linear(self.shape.dim, self.shape.vocab_size, bias=False)
         )
+
+    def check_tp(self, tp: int) -> None:
+        llama_tp.check_tp(self.shape, tp)
+
+    def apply_tp(self, model: nn.Module, mesh: Any, sequence_parallel: bool, loss_parallel: bool) -> None:
+        llama_tp.apply_tp(model, mesh, sequence_parallel, loss_parallel)
 
 
 @lru_cache(maxsize=64)

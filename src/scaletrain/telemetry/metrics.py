@@ -90,8 +90,10 @@ class StepRecorder:
             torch.distributed.all_gather_object(everyone, mine, group=self._group)
         now = time.perf_counter()
         wall, self._since = now - self._since, now
-        # Summed in rank order in fp32, as an all-reduce of the stacked losses would.
-        losses = (torch.stack([r["losses"] for r in everyone]).sum(0) / self.dp_size).tolist()
+        # Summed in rank order in fp32, as an all-reduce of the stacked losses would. The
+        # tensor-parallel ranks of one data-parallel rank each hold its loss, so the mean
+        # over all ranks is the mean over data-parallel ranks.
+        losses = (torch.stack([r["losses"] for r in everyone]).sum(0) / len(everyone)).tolist()
         rows = [
             {"step": row.pop("step"), "loss": loss, "grad_norm": norm, **row}
             for row, loss, norm in zip(self._rows, losses, both[1].tolist())

@@ -1,0 +1,95 @@
+"""Tensor parallelism for the built-in Llama: DTensor plans, applied before FSDP2.
+
+Megatron's split, with torch's own styles (`torch.distributed.tensor.parallel`): in each
+block wq/wk/wv and w1/w3 are column-parallel (each rank computes its own heads and its own
+slice of the hidden FFN width), wo and w2 row-parallel (partial sums, reduced once per
+sub-block). So each block costs two reductions in forward and two in backward, and
+attention needs no communication at all: a rank's query heads and the kv heads they read
+sit on the same rank, which is why n_heads and n_kv_heads must both divide by tp.
+
+The embedding is split by vocabulary rows and the head by vocabulary columns (rows of its
+[vocab, dim] weight): both are Shard(0) of the same matrix, so a tied embedding stays one
+parameter. With loss parallel the logits stay split over the vocabulary and the cross
+entropy reduces the per-shard softmax terms instead of gathering [tokens, vocab].
+
+Sequence parallel: the norms and the residual stream between sub-blocks hold 1/tp of the
+sequence (Shard(1)); the reductions become reduce-scatters and each sub-block starts with
+an all-gather, the same bytes as the all-reduces, with 1/tp of the norm activations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from scaletrain.errors import UserError
+from scaletrain.models.presets import ModelShape
+
+
+def check_tp(shape: ModelShape, tp: int) -> None:
+    """A one-line UserError unless every split of the plan below is even."""
+    if tp == 1:
+        return
+    splits = {
+        "model.n_heads": shape.n_heads,
+        "model.n_kv_heads": shape.n_kv_heads,
+        "model.ffn_dim": shape.ffn_dim,
+        "the vocabulary size": shape.vocab_size,
+    }
+    for what, n in splits.items():
+        if n % tp:
+            fits = [d for d in range(1, tp * 2 + 1) if all(v % d == 0 for v in splits.values())]
+            closest = min(fits, key=lambda d: (abs(d - tp), -d))
+            raise UserError(
+                f"parallel.tp={tp} does not divide {what} ({n}): each rank must hold whole heads and equal slices; "
+                f"closest valid layout: parallel.tp={closest}"
+            )
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Split `model` (a Llama, on the meta device or not) over the 1-D `mesh` in place."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    tied = model.output.weight is model.tok_embeddings.weight  # type: ignore[union-attr]
+    top: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(
+            input_layouts=seq,
+            # Split over the vocabulary for the loss (DTensor), else gathered for plain use.
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    if tied:
+        # parallelize_module gave each module a parameter of its own; both are Shard(0) of
+        # the [vocab, dim] matrix, so one of them serves both again.
+        model.output.weight = model.tok_embeddings.weight  # type: ignore[union-attr]
+    for block in model.layers:  # type: ignore[union-attr]
+        plan: dict[str, Any] = {
+            # cos and sin (the 2nd and 3rd inputs) are plain tensors, full length, on every rank.
+            "attention": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, mesh, plan)
