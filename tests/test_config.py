@@ -48,7 +48,7 @@ BAD_VALUES = [
     ("train.lr=abc", "train.lr", "'abc'", "expected a valid number"),
     ("train.steps=0", "train.steps", "= 0", "expected a value greater than or equal to 1"),
     ("precision=fp8", "precision", "'fp8'", "expected 'fp32', 'bf16' or 'fp16'"),
-    ("model.preset=huge", "model.preset", "'huge'", "'tiny', 'small', '1b', '7b', '8b' or '70b'"),
+    ("model.preset=huge", "model.preset", "'huge'", "'tiny', 'small', '1b', '7b', '8b', '70b' or '405b'"),
     ("train.micro_batch=2.5", "train.micro_batch", "2.5", "expected a valid integer"),
     ("precision.mode=x", "precision", "{'mode': 'x'}", "expected 'fp32', 'bf16' or 'fp16'"),
     ("parallel.strategy=magic", "parallel.strategy", "'magic'", "'ddp', 'fsdp', 'zero1', 'zero2', 'zero3' or 'auto'"),

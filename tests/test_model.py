@@ -174,8 +174,8 @@ def test_count_params_matches_built_model(preset, tie):
     assert c["non_embedding"] == sum(p.numel() for p in m.layers.parameters()) + m.norm.weight.numel()
 
 
-# Published totals: Llama-3.2-1B, Llama-2-7B, Llama-3-8B, Llama-3-70B model cards.
-@pytest.mark.parametrize("preset,published", [("1b", 1.24e9), ("7b", 6.74e9), ("8b", 8.03e9), ("70b", 70.6e9)])
+# Published totals: Llama-3.2-1B, Llama-2-7B, Llama-3-8B, Llama-3-70B, Llama-3.1-405B model cards.
+@pytest.mark.parametrize("preset,published", [("1b", 1.24e9), ("7b", 6.74e9), ("8b", 8.03e9), ("70b", 70.6e9), ("405b", 405.9e9)])
 def test_count_params_matches_published(preset, published):
     total = count_params(resolve_shape(ModelConfig(preset=preset)))["total"]
     assert abs(total / published - 1) < 0.01

@@ -204,3 +204,25 @@ def test_impossible_requests_name_the_closest_feasible_alternative():
     with pytest.raises(UserError, match="not a size"):
         parse_size("eighty", "--gpu-memory")
     assert parse_size("80GiB", "x") == 80 * GiB and parse_size("1TB", "x") == 1e12
+
+
+def test_tensor_parallel_divides_states_activations_and_compute_and_costs_activation_traffic():
+    spec = LlamaSpec(resolve_shape(ModelConfig(preset="8b")))
+    one, tp2 = (estimate(spec, Setup("fsdp", 4, 1, 4096, "bf16", tp=t)) for t in (1, 2))
+    assert tp2.params == pytest.approx(one.params / 2) and tp2.optimizer == pytest.approx(one.optimizer / 2)
+    # Sequence parallel splits every saved activation (Megatron's t in the denominator of
+    # every term); without it the four [tokens, hidden] norm tensors per block stay whole.
+    assert tp2.activations == pytest.approx(one.activations / 2) and tp2.loss == pytest.approx(one.loss / 2)
+    no_sp = estimate(spec, Setup("fsdp", 4, 1, 4096, "bf16", tp=2, sequence_parallel=False))
+    replicated = 32 * 4 * (4096 * 4096 * 2) / 2  # layers x 4 tensors x bf16 [T, hidden], the half not split
+    assert no_sp.activations == pytest.approx(tp2.activations + replicated)
+
+    plan = plan_for("8b", gpus=8, extra=["parallel.strategy=fsdp", "parallel.tp=2"])
+    chosen = plan.chosen
+    assert chosen.setup.label == "fsdp + tp 2" and chosen.setup.dp == 4
+    assert {c.setup.strategy for c in plan.candidates} == {"fsdp"}  # tp composes with FSDP2 only
+    # 32 blocks x 4 collectives x 2 (tp-1)/tp x 4096 tokens x 4096 wide x 2 bytes, on top
+    # of the data-parallel traffic of half the parameters.
+    tp_traffic = 32 * 4 * 1.0 * 4096 * 4096 * 2
+    dp_only = plan_for("8b", gpus=4, extra=["parallel.strategy=fsdp"]).chosen
+    assert chosen.comm_bytes == pytest.approx(tp_traffic + dp_only.comm_bytes / 2)

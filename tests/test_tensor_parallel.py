@@ -50,11 +50,15 @@ def test_tp_2_with_sequence_parallel_matches_one_process(small_dataset, referenc
 
 @pytest.fixture(scope="module")
 def tp2_dp2_run(small_dataset, tmp_path_factory):
-    """tp 2 x dp 2 at world 4, without sequence parallel: the norms are then 1-D (dp)
-    DTensors beside the 2-D rest, the mixed case of the gradient norm."""
+    """tp 2 x dp 2 at world 4, without sequence parallel (the norms are then 1-D dp
+    DTensors beside the 2-D rest: the mixed case of the gradient norm), with activation
+    checkpointing (wrapped after the tp plan, recomputed through FSDP's and DTensor's hooks)."""
     run = tmp_path_factory.mktemp("tp2dp2") / "run"
-    tp_run(small_dataset, run, 4, "parallel.tp=2", "parallel.sequence_parallel=false", "train.micro_batch=2")
+    tp_run(small_dataset, run, 4, *TP2_DP2)
     return run
+
+
+TP2_DP2 = ["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.activation_checkpointing=true", "train.micro_batch=2"]
 
 
 @pytest.mark.dist
@@ -70,7 +74,7 @@ def test_tp_2_x_dp_2_matches_one_process(tp2_dp2_run, reference_run):
 def test_tp_2_x_dp_2_resumes_bit_exactly(small_dataset, tp2_dp2_run, tmp_path):
     run = tmp_path / "resumed"
     copy_until(tp2_dp2_run, run, 5)
-    tp_run(small_dataset, run, 4, "parallel.tp=2", "parallel.sequence_parallel=false", "train.micro_batch=2")
+    tp_run(small_dataset, run, 4, *TP2_DP2)
     assert_bit_exact(run, tp2_dp2_run, 10)
 
 

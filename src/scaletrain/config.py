@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from scaletrain.errors import UserError
 
-MODEL_PRESETS = ("tiny", "small", "1b", "7b", "8b", "70b")
+MODEL_PRESETS = ("tiny", "small", "1b", "7b", "8b", "70b", "405b")
 
 
 class Section(BaseModel):

@@ -50,6 +50,10 @@ def plan_run(cfg: Config, world: World, model: ModelSpec) -> tuple[Config, list[
     nodes = max(1, world.world_size // local)
     device = runtime_device(world, local)
     auto = cfg.parallel.strategy == "auto"
+    if not auto and not world.is_main:
+        # Only rank 0 prints the plan; tracing activations (FakeTensorMode) costs each
+        # process ~1 s (it imports torch._dynamo). With auto every rank needs the choice.
+        return cfg, []
     try:
         plan = make_plan(cfg, model, world.world_size, nodes, device, all_strategies=auto)
     except UserError as e:

@@ -10,8 +10,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scaletrain import checkpoint
-from scaletrain.distributed import ALONE
 from scaletrain.errors import UserError
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
@@ -57,6 +55,9 @@ def add_parser(sub: Any) -> None:
 
 def resolve(arg: str) -> Path:
     """A step directory as given, or a run directory's newest whole checkpoint."""
+    from scaletrain import checkpoint  # torch.distributed.checkpoint: imported only when used
+    from scaletrain.distributed import ALONE
+
     path = Path(arg)
     if (path / "trainer.json").is_file():
         if not checkpoint.is_complete(path):
@@ -70,6 +71,9 @@ def resolve(arg: str) -> Path:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from scaletrain import checkpoint  # torch.distributed.checkpoint: imported only when used
+    from scaletrain.distributed import ALONE
+
     path = resolve(args.ckpt)
     saved = json.loads((path / "trainer.json").read_text())
     files = [f for f in path.rglob("*") if f.is_file()]
@@ -102,6 +106,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from scaletrain import checkpoint  # torch.distributed.checkpoint: imported only when used
+    from scaletrain.distributed import ALONE
+
     path = resolve(args.ckpt)
     problem = checkpoint.find_problem(path, ALONE)
     if problem:

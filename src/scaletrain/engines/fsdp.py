@@ -47,21 +47,21 @@ class FSDPEngine(TorchEngineMixin):
         mesh = dims.fsdp_mesh(world.device)
         offload = par.offload_params == "cpu"
         model = spec.build_meta(cfg.data.seq_len)
+        # Parameters that share one tensor (the tied embedding / output head) must stay one
+        # parameter through sharding and materialization, or the head silently unties.
+        tied = _shared_parameter_names(model)
+        # Tensor parallel first, on the plain model (its plan names submodules the
+        # checkpoint wrapper would rename): FSDP then shards each rank's tp slice over the
+        # dp ranks (2-D parameters). The logits stay split over the vocabulary for the loss.
+        self.loss_parallel = dims.tp > 1
+        if dims.tp > 1:
+            spec.check_tp(dims.tp)
+            spec.apply_tp(model, dims.mesh(world.device.type)["tp"], par.sequence_parallel, loss_parallel=True)
         blocks = spec.blocks(model)
         if par.activation_checkpointing:
             # Before fully_shard, so the recomputed forward re-gathers the block's parameters
             # through FSDP's hooks; state-dict names stay plain (tests check).
             apply_activation_checkpointing(blocks)
-
-        # Parameters that share one tensor (the tied embedding / output head) must stay one
-        # parameter through sharding and materialization, or the head silently unties.
-        tied = _shared_parameter_names(model)
-        # Tensor parallel first: FSDP then shards each rank's tp slice over the dp ranks
-        # (2-D parameters). The head's logits stay split over the vocabulary for the loss.
-        self.loss_parallel = dims.tp > 1
-        if dims.tp > 1:
-            spec.check_tp(dims.tp)
-            spec.apply_tp(model, dims.mesh(world.device.type)["tp"], par.sequence_parallel, loss_parallel=True)
         apply_fsdp(
             model,
             blocks,

@@ -111,14 +111,20 @@ class Llama(nn.Module):
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len}")
         self.shape, self.max_seq_len = shape, max_seq_len
-        self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
+        # Given a weight, the embedding skips its own random init (init_weights draws every
+        # parameter): a normal_ on the meta device would import torch._dynamo (~0.8 s).
+        self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim, _weight=torch.empty(shape.vocab_size, shape.dim))
         self.layers = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.n_layers))
         self.norm = RMSNorm(shape.dim, shape.norm_eps)
         self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
         self.tie_weights()
         # Non-persistent: derived from the shape, so checkpoints need not carry them. On the
-        # meta device these hold no data; init_weights (after to_empty) fills them for real.
-        cos, sin = rope_tables(shape.head_dim, max_seq_len, shape.rope_theta)
+        # meta device they hold no data (and computing them there would import
+        # torch._dynamo, ~0.8 s per process): init_weights (after to_empty) fills them.
+        if torch.empty(0).is_meta:
+            cos = sin = torch.empty(max_seq_len, shape.head_dim // 2)
+        else:
+            cos, sin = rope_tables(shape.head_dim, max_seq_len, shape.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

@@ -102,6 +102,18 @@ PRESETS: dict[str, dict] = {
         rope_theta=500000.0,
         norm_eps=1e-5,
     ),
+    # Llama-3.1-405B: 405.9B parameters.
+    "405b": dict(
+        vocab_size=128256,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim=53248,
+        tie_embeddings=False,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+    ),
 }
 
 _SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "rope_theta", "norm_eps")

@@ -33,6 +33,8 @@ class Setup:
     reshard_after_forward: bool = True
     dp_replicate: int = 1  # fsdp hybrid: states shard over dp / dp_replicate
     bucket_size: int = 50_000_000  # DeepSpeed bucket elements
+    tp: int = 1  # tensor parallel (fsdp): every block, the embedding and the head split tp ways
+    sequence_parallel: bool = True  # with tp: norms and residual split over the sequence too
 
     @property
     def label(self) -> str:
@@ -45,6 +47,8 @@ class Setup:
             parts.append("shard-grad-op")
         if self.dp_replicate > 1:
             parts.append(f"hybrid {self.dp_replicate}x{self.dp // self.dp_replicate}")
+        if self.tp > 1:
+            parts.append(f"tp {self.tp}" + ("" if self.sequence_parallel else " (no SP)"))
         if self.activation_checkpointing:
             parts.append("AC")
         return " + ".join(parts)
@@ -120,9 +124,12 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
     if s.offload_params != "none":
         cpu += params
         params = 0.0
+    # Tensor parallel splits every matrix (the norms, replicated, are negligible), so each
+    # rank's states are 1/tp of its data-parallel shard; so are the gathered units.
+    params, grads, optim, cpu, fp32_grad_partition = (x / s.tp for x in (params, grads, optim, cpu, fp32_grad_partition))
 
     act, loss, recompute = _activations(model, s)
-    buffers = engine_buffers(model, s)
+    buffers = engine_buffers(model, s) / s.tp
     # Gradients that persist between steps: DDP's bucket views (only with a DDP wrapper,
     # world > 1) and DeepSpeed's partitions. Otherwise zero_grad frees them every step.
     # (ZeRO-1 reduces full gradients through its bucket at the boundary and keeps none.)
@@ -132,9 +139,9 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
     resident = params + optim + buffers + persistent_grads
     # The embedding's gradient is dense (vocab x dim) and is produced, then added to the
     # (tied or own) gradient, unsharded: two such temporaries at the end of backward.
-    embedding_temp = 2.0 * model.vocab_size * model.hidden_size * (4.0 if s.strategy in ("ddp", "fsdp") else w)
+    embedding_temp = 2.0 * model.vocab_size * model.hidden_size * (4.0 if s.strategy in ("ddp", "fsdp") else w) / s.tp
     # The single-tensor / fused AdamW step allocates at most one parameter-sized temporary.
-    step_temp = 4.0 * model.counts().largest if s.strategy in ("ddp", "fsdp") else fp32_grad_partition
+    step_temp = 4.0 * model.counts().largest / s.tp if s.strategy in ("ddp", "fsdp") else fp32_grad_partition
     phases = {
         "backward start": (resident + act + loss, 0.0),
         # Activation checkpointing: one block's activations are rebuilt later in backward,
@@ -165,14 +172,22 @@ def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float]:
     block = block_activations(model, s.micro_batch, s.seq_len, r, low)
     head = head_activations(model, s.micro_batch, s.seq_len, r, low)
     recompute = 0.0
+    saved = block.saved / s.tp
+    if s.tp > 1 and not s.sequence_parallel:
+        # Without sequence parallel four [tokens, hidden] tensors per block stay whole on
+        # every rank: both norms' inputs and outputs (the latter feed the column-parallel
+        # matmuls). An estimate (Megatron's accounting, arXiv 2205.05198), not a trace.
+        saved += 4 * block.block_input * (1 - 1 / s.tp)
+    block_input = block.block_input / (s.tp if s.sequence_parallel else 1)
     if s.activation_checkpointing:
-        act = model.n_blocks * block.block_input  # each block keeps only its input
-        recompute = float(block.saved)
+        act = model.n_blocks * block_input  # each block keeps only its input
+        recompute = float(saved)
     else:
-        act = model.n_blocks * block.saved
+        act = model.n_blocks * saved
     # Backward through the loss: the fp32 gradient of the logits and one fp32 temporary
     # of the same size (softmax gradient) exist together, before any block runs backward.
-    loss = head.saved + 2 * head.logits_fp32
+    # With tp the logits stay split over the vocabulary (loss parallel).
+    loss = (head.saved + 2 * head.logits_fp32) / s.tp
     return float(act), float(loss), recompute
 
 

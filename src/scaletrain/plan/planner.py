@@ -85,6 +85,8 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool) -> lis
         reshard_after_forward=p.reshard_after_forward,
         dp_replicate=p.dp_replicate,
         bucket_size=p.bucket_size,
+        tp=dims.tp,
+        sequence_parallel=p.sequence_parallel,
     )
     if not all_strategies:
         return [base]
@@ -105,6 +107,8 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool) -> lis
     # Activation checkpointing trades ~1/3 more compute for memory: a fallback option.
     if not base.activation_checkpointing:
         options += [replace(o, activation_checkpointing=True) for o in options]
+    if dims.tp > 1:  # tensor parallel composes with FSDP2 only
+        options = [o for o in options if o.strategy == "fsdp"]
     if p.strategy == "auto":
         return options
     return [base, *(o for o in options if o != base)]
@@ -115,7 +119,9 @@ def evaluate(
 ) -> Candidate:
     mem = estimate(model, s)
     comm = comm_bytes_per_step(model, s, cfg.train.grad_accum)
-    time = step_time(model, s, cfg, device, nodes, comm)
+    tp_comm = tp_comm_bytes_per_step(model, s, cfg.train.grad_accum)
+    time = step_time(model, s, cfg, device, nodes, comm, tp_comm)
+    comm += tp_comm
     why_not = ""
     if mem.peak > usable:
         why_not = f"needs {fmt(mem.peak)} per device > {fmt(usable)} usable"
@@ -124,12 +130,24 @@ def evaluate(
     return Candidate(s, mem, comm, time, not why_not, why_not)
 
 
+def tp_comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
+    """Tensor parallel: per block two all-reduces of the [tokens, hidden] activations in
+    forward and two in backward (with sequence parallel: reduce-scatter + all-gather, the
+    same bytes), for every micro-batch; each device sends 2 (tp-1)/tp of the buffer."""
+    if s.tp == 1:
+        return 0.0
+    act_bytes = 4 if s.precision == "fp32" else 2
+    buffer = s.micro_batch * s.seq_len * model.hidden_size * act_bytes
+    return model.n_blocks * grad_accum * 4 * 2 * (s.tp - 1) / s.tp * buffer
+
+
 def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
-    """Bytes each device sends per optimizer step (ring collectives: (n-1)/n of the buffer)."""
+    """Bytes each device sends per optimizer step over the data-parallel dimension (ring
+    collectives: (n-1)/n of the buffer); each tp rank moves its 1/tp of the states."""
     n = s.dp
     if n == 1:
         return 0.0
-    psi = model.counts().total
+    psi = model.counts().total / s.tp
     ring = (n - 1) / n
     torch_engine = s.strategy in ("ddp", "fsdp")
     grad_bytes = 4 if torch_engine or s.precision == "fp32" else 2
@@ -149,13 +167,17 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
     return total
 
 
-def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: int, comm: float) -> float:
+def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: int, comm: float, tp_comm: float = 0.0) -> float:
     tokens = s.micro_batch * s.seq_len * cfg.train.grad_accum
-    flops = tokens * model.flops_per_token(s.seq_len) * (8 / 6 if s.activation_checkpointing else 1)
+    flops = tokens * model.flops_per_token(s.seq_len) * (8 / 6 if s.activation_checkpointing else 1) / s.tp
     peak = device.peak_flops_32 if s.precision == "fp32" else device.peak_flops_16
     compute = flops / (peak * device.assumed_mfu)
     bw = device.inter_node_bw if nodes > 1 else device.intra_node_bw
     exposed = max(0.0, comm / bw - OVERLAP * compute)
+    # Tensor parallel's collectives sit on the critical path between matmuls (nothing to
+    # hide them behind): all exposed, over NVLink while tp fits in a node.
+    per_node = s.dp * s.tp // nodes
+    exposed += tp_comm / (device.intra_node_bw if s.tp <= per_node else device.inter_node_bw)
     offload = 0.0
     psi = model.counts().total
     if s.offload_optimizer != "none":
