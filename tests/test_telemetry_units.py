@@ -50,7 +50,7 @@ def test_clock_gives_each_phase_the_time_since_the_previous_mark():
 def test_interval_figures_follow_from_the_wall_time_and_the_rates():
     world = World(0, 1, 0, torch.device("cpu"), None)
     clock = PhaseClock(world.device)
-    rec = StepRecorder(world, 1, ["h0"], clock, RATES, gpu_hours=1.0)
+    rec = StepRecorder(world, ["h0"], clock, RATES, gpu_hours=1.0)
     for step in (1, 2):
         rec.record(torch.tensor(2.0 * step), torch.tensor(0.5), step=step, lr=1e-3)
     time.sleep(0.05)
@@ -72,7 +72,7 @@ def _rank(rank: int, total: float, comm: float) -> dict:
 
 
 def test_a_straggler_is_judged_on_busy_time_not_on_the_step_everyone_shares():
-    rec = StepRecorder(World(0, 1, 0, torch.device("cpu"), None), 1, ["h"], PhaseClock(torch.device("cpu")), RATES)
+    rec = StepRecorder(World(0, 1, 0, torch.device("cpu"), None), ["h"], PhaseClock(torch.device("cpu")), RATES)
     # Every rank's step lasts 1 s; rank 2 was busy for 0.9 s of it, the others waited for it.
     ranks = [_rank(0, 1.0, 0.4), _rank(1, 1.0, 0.45), _rank(2, 1.0, 0.1), _rank(3, 1.0, 0.42)]
     (flag,) = rec._stragglers(8, ranks)

@@ -47,12 +47,11 @@ class Flushed:
 
 
 class StepRecorder:
-    """The loss logged is the mean over data-parallel ranks (tp = pp = 1: every rank is
-    one); the phase and memory figures are per rank, in ranks.jsonl."""
+    """The loss logged is the mean over data-parallel ranks (the ranks of one tp group all
+    hold their group's loss); the phase and memory figures are per rank, in ranks.jsonl."""
 
-    def __init__(self, world: World, dp_size: int, hosts: list[str], clock: PhaseClock, rates: Rates, gpu_hours: float = 0.0):
+    def __init__(self, world: World, hosts: list[str], clock: PhaseClock, rates: Rates, gpu_hours: float = 0.0):
         self.world = world
-        self.dp_size = dp_size
         self.hosts = hosts
         self.clock = clock
         self.rates = rates

@@ -48,7 +48,7 @@ class Telemetry:
         )
         self.metrics = metrics
         self.clock = PhaseClock(world.device)
-        self.recorder = StepRecorder(world, dp_size, hosts, self.clock, rates, metrics.gpu_hours())
+        self.recorder = StepRecorder(world, hosts, self.clock, rates, metrics.gpu_hours())
         self.sampler = CommSampler(t.comm_sample_every if world.distributed else 0, world.device)
         self.window = ProfileWindow(t.profile_steps, run_dir / "profile", world.rank, world.device)
         self.sinks = None
