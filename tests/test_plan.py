@@ -226,3 +226,30 @@ def test_tensor_parallel_divides_states_activations_and_compute_and_costs_activa
     tp_traffic = 32 * 4 * 1.0 * 4096 * 4096 * 2
     dp_only = plan_for("8b", gpus=4, extra=["parallel.strategy=fsdp"]).chosen
     assert chosen.comm_bytes == pytest.approx(tp_traffic + dp_only.comm_bytes / 2)
+
+
+def test_70b_on_4_nodes_auto_picks_tp_8_inside_each_node_at_the_same_global_batch():
+    plan = plan_for("70b", nodes=4, extra=["parallel.strategy=auto"])
+    s = plan.chosen.setup
+    assert (s.strategy, s.tp, s.dp, s.grad_accum) == ("fsdp", 8, 4, 8)  # 4 x 8 accumulated = 32 x 1
+    assert plan.reasons[-2].startswith("tp=8 inside each node (its per-block reductions need NVLink")
+    assert "at the same global batch (train.grad_accum x8)" in plan.reasons[-2]
+    # Every plain data-parallel layout that fits is slower: the network carries 8x the states.
+    plain = [c for c in plan.candidates if c.setup.tp == 1 and c.fits]
+    assert plain and all(c.step_time > plan.chosen.step_time for c in plain)
+    # tp stays inside a node: no candidate splits a block across nodes.
+    assert max(c.setup.tp for c in plan.candidates) == 8
+
+
+def test_tp_is_not_chosen_where_collectives_are_slow_or_the_model_does_not_split():
+    from dataclasses import replace as with_
+
+    cfg = load_config([], ["model.preset=tiny", "model.vocab_size=512", "data.seq_len=64", "parallel.strategy=auto"])
+    cpu_like = with_(gpu("h100", "80GiB"), collective_latency=2e-3)  # gloo on a CPU: ~ms per collective
+    plan = make_plan(cfg, planning_spec(cfg), 2, 1, cpu_like)
+    assert plan.chosen.setup.tp == 1 and any(c.setup.tp == 2 for c in plan.candidates)
+    # 6 heads: tp 4 and 8 would split heads unevenly, so only tp 2 is offered.
+    odd = load_config(
+        [], ["model.preset=tiny", "model.vocab_size=512", "model.dim=192", "model.n_heads=6", "parallel.strategy=auto"]
+    )
+    assert {c.setup.tp for c in make_plan(odd, planning_spec(odd), 8, 1, gpu("h100", "80GiB")).candidates} == {1, 2}

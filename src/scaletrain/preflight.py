@@ -4,6 +4,7 @@ memory on the devices it really has, and resolve `parallel.strategy: auto`."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -21,27 +22,9 @@ def runtime_device(world: World, local_ranks: int) -> Device:
         props = torch.cuda.get_device_properties(world.device)
         name = props.name.lower()
         known = next((d for key, d in KNOWN_GPUS.items() if key.split("-")[0] in name), KNOWN_GPUS["h100"])
-        return Device(
-            props.name,
-            float(props.total_memory),
-            known.peak_flops_16,
-            known.peak_flops_32,
-            known.intra_node_bw,
-            known.inter_node_bw,
-            known.host_bw,
-            known.assumed_mfu,
-        )
+        return replace(known, name=props.name, memory=float(props.total_memory))
     cpu = this_cpu()
-    return Device(
-        cpu.name,
-        cpu.memory / local_ranks,
-        cpu.peak_flops_16,
-        cpu.peak_flops_32,
-        cpu.intra_node_bw,
-        cpu.inter_node_bw,
-        cpu.host_bw,
-        cpu.assumed_mfu,
-    )
+    return replace(cpu, memory=cpu.memory / local_ranks)
 
 
 def plan_run(cfg: Config, world: World, model: ModelSpec) -> tuple[Config, list[str]]:
@@ -66,6 +49,8 @@ def plan_run(cfg: Config, world: World, model: ModelSpec) -> tuple[Config, list[
         parallel = cfg.parallel.model_copy(
             update=dict(
                 strategy=s.strategy,
+                tp=s.tp,
+                sequence_parallel=s.sequence_parallel,
                 offload_optimizer=s.offload_optimizer,
                 offload_params=s.offload_params,
                 reshard_after_forward=s.reshard_after_forward,
@@ -74,7 +59,9 @@ def plan_run(cfg: Config, world: World, model: ModelSpec) -> tuple[Config, list[
                 auto_choice="; ".join(plan.reasons),
             )
         )
-        cfg = cfg.model_copy(update={"parallel": parallel})
+        # A tp layout keeps the global batch: its fewer data-parallel ranks accumulate more.
+        train = cfg.train.model_copy(update={"grad_accum": s.grad_accum})
+        cfg = cfg.model_copy(update={"parallel": parallel, "train": train})
         lines.append(f"plan: parallel.strategy=auto -> {s.label}: " + "; ".join(plan.reasons))
     m = chosen.memory
     lines.append(

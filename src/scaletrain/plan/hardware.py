@@ -27,6 +27,10 @@ class Device:
     # Share of peak a training step reaches: 0.45 on GPUs (torchtitan / llm-foundry report
     # 34-46% on H100); on a CPU the peak is itself a measured matmul rate, so close to 1.
     assumed_mfu: float = 0.45
+    # Start-up cost of one small collective: what tensor parallel's many per-block
+    # reductions pay besides their bytes. NCCL within a node: ~20 us; gloo on a loaded
+    # CPU: milliseconds (docs/parallelism.md: tp 2 halved the tiny model's throughput).
+    collective_latency: float = 20e-6
 
 
 # Vendor datasheet figures (dense, no sparsity). Inter-node: one 400 Gb/s NIC per GPU
@@ -93,4 +97,4 @@ def this_cpu(memory: float | None = None) -> Device:
     total = memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = measured_cpu_peak()
     # gloo over loopback / shared memory: a few GB/s is what it sustains here.
-    return Device("CPU (measured)", total, peak, peak, 2e9, 1e9, 10e9, assumed_mfu=0.8)
+    return Device("CPU (measured)", total, peak, peak, 2e9, 1e9, 10e9, assumed_mfu=0.8, collective_latency=2e-3)

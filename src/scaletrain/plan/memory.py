@@ -33,6 +33,7 @@ class Setup:
     reshard_after_forward: bool = True
     dp_replicate: int = 1  # fsdp hybrid: states shard over dp / dp_replicate
     bucket_size: int = 50_000_000  # DeepSpeed bucket elements
+    grad_accum: int = 1  # micro-batches per optimizer step (time and traffic, not memory)
     tp: int = 1  # tensor parallel (fsdp): every block, the embedding and the head split tp ways
     sequence_parallel: bool = True  # with tp: norms and residual split over the sequence too
 

@@ -29,6 +29,7 @@ class Candidate:
     step_time: float  # seconds, estimated
     fits: bool
     why_not: str = ""
+    tp_comm_bytes: float = 0.0  # of comm_bytes: tensor parallel's own, inside a node
 
     def as_dict(self) -> dict:
         return {
@@ -36,6 +37,7 @@ class Candidate:
             "fits": self.fits,
             "memory": self.memory.as_dict(),
             "comm_bytes_per_step": self.comm_bytes,
+            "tp_comm_bytes_per_step": self.tp_comm_bytes,
             "step_time_s": self.step_time,
             "why_not": self.why_not,
         }
@@ -69,11 +71,13 @@ class Plan:
         }
 
 
-def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool) -> list[Setup]:
-    """The configured strategy first, then (auto / planning) every strategy this world allows."""
+def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model: ModelSpec | None = None) -> list[Setup]:
+    """The configured strategy first, then (auto / planning) every strategy this world
+    allows, with `model` also fsdp x tensor parallel layouts."""
     p = cfg.parallel
     dims = dims_for(p, world)  # the one validation of the layout
     base = Setup(
+        grad_accum=cfg.train.grad_accum,
         strategy=p.strategy,
         dp=dims.dp_size,
         micro_batch=cfg.train.micro_batch,
@@ -104,6 +108,8 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool) -> lis
     ]
     if nodes > 1 and world % nodes == 0:
         options.insert(5, replace(base, strategy="fsdp", **{**plain, "dp_replicate": nodes}))
+    if dims.tp == 1 and model is not None:
+        options += _tp_options(replace(base, strategy="fsdp", **plain), model, world, nodes)
     # Activation checkpointing trades ~1/3 more compute for memory: a fallback option.
     if not base.activation_checkpointing:
         options += [replace(o, activation_checkpointing=True) for o in options]
@@ -114,12 +120,29 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool) -> lis
     return [base, *(o for o in options if o != base)]
 
 
+def _tp_options(fsdp: Setup, model: ModelSpec, world: int, nodes: int) -> list[Setup]:
+    """fsdp x tp for every tp that fits inside a node and splits the model evenly. The
+    global batch stays as configured: with dp / tp data-parallel ranks, each accumulates
+    tp times more micro-batches (the same micro-batch, so the same activation memory)."""
+    per_node = world // nodes
+    out = []
+    for tp in (2, 4, 8):
+        if tp > per_node or per_node % tp:
+            continue
+        try:
+            model.check_tp(tp)
+        except UserError:
+            continue
+        out.append(replace(fsdp, tp=tp, dp=fsdp.dp // tp, grad_accum=fsdp.grad_accum * tp, sequence_parallel=True))
+    return out
+
+
 def evaluate(
     model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: int, usable: float, cpu_per_node: float | None
 ) -> Candidate:
     mem = estimate(model, s)
-    comm = comm_bytes_per_step(model, s, cfg.train.grad_accum)
-    tp_comm = tp_comm_bytes_per_step(model, s, cfg.train.grad_accum)
+    comm = comm_bytes_per_step(model, s, s.grad_accum)
+    tp_comm = tp_comm_bytes_per_step(model, s, s.grad_accum)
     time = step_time(model, s, cfg, device, nodes, comm, tp_comm)
     comm += tp_comm
     why_not = ""
@@ -127,7 +150,7 @@ def evaluate(
         why_not = f"needs {fmt(mem.peak)} per device > {fmt(usable)} usable"
     elif cpu_per_node is not None and mem.cpu * (s.dp // nodes) > cpu_per_node:
         why_not = f"offload needs {fmt(mem.cpu * (s.dp // nodes))} host memory per node > {fmt(cpu_per_node)}"
-    return Candidate(s, mem, comm, time, not why_not, why_not)
+    return Candidate(s, mem, comm, time, not why_not, why_not, tp_comm)
 
 
 def tp_comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
@@ -139,6 +162,12 @@ def tp_comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float
     act_bytes = 4 if s.precision == "fp32" else 2
     buffer = s.micro_batch * s.seq_len * model.hidden_size * act_bytes
     return model.n_blocks * grad_accum * 4 * 2 * (s.tp - 1) / s.tp * buffer
+
+
+def tp_collectives(model: ModelSpec, s: Setup) -> int:
+    """Per step: per block and micro-batch two in forward and two in backward, doubled
+    with sequence parallel (each all-reduce becomes a reduce-scatter and an all-gather)."""
+    return model.n_blocks * s.grad_accum * 4 * (2 if s.sequence_parallel else 1)
 
 
 def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
@@ -168,7 +197,7 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
 
 
 def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: int, comm: float, tp_comm: float = 0.0) -> float:
-    tokens = s.micro_batch * s.seq_len * cfg.train.grad_accum
+    tokens = s.micro_batch * s.seq_len * s.grad_accum
     flops = tokens * model.flops_per_token(s.seq_len) * (8 / 6 if s.activation_checkpointing else 1) / s.tp
     peak = device.peak_flops_32 if s.precision == "fp32" else device.peak_flops_16
     compute = flops / (peak * device.assumed_mfu)
@@ -178,13 +207,15 @@ def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: in
     # hide them behind): all exposed, over NVLink while tp fits in a node.
     per_node = s.dp * s.tp // nodes
     exposed += tp_comm / (device.intra_node_bw if s.tp <= per_node else device.inter_node_bw)
+    if s.tp > 1:  # and the start-up of each of those many small collectives
+        exposed += tp_collectives(model, s) * device.collective_latency
     offload = 0.0
     psi = model.counts().total
     if s.offload_optimizer != "none":
         # gradients down and parameters up over the host link, and the CPU Adam update
         offload += 2 * 2 * psi / s.dp / device.host_bw + psi / s.dp / CPU_ADAM_PARAMS_PER_S
     if s.offload_params != "none":
-        offload += 2 * cfg.train.grad_accum * 2 * psi / s.dp / device.host_bw
+        offload += 2 * s.grad_accum * 2 * psi / s.dp / device.host_bw
     return compute + exposed + offload
 
 
@@ -207,7 +238,7 @@ def make_plan(
     if world < 1 or nodes < 1 or world % nodes:
         raise UserError(f"{world} devices cannot be split over {nodes} nodes; accepted: devices per node x nodes")
     usable = device.memory * (1 - headroom)
-    setups = setups_for(cfg, world, nodes, all_strategies)
+    setups = setups_for(cfg, world, nodes, all_strategies, model)
     candidates = [evaluate(model, s, cfg, device, nodes, usable, cpu_per_node) for s in setups]
     fitting = [c for c in candidates if c.fits]
     as_configured = as_configured and cfg.parallel.strategy != "auto"
@@ -271,8 +302,27 @@ def _reasons(chosen: Candidate, candidates: list[Candidate]) -> list[str]:
         more = chosen.comm_bytes / ddp.comm_bytes if ddp.comm_bytes else 1.0
         text += ", moves no more data than ddp" if more <= 1.0001 else f", moves {more:.1f}x the data of ddp"
     text += f", estimated {chosen.step_time:.3g} s/step: the fastest (or simplest of the equally fast) that fits: chosen"
+    if chosen.setup.tp > 1:
+        reasons.append(_why_tp(chosen, candidates))
     reasons.append(text)
     return reasons
+
+
+def _why_tp(chosen: Candidate, candidates: list[Candidate]) -> str:
+    """Why tensor parallel: against the fastest plain data-parallel layout."""
+    s = chosen.setup
+    plain = [c for c in candidates if c.setup.tp == 1 and c.fits]
+    text = f"tp={s.tp} inside each node (its per-block reductions need NVLink, not the network)"
+    if not plain:
+        return text + ": no layout without tensor parallel fits"
+    other = min(plain, key=lambda c: c.step_time)
+    ratio = other.comm_bytes / max(chosen.comm_bytes - chosen.tp_comm_bytes, 1.0)
+    return (
+        text + f": each rank holds 1/{s.tp} of the model, so its data-parallel traffic over {s.dp} ranks is "
+        f"{ratio:.1f}x smaller than {other.setup.label}'s over {other.setup.dp}; "
+        f"{chosen.step_time:.3g} s/step against {other.step_time:.3g} at the same global batch "
+        f"(train.grad_accum x{s.tp})"
+    )
 
 
 def _nothing_fits(
@@ -293,7 +343,7 @@ def _nothing_fits(
     by_peak = sorted(candidates, key=lambda c: c.memory.peak)
     for more in (2, 4, 8, 16, 32, 64):
         for c in by_peak:
-            probe = replace(c.setup, dp=world * more, dp_replicate=1)
+            probe = replace(c.setup, dp=world * more // c.setup.tp, dp_replicate=1)
             if evaluate(model, probe, cfg, device, nodes * more, usable, cpu_per_node).fits:
                 return (
                     msg
