@@ -85,6 +85,14 @@ class FSDPEngine(TorchEngineMixin):
         # AdamW sees the sharded DTensor parameters: optimizer state is sharded the same way.
         fused = world.device.type == "cuda" and not offload
         self.optimizer = build_adamw(param_groups(model), cfg.train, fused=fused)
+        # Under tensor parallelism without sequence parallel the norms are 1-D (dp) DTensors
+        # beside the 2-D (dp, tp) rest, and one foreach norm cannot mix meshes: the gradient
+        # norm is taken per mesh. Grouped once here, not every step.
+        by_mesh: dict[Any, list[nn.Parameter]] = defaultdict(list)
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                by_mesh[param.device_mesh if isinstance(param, DTensor) else None].append(param)
+        self._by_mesh = list(by_mesh.values())
         # torch.amp.GradScaler is enough for DTensor gradients: DTensor's handler for
         # _amp_foreach_non_finite_check_and_unscale_ all-reduces found_inf (max) over the
         # mesh, so every rank takes the same skip decision. ShardedGradScaler is for FSDP1.
@@ -118,19 +126,15 @@ class FSDPEngine(TorchEngineMixin):
     def clip_gradients(self) -> torch.Tensor:
         # The norm of sharded gradients is a partial DTensor; full_tensor() reduces it once
         # (one collective, no host sync) and the plain total then scales each local shard.
-        # Under tensor parallelism without sequence parallel the norms are 1-D (dp) DTensors
-        # beside the 2-D (dp, tp) rest, and one foreach norm cannot mix meshes: one per mesh.
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        by_mesh: dict[Any, list[torch.Tensor]] = defaultdict(list)
-        for p in params:
-            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+        groups = [[p for p in params if p.grad is not None] for params in self._by_mesh]
+        groups = [g for g in groups if g]
         norms = []
-        for group in by_mesh.values():
+        for group in groups:
             norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], foreach=True)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
         if self.clip_grad > 0:
-            for group in by_mesh.values():
+            for group in groups:
                 torch.nn.utils.clip_grads_with_norm_(group, self.clip_grad, total, foreach=True)
         return total
 
