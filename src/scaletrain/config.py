@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from scaletrain.errors import UserError
+from scaletrain.stages import SCHEDULES, schedule_problem
 
 MODEL_PRESETS = ("tiny", "small", "1b", "7b", "8b", "70b", "405b")
 
@@ -125,10 +126,14 @@ class ParallelConfig(Section):
     reshard_after_forward: bool = True
     dp_replicate: int = Field(1, ge=1)
     # Tensor and pipeline parallel degrees (dp x tp x pp = world size; scaletrain.parallel).
-    # Tensor parallel splits every block over tp ranks (models/llama_tp.py) and composes
-    # with FSDP2 over the data-parallel ranks; pipeline parallel comes next (accepted: 1).
+    # Tensor parallel splits every block over tp ranks (models/llama_tp.py); pipeline
+    # parallel cuts the model into stages of whole blocks (engines/pipeline.py). Both
+    # compose with FSDP2 over the data-parallel ranks.
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
+    # torch.distributed.pipelining's schedule; gpipe and 1f1b run one stage per rank, the
+    # others two (interleaved / looped / zero-bubble V). Micro-batches: train.grad_accum.
+    pp_schedule: Literal[tuple(SCHEDULES)] = "1f1b"  # type: ignore[valid-type]
     # With tp > 1: the norms and the residual stream hold 1/tp of the sequence each (less
     # activation memory, the same communicated bytes). Off: they are replicated.
     sequence_parallel: bool = True
@@ -145,13 +150,6 @@ class ParallelConfig(Section):
     # planner's reasons. Informational; ignored as input.
     auto_choice: str | None = None
 
-    @field_validator("pp")
-    @classmethod
-    def _not_yet(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"parallel.pp={v}: pipeline parallelism is not implemented yet; accepted: 1")
-        return v
-
     @model_validator(mode="after")
     def _combinations(self) -> ParallelConfig:
         s = self.strategy
@@ -159,6 +157,15 @@ class ParallelConfig(Section):
             raise ValueError(
                 f"parallel.tp={self.tp} needs parallel.strategy=fsdp (tensor parallel composes with FSDP2 over the "
                 f"data-parallel ranks), not {s}; accepted: strategy fsdp, or tp 1"
+            )
+        if self.pp > 1 and s != "fsdp":
+            raise ValueError(
+                f"parallel.pp={self.pp} needs parallel.strategy=fsdp (each pipeline stage is sharded, or with "
+                f"dp_replicate replicated, by FSDP2), not {s}; accepted: strategy fsdp, or pp 1"
+            )
+        if self.pp > 1 and self.offload_params != "none":
+            raise ValueError(
+                f"parallel.pp={self.pp} does not combine with parallel.offload_params; accepted: offload_params none"
             )
         if self.offload_optimizer != "none" and s not in ZERO_STRATEGIES:
             raise ValueError(f"parallel.offload_optimizer={self.offload_optimizer} needs strategy zero1, zero2 or zero3, not {s}")
@@ -235,6 +242,20 @@ class Config(Section):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     guards: GuardsConfig = Field(default_factory=GuardsConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _pipeline_schedule(self) -> Config:
+        par = self.parallel
+        if par.pp == 1:
+            return self
+        if self.precision == "fp16":
+            # Each stage's loss scaler would see only its own gradients' overflows, so the
+            # stages could skip different steps; bf16 needs no scaler.
+            raise ValueError(f"parallel.pp={par.pp} does not support precision fp16 (loss scaling); accepted: bf16 or fp32")
+        problem = schedule_problem(par.pp_schedule, par.pp, self.train.grad_accum)
+        if problem:
+            raise ValueError(f"parallel.pp_schedule={par.pp_schedule}: {problem}")
+        return self
 
     @model_validator(mode="after")
     def _watchdog_before_timeout(self) -> Config:

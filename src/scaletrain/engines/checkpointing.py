@@ -9,15 +9,15 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
+def apply_activation_checkpointing(blocks: nn.Module) -> None:
     """Recompute each block's forward during backward instead of keeping its activations.
 
     Apply before any sharding so a recomputed forward goes through the engine's hooks
     again. The wrapper adds `_checkpoint_wrapped_module` to parameter names; init and
     get_state_dict both strip it, so checkpoints keep plain names.
     """
-    for i, block in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(block)
+    for name, block in list(blocks.named_children()):  # a ModuleList's or a ModuleDict's
+        setattr(blocks, name, checkpoint_wrapper(block))
 
 
 def plain_name(name: str) -> str:

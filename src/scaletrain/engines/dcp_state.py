@@ -144,8 +144,10 @@ class TorchEngineMixin(AccumulationWindow):
         # optimizer (the config's); torch also reads them to tell a tied weight's names apart.
         optim_sd: dict[str, Any] = {k: v for k, v in optim_template.items() if k.startswith("param_groups.")}
         for key, value in state["optim"].items():
-            fqn = key.split(".", 1)[1].rsplit(".", 1)[0] if key.startswith("state.") else None
-            if fqn in template and isinstance(value, torch.Tensor) and value.dim() > 0:
+            fqn = key.split(".", 1)[1].rsplit(".", 1)[0]  # state.<fqn>.<key> | param_groups.<fqn>.<key>
+            if fqn not in template:
+                continue  # another pipeline stage's parameter
+            if key.startswith("state.") and isinstance(value, torch.Tensor) and value.dim() > 0:
                 value = _like(template[fqn], value)
             optim_sd[key] = value
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=LOCAL)

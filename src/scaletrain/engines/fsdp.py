@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -32,10 +33,12 @@ from scaletrain.distributed import World, ensure_process_group
 from scaletrain.engines.base import Mark, MicroBatch, ParamGroups, no_mark
 from scaletrain.engines.checkpointing import apply_activation_checkpointing
 from scaletrain.engines.dcp_state import TorchEngineMixin
+from scaletrain.engines.pipeline import MergedStages, Pipeline
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
 from scaletrain.models.spec import LossFn, ModelSpec
 from scaletrain.optim import build_adamw
 from scaletrain.parallel import ParallelDims
+from scaletrain.stages import SCHEDULES, check_stages, split_blocks, stage_ids
 
 
 class FSDPEngine(TorchEngineMixin):
@@ -44,41 +47,35 @@ class FSDPEngine(TorchEngineMixin):
     def __init__(self, spec: ModelSpec, world: World, dims: ParallelDims, cfg: Config, param_groups: ParamGroups):
         par = cfg.parallel
         ensure_process_group(world)  # fully_shard needs one even for a single rank
-        mesh = dims.fsdp_mesh(world.device)
         offload = par.offload_params == "cpu"
-        model = spec.build_meta(cfg.data.seq_len)
-        # Parameters that share one tensor (the tied embedding / output head) must stay one
-        # parameter through sharding and materialization, or the head silently unties.
-        tied = _shared_parameter_names(model)
-        # Tensor parallel first, on the plain model (its plan names submodules the
-        # checkpoint wrapper would rename): FSDP then shards each rank's tp slice over the
-        # dp ranks (2-D parameters). The logits stay split over the vocabulary for the loss.
+        # The logits stay split over the vocabulary for the loss under tensor parallelism.
         self.loss_parallel = dims.tp > 1
         if dims.tp > 1:
             spec.check_tp(dims.tp)
-            spec.apply_tp(model, dims.mesh(world.device.type)["tp"], par.sequence_parallel, loss_parallel=True)
-        blocks = spec.blocks(model)
-        if par.activation_checkpointing:
-            # Before fully_shard, so the recomputed forward re-gathers the block's parameters
-            # through FSDP's hooks; state-dict names stay plain (tests check).
-            apply_activation_checkpointing(blocks)
-        apply_fsdp(
-            model,
-            blocks,
-            mesh,
-            cfg.precision,
-            par.reshard_after_forward,
-            CPUOffloadPolicy(pin_memory=world.device.type == "cuda") if offload else OffloadPolicy(),
-        )
 
-        # DTensor parameters are swapped in place by to_empty (wrapper subclasses always use
-        # swap_tensors), so the tied Parameter object survives; checked, not assumed.
-        # Offloaded shards (and the optimizer step on them) live in host memory; FSDP copies
-        # them to the compute device for each all-gather.
-        spec.materialize(model, torch.device("cpu") if offload else world.device, cfg.train.seed)
-        _check_still_shared(model, tied)
+        def build(model: nn.Module) -> nn.Module:
+            return _shard_and_materialize(model, spec, world, dims, cfg, offload)
+
+        self.pipeline: Pipeline | None = None
+        if dims.pp == 1:
+            model = build(spec.build_meta(cfg.data.seq_len))
+        else:
+            spec.check_pp(dims.pp)
+            ids, parts, n_stages = stage_parts(spec, dims, world.rank, par.pp_schedule, cfg.data.seq_len)
+            parts = [build(part) for part in parts]
+            self.pipeline = Pipeline(
+                parts,
+                ids,
+                n_stages,
+                par.pp_schedule,
+                cfg.train.grad_accum,
+                dims.mesh(world.device.type)["pp"].get_group(),
+                world.device,
+            )
+            model = parts[0] if len(parts) == 1 else MergedStages(parts)
 
         self.model: nn.Module = model
+        # The root FSDP module (without a pipeline; the schedule drives each stage's own).
         self.fsdp: FSDPModule = model  # type: ignore[assignment]
         self.device = world.device
         self.clip_grad = cfg.train.clip_grad
@@ -99,11 +96,33 @@ class FSDPEngine(TorchEngineMixin):
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
 
     def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn, mark: Mark = no_mark) -> torch.Tensor:
+        if self.pipeline is not None:
+            inputs = torch.cat([x for x, _ in micro_batches])
+            targets = torch.cat([y for _, y in micro_batches])
+            with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
+                value = self.pipeline.run(inputs, targets, (lambda out, y: _local(loss(out, y))) if self.loss_parallel else loss)
+            # Forward and backward of the micro-batches interleave inside the schedule: its
+            # whole time is reported as the forward phase.
+            mark("forward")
+            return value
         if not self.loss_parallel:
             return super().forward_backward(micro_batches, loss, mark)
         # Cross entropy over vocabulary-split logits: forward and backward both inside.
         with loss_parallel():
             return super().forward_backward(micro_batches, lambda out, y: _local(loss(out, y)), mark)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        return self.pipeline.gather(state) if self.pipeline is not None else state
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        if self.pipeline is None:
+            return super().full_weights()
+        # Every rank's stages in full (cpu_offload would keep them on global rank 0 only,
+        # which holds the first stage), then the union over the pipeline group.
+        mine = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        gathered = self.pipeline.gather({"model": {k: v.detach().cpu() for k, v in mine.items() if isinstance(v, torch.Tensor)}})
+        return gathered["model"]
 
     def accumulate(self, boundary: bool) -> Any:
         return self._gradient_sync(boundary)
@@ -133,10 +152,47 @@ class FSDPEngine(TorchEngineMixin):
             norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], foreach=True)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+        if self.pipeline is not None:
+            total = self.pipeline.total_norm(total)  # this rank holds its stages' parameters only
         if self.clip_grad > 0:
             for group in groups:
                 torch.nn.utils.clip_grads_with_norm_(group, self.clip_grad, total, foreach=True)
         return total
+
+
+def _shard_and_materialize(
+    model: nn.Module, spec: ModelSpec, world: World, dims: ParallelDims, cfg: Config, offload: bool
+) -> nn.Module:
+    """Tensor parallel plan, activation checkpointing, FSDP2 sharding, then allocation of
+    this rank's shards only: the whole model, or one pipeline stage of it."""
+    par = cfg.parallel
+    # Parameters that share one tensor (the tied embedding / output head) must stay one
+    # parameter through sharding and materialization, or the head silently unties.
+    tied = _shared_parameter_names(model)
+    # Tensor parallel first, on the plain model (its plan names submodules the checkpoint
+    # wrapper would rename): FSDP then shards each rank's tp slice over the dp ranks.
+    if dims.tp > 1:
+        spec.apply_tp(model, dims.mesh(world.device.type)["tp"], par.sequence_parallel, loss_parallel=True)
+    blocks = spec.blocks(model)
+    if par.activation_checkpointing:
+        # Before fully_shard, so the recomputed forward re-gathers the block's parameters
+        # through FSDP's hooks; state-dict names stay plain (tests check).
+        apply_activation_checkpointing(blocks)
+    apply_fsdp(
+        model,
+        blocks,
+        dims.fsdp_mesh(world.device),
+        cfg.precision,
+        par.reshard_after_forward,
+        CPUOffloadPolicy(pin_memory=world.device.type == "cuda") if offload else OffloadPolicy(),
+    )
+    # DTensor parameters are swapped in place by to_empty (wrapper subclasses always use
+    # swap_tensors), so the tied Parameter object survives; checked, not assumed.
+    # Offloaded shards (and the optimizer step on them) live in host memory; FSDP copies
+    # them to the compute device for each all-gather.
+    spec.materialize(model, torch.device("cpu") if offload else world.device, cfg.train.seed)
+    _check_still_shared(model, tied)
+    return model
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -144,13 +200,32 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
+def stage_parts(
+    spec: ModelSpec, dims: ParallelDims, rank: int, schedule: str, seq_len: int
+) -> tuple[list[int], list[nn.Module], int]:
+    """The stages `rank` runs (indices, meta-device modules) and how many there are in all;
+    blocks are split so that the costliest stage (the embedding on the first, the head on
+    the last counted) is as cheap as it can be."""
+    check_stages(spec.n_blocks, dims.pp, schedule)
+    n_stages = dims.pp * SCHEDULES[schedule][1]
+    ids = stage_ids(schedule, dims.pp, dims.coordinates(rank)["pp"])
+    first, block, last = spec.stage_costs(seq_len)
+    ranges = split_blocks(spec.n_blocks, n_stages, block, first, last)
+    parts = []
+    for i in ids:
+        part = spec.build_meta(seq_len)
+        spec.pipeline_stage(part, ranges[i], first=i == 0, last=i == n_stages - 1)
+        parts.append(part)
+    return ids, parts, n_stages
+
+
 def apply_fsdp(
-    model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, precision: str, reshard_after_forward: bool, offload: OffloadPolicy
+    model: nn.Module, blocks: nn.Module, mesh: DeviceMesh, precision: str, reshard_after_forward: bool, offload: OffloadPolicy
 ) -> None:
     """Each block one FSDP unit (gathered just before it runs, freed after), the root the rest."""
     kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=_mp_policy(precision), offload_policy=offload)
-    n = len(blocks)
-    for i, block in enumerate(blocks):
+    n = len(blocks)  # type: ignore[arg-type]
+    for i, block in enumerate(blocks.children()):
         # Backward starts with the last block: resharding it after forward would only
         # free its parameters for the length of the loss and all-gather them again.
         fully_shard(block, reshard_after_forward=reshard_after_forward and i < n - 1, **kwargs)

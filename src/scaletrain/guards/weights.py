@@ -43,10 +43,11 @@ def same_on_tp(p: torch.Tensor) -> bool:
 
 
 def peer_groups(dims: ParallelDims) -> list[list[int]]:
-    """Ranks that must hold identical copies: those that differ only along tp."""
-    groups: dict[int, list[int]] = {}
+    """Ranks that must hold identical copies: those that differ only along tp (ranks of
+    different pipeline stages hold different parameters)."""
+    groups: dict[tuple[int, int], list[int]] = {}
     for rank in range(dims.world_size):
-        groups.setdefault(dims.dp_rank(rank), []).append(rank)
+        groups.setdefault((dims.coordinates(rank)["pp"], dims.dp_rank(rank)), []).append(rank)
     return list(groups.values())
 
 

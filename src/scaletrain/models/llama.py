@@ -64,6 +64,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
+        # The tables may be longer than this sequence: a pipeline stage that receives
+        # sequence-parallel hidden states cannot tell the full length from its input.
+        cos, sin = cos[:t], sin[:t]
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them (llama_tp.py).
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
@@ -113,10 +116,14 @@ class Llama(nn.Module):
         self.shape, self.max_seq_len = shape, max_seq_len
         # Given a weight, the embedding skips its own random init (init_weights draws every
         # parameter): a normal_ on the meta device would import torch._dynamo (~0.8 s).
-        self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim, _weight=torch.empty(shape.vocab_size, shape.dim))
-        self.layers = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.n_layers))
-        self.norm = RMSNorm(shape.dim, shape.norm_eps)
-        self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        # None on a pipeline stage that does not hold them (keep_stage).
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(
+            shape.vocab_size, shape.dim, _weight=torch.empty(shape.vocab_size, shape.dim)
+        )
+        # A pipeline stage keeps its blocks in a ModuleDict under their own indices (keep_stage).
+        self.layers: nn.ModuleList | nn.ModuleDict = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.n_layers))
+        self.norm: RMSNorm | None = RMSNorm(shape.dim, shape.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(shape.dim, shape.vocab_size, bias=False)
         self.tie_weights()
         # Non-persistent: derived from the shape, so checkpoints need not carry them. On the
         # meta device they hold no data (and computing them there would import
@@ -134,21 +141,24 @@ class Llama(nn.Module):
         `to_empty` allocates each module's parameters separately and so unties them; call
         this again after any such re-materialization (build_model does).
         """
-        if self.shape.tie_embeddings:
+        if self.shape.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens LongTensor[B, T] -> logits [B, T, vocab_size]."""
-        t = tokens.shape[1]
-        if t > self.max_seq_len:
+        """tokens LongTensor[B, T] -> logits [B, T, vocab_size]. A pipeline stage (see
+        `keep_stage`) without the embedding takes hidden states [B, T, dim] instead, and
+        one without the head returns them."""
+        if tokens.shape[1] > self.max_seq_len:
             raise ValueError(
-                f"sequence length {t} exceeds the model's max_seq_len={self.max_seq_len} "
+                f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len={self.max_seq_len} "
                 f"(rotary tables are precomputed up to it); build the model with a larger max_seq_len"
             )
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        cos, sin = self.rope_cos, self.rope_sin  # each attention takes the first T rows
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.children():  # a ModuleList, or a stage's ModuleDict
             h = layer(h, cos, sin)
+        if self.output is None or self.norm is None:
+            return h
         return self.output(self.norm(h))
 
     @torch.no_grad()
@@ -176,6 +186,18 @@ class Llama(nn.Module):
                 gen.manual_seed(_param_seed(seed, name))
                 full = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
             _copy_full(param, full)
+
+
+def keep_stage(model: Llama, blocks: range, first: bool, last: bool) -> None:
+    """Cut `model` (on the meta device) down to one pipeline stage, in place: the blocks in
+    `blocks`, kept under their own indices (a ModuleDict "7": ..., so parameter names stay
+    those of the whole model), the embedding on the first stage, norm and head on the last."""
+    every = dict(model.layers.named_children())
+    model.layers = nn.ModuleDict({str(i): every[str(i)] for i in blocks})
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = model.output = None
 
 
 def canonical_name(name: str) -> str:

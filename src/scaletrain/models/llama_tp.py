@@ -59,24 +59,28 @@ def check_tp(shape: ModelShape, tp: int) -> None:
 def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Split `model` (a Llama, on the meta device or not) over the 1-D `mesh` in place."""
     seq = Shard(1) if sequence_parallel else Replicate()
-    tied = model.output.weight is model.tok_embeddings.weight  # type: ignore[union-attr]
-    top: dict[str, Any] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(
+    # A pipeline stage holds the embedding, the head and the final norm only if it is the
+    # first or the last (the others are None there).
+    embed, output, norm = model.tok_embeddings, model.output, model.norm
+    tied = embed is not None and output is not None and output.weight is embed.weight  # type: ignore[union-attr]
+    top: dict[str, Any] = {}
+    if embed is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if output is not None:
+        top["output"] = ColwiseParallel(
             input_layouts=seq,
             # Split over the vocabulary for the loss (DTensor), else gathered for plain use.
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
-        ),
-    }
-    if sequence_parallel:
+        )
+    if sequence_parallel and norm is not None:
         top["norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
     if tied:
         # parallelize_module gave each module a parameter of its own; both are Shard(0) of
         # the [vocab, dim] matrix, so one of them serves both again.
         model.output.weight = model.tok_embeddings.weight  # type: ignore[union-attr]
-    for block in model.layers:  # type: ignore[union-attr]
+    for block in model.layers.children():  # type: ignore[union-attr]
         plan: dict[str, Any] = {
             # cos and sin (the 2nd and 3rd inputs) are plain tensors, full length, on every rank.
             "attention": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),

@@ -17,8 +17,17 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from scaletrain.errors import UserError
 from scaletrain.models import llama_tp
-from scaletrain.models.llama import RMSNorm, TransformerBlock, build_meta_model, loss_fn, materialize, rope_tables
+from scaletrain.models.llama import (
+    RMSNorm,
+    TransformerBlock,
+    build_meta_model,
+    keep_stage,
+    loss_fn,
+    materialize,
+    rope_tables,
+)
 from scaletrain.models.presets import ModelShape
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]  # (model output, targets) -> mean loss
@@ -63,8 +72,10 @@ class ModelSpec(Protocol):
     def build_meta(self, max_seq_len: int) -> nn.Module:
         """The model on the meta device: no memory until an engine materializes it."""
 
-    def blocks(self, model: nn.Module) -> nn.ModuleList:
-        """The repeated units engines wrap, checkpoint and shard (in place, so wrappers stick)."""
+    def blocks(self, model: nn.Module) -> nn.Module:
+        """The repeated units engines wrap, checkpoint and shard, as the container that holds
+        them (a ModuleList, or a pipeline stage's ModuleDict): its children are the blocks,
+        and setting a child replaces the block in place, so wrappers stick."""
 
     def materialize(self, model: nn.Module, device: torch.device, seed: int) -> None:
         """Allocate a meta-device (possibly sharded) model on `device` and initialize or load it."""
@@ -93,6 +104,17 @@ class ModelSpec(Protocol):
     def apply_tp(self, model: nn.Module, mesh: Any, sequence_parallel: bool, loss_parallel: bool) -> None:
         """Split the (meta-device) model over the 1-D tensor-parallel `mesh` in place, before FSDP."""
 
+    def check_pp(self, pp: int) -> None:
+        """A one-line UserError unless the model can be cut into pipeline stages."""
+
+    def pipeline_stage(self, model: nn.Module, blocks: range, first: bool, last: bool) -> None:
+        """Cut the (meta-device) model down to one stage in place: `blocks`, the input
+        embedding if `first`, the head if `last`; parameter names stay the whole model's."""
+
+    def stage_costs(self, seq_len: int) -> tuple[float, float, float]:
+        """Training FLOPs per token of (the embedding, one block, the final norm and head):
+        what the pipeline split and the planner balance stages by."""
+
 
 @dataclass(frozen=True)
 class LlamaSpec:
@@ -116,7 +138,7 @@ class LlamaSpec:
     def build_meta(self, max_seq_len: int) -> nn.Module:
         return build_meta_model(self.shape, max_seq_len)
 
-    def blocks(self, model: nn.Module) -> nn.ModuleList:
+    def blocks(self, model: nn.Module) -> nn.Module:
         return model.layers  # type: ignore[return-value]
 
     def materialize(self, model: nn.Module, device: torch.device, seed: int) -> None:
@@ -152,6 +174,23 @@ class LlamaSpec:
     def apply_tp(self, model: nn.Module, mesh: Any, sequence_parallel: bool, loss_parallel: bool) -> None:
         llama_tp.apply_tp(model, mesh, sequence_parallel, loss_parallel)
 
+    def check_pp(self, pp: int) -> None:
+        if pp > 1 and self.shape.tie_embeddings:
+            raise UserError(
+                f"parallel.pp={pp} needs untied embeddings: this model shares its input embedding with its output head, "
+                "which sit on the first and the last pipeline stage; accepted: model.tie_embeddings=false, or parallel.pp=1"
+            )
+
+    def pipeline_stage(self, model: nn.Module, blocks: range, first: bool, last: bool) -> None:
+        keep_stage(model, blocks, first, last)  # type: ignore[arg-type]
+
+    def stage_costs(self, seq_len: int) -> tuple[float, float, float]:
+        # As flops_per_token, split by where the work happens; an embedding lookup does no
+        # matmul. The head is the output projection (the norm's FLOPs are negligible).
+        s = self.shape
+        block = 6 * self.counts().block + 12 * s.n_heads * s.head_dim * seq_len
+        return 0.0, float(block), float(6 * s.dim * s.vocab_size)
+
 
 @lru_cache(maxsize=64)
 def _counts(spec: ModelSpec) -> ModelCounts:
@@ -169,7 +208,7 @@ def _counts(spec: ModelSpec) -> ModelCounts:
         output=untied_output,
         non_embedding=total - embedding - untied_output,
         matmul=sum(w.numel() for w in linear_weights),
-        block=sum(p.numel() for p in spec.blocks(model)[0].parameters()),
+        block=sum(p.numel() for p in next(spec.blocks(model).children()).parameters()),
         numels=tuple(p.numel() for p in distinct.values()),
     )
 

@@ -1,0 +1,124 @@
+"""Pipeline parallelism with torch.distributed.pipelining, composed with FSDP2 (fsdp.py).
+
+The model is cut into stages by blocks; each rank of a pipeline group runs one stage (gpipe,
+1f1b) or two (the interleaved, looped and zero-bubble schedules), and torch's schedule
+owns forward and backward of every micro-batch of the accumulation window. A stage is the
+built-in model with the other stages' blocks removed and the embedding (first stage only)
+or the final norm and head (last stage only) set to None, so every parameter keeps its
+full model name ("layers.7.attention.wq.weight") and DCP checkpoints reshard between
+pipeline layouts without a name map.
+
+What pipelining changes for the rest of scaletrain, all handled here:
+* the loss exists only on the last stage: it is summed over the pipeline group, so every
+  rank reports (and the non-finite guard judges) the same number;
+* the gradient norm is the square root of the squared norms summed over the stages;
+* the engine-neutral state is gathered over the stages (each holds its own parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletrain.stages import SCHEDULES, ideal_bubble
+
+
+def bubble_fraction(schedule: Any, pp: int, micro_batches: int, per_rank: int) -> float:
+    """The share of a step a rank sits idle, from the schedule's own timetable where it has
+    one (one slot per action, None = idle, averaged over ranks; a backward counted as one
+    slot like a forward), else the classic estimate (stages.ideal_bubble)."""
+    order = getattr(schedule, "pipeline_order", None)
+    if order:
+        length = max(len(ops) for ops in order.values())
+        idle = sum(length - sum(op is not None for op in ops) for ops in order.values())
+        return idle / (length * len(order))
+    return ideal_bubble(pp, micro_batches, per_rank)
+
+
+class MergedStages(nn.Module):
+    """A rank's stages seen as one module with the full model's names (embedding, the blocks
+    of all its stages, final norm and head, whichever it holds): what the optimizer,
+    checkpoints and guards see. Forward is never called on it; the stages run."""
+
+    def __init__(self, stages: Sequence[nn.Module]):
+        super().__init__()
+        layers = nn.ModuleDict()
+        for stage in stages:
+            for name, child in stage.named_children():
+                if name == "layers":
+                    for key, block in child.named_children():
+                        layers[key] = block
+                elif child is not None:
+                    setattr(self, name, child)
+        self.layers = layers
+
+
+class Pipeline:
+    """This rank's stages, the schedule that drives them, and the cross-stage reductions."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        ids: list[int],
+        n_stages: int,
+        schedule: str,
+        micro_batches: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ):
+        from torch.distributed import pipelining
+
+        self.group, self.device, self.parts = group, device, parts
+        self._loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None  # this step's (run)
+        self.has_first, self.has_last = 0 in ids, n_stages - 1 in ids
+        stages = [pipelining.PipelineStage(p, i, n_stages, device, group=group) for p, i in zip(parts, ids)]
+        cls = getattr(pipelining.schedules, SCHEDULES[schedule][0])
+        one = SCHEDULES[schedule][1] == 1
+        # scale_grads: each micro-batch's loss is its mean, so the summed gradients are
+        # divided by the number of micro-batches: the window mean, as without a pipeline.
+        self.schedule = cls(stages[0] if one else stages, n_microbatches=micro_batches, loss_fn=self._call_loss, scale_grads=True)
+        pp = dist.get_world_size(group)
+        self.bubble = bubble_fraction(self.schedule, pp, micro_batches, SCHEDULES[schedule][1])
+
+    def _call_loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        assert self._loss is not None
+        return self._loss(output, targets)
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss: Callable[[Any, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One step of the schedule over the whole window (`inputs` and `targets`: the
+        micro-batches concatenated, which the schedule splits again) with this step's
+        `loss` (fault injection may wrap it); the mean loss, on every rank."""
+        self._loss = loss
+        losses: list[torch.Tensor] = []
+        args = (inputs.to(self.device),) if self.has_first else ()
+        kwargs: dict[str, Any] = {"target": targets.to(self.device), "losses": losses} if self.has_last else {}
+        # return_outputs=False: the last stage would otherwise concatenate every
+        # micro-batch's logits, which nobody reads.
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        if losses:
+            mean = torch.stack([v.detach().float() for v in losses]).mean()
+        else:
+            mean = torch.zeros((), device=self.device)
+        dist.all_reduce(mean, group=self.group)  # only the last stage's rank adds a non-zero
+        return mean
+
+    def total_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The gradient norm over every stage from this rank's stages' norm."""
+        squared = norm.float().square()
+        dist.all_reduce(squared, group=self.group)
+        return squared.sqrt()
+
+    def gather(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Collective over the pipeline group: the union of every stage's dict (keys are
+        full model names, so no stage's keys collide with another's)."""
+        parts: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, state, group=self.group)
+        merged: dict[str, Any] = {}
+        for part in parts:
+            for key, value in part.items():
+                merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
+        return merged
