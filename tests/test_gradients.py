@@ -20,7 +20,7 @@ from scaletrain.models import build_model, loss_fn, resolve_shape
 from helpers import PROBES, probe
 
 sys.path.insert(0, str(PROBES))
-from one_backward import MODEL, SEQ, VARIANTS, FixedBatch  # noqa: E402
+from one_backward import MODEL, PIPELINE_VARIANTS, SEQ, UNTIED, VARIANTS, FixedBatch  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 
@@ -38,10 +38,9 @@ RTOL, ATOL_OF_MAX = 1e-5, 1e-5
 CAPABILITIES = ["native", "default"]
 
 
-@pytest.fixture(scope="module")
-def reference():
+def one_process(*extra: str) -> tuple[float, dict[str, torch.Tensor]]:
     """One process, no engine, the whole global batch in one forward and backward."""
-    cfg = load_config([], MODEL)
+    cfg = load_config([], [*MODEL, *extra])
     model = build_model(resolve_shape(cfg.model), SEQ, seed=cfg.train.seed)
     tokens = torch.from_numpy(FixedBatch().tokens)
     loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
@@ -49,12 +48,22 @@ def reference():
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+@pytest.fixture(scope="module")
+def reference():
+    return one_process()
+
+
+@pytest.fixture(scope="module")
+def untied_reference():
+    return one_process(UNTIED)
+
+
 @pytest.fixture(scope="module", params=CAPABILITIES)
 def engine_grads(request, tmp_path_factory):
     """All variants on 2 ranks under one ATEN_CPU_CAPABILITY (one launch: start-up dominates)."""
     out = tmp_path_factory.mktemp(f"grads-{request.param}")
     env = {} if request.param == "native" else {"ATEN_CPU_CAPABILITY": request.param}
-    probe("one_backward", list(VARIANTS), out, nproc=2, env=env)
+    probe("one_backward", [*VARIANTS, *PIPELINE_VARIANTS], out, nproc=2, env=env)
     return torch.load(out / "grads.pt", weights_only=True)
 
 
@@ -69,6 +78,17 @@ def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gradients_after_one_backward_equal_one_process(engine_grads, reference, variant):
     ref_loss, ref_grads = reference
+    got = engine_grads[variant]
+    assert got["loss"] == pytest.approx(ref_loss, rel=RTOL)
+    assert_grads_close(got["grads"], ref_grads)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("variant", list(PIPELINE_VARIANTS))
+def test_each_pipeline_schedule_gives_one_process_gradients(engine_grads, untied_reference, variant):
+    # The same tolerance: a schedule changes only the order in which micro-batches'
+    # gradients are summed (and scales the sum by 1/4, exact in binary).
+    ref_loss, ref_grads = untied_reference
     got = engine_grads[variant]
     assert got["loss"] == pytest.approx(ref_loss, rel=RTOL)
     assert_grads_close(got["grads"], ref_grads)

@@ -88,7 +88,17 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     if main:
         for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON
             (paths.root / name).write_text(text)
-        write_run_info(paths, cfg, world, dims, hosts, resume_from, telemetry.run_info())
+        pipeline = getattr(engine, "pipeline_info", None)
+        write_run_info(
+            paths, cfg, world, dims, hosts, resume_from, telemetry.run_info() | ({"pipeline": pipeline} if pipeline else {})
+        )
+        if pipeline:
+            stages = " | ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in pipeline["stages"])
+            say(
+                f"pipeline: {pipeline['schedule']}, {len(pipeline['stages'])} stages of blocks {stages}, "
+                f"{pipeline['micro_batches']} micro-batches per step: ranks idle {pipeline['bubble']:.0%} of a step "
+                "(the bubble; more micro-batches shrink it)"
+            )
     guard = NonfiniteGuard(cfg.train, cfg.precision, world, saved)
     # After this start's first step: torch creates optimizer state lazily, and saving before
     # it exists would create it early (shifting Adam's step count).

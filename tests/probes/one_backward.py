@@ -22,6 +22,7 @@ from scaletrain.data import RankBatches
 from scaletrain.distributed import init_distributed, shutdown
 from scaletrain.engines.checkpointing import plain_name
 from scaletrain.parallel import dims_for
+from scaletrain.stages import SCHEDULES
 
 from common import Z3_PARTITION_ALL, build
 
@@ -44,6 +45,16 @@ VARIANTS = {
     "zero2": ["parallel.strategy=zero2", "train.micro_batch=2"],
     "zero3_accum": ["parallel.strategy=zero3", "train.micro_batch=1", "train.grad_accum=2", Z3_PARTITION_ALL],
 }
+# Pipeline parallel, pp 2 on 2 ranks, every schedule scaletrain offers: the global batch as
+# 4 micro-batches of 1 (dualpipev's minimum: 2 stages per rank x 2 ranks). The embedding
+# and the head sit on different stages, so these build the model untied (UNTIED), and the
+# test compares them with an untied reference.
+UNTIED = "model.tie_embeddings=false"
+PIPELINE_VARIANTS = {
+    f"pp2_{schedule}": ["parallel.strategy=fsdp", "parallel.pp=2", f"parallel.pp_schedule={schedule}",
+                        "train.micro_batch=1", "train.grad_accum=4", UNTIED]
+    for schedule in SCHEDULES
+}  # fmt: skip
 
 
 class FixedBatch:
@@ -82,12 +93,14 @@ def main() -> None:
     world = init_distributed("cpu", "gloo")
     results = {}
     for variant in args.variants:
-        engine, spec, cfg = build([*MODEL, *VARIANTS[variant]], world)
+        engine, spec, cfg = build([*MODEL, *(VARIANTS | PIPELINE_VARIANTS)[variant]], world)
         dims = dims_for(cfg.parallel, world.world_size)
         batches = RankBatches(FixedBatch(), cfg.train.micro_batch, cfg.train.grad_accum, dims.dp_rank(world.rank), dims.dp_size)
         loss = engine.forward_backward(batches.next_step(), spec.loss)
         dist.all_reduce(loss)
         grads = full_grads(engine)
+        if getattr(engine, "pipeline", None) is not None:  # each rank holds its own stages' gradients
+            grads = engine.pipeline.gather({"grads": grads})["grads"]
         if world.rank == 0:
             results[variant] = {"loss": loss.item() / world.world_size, "grads": grads}
         del engine  # no live DDP model at teardown (gloo may abort); DDP holds cycles

@@ -30,6 +30,10 @@ MEMORY_SHARE = 0.90
 # usual save intervals (the work lost to a crash is half an interval on average).
 CHECKPOINT_SHARE = 0.05
 TOP_OPS = 5
+# A pipeline whose ranks idle over a fifth of each step: gpipe/1f1b reach that with fewer
+# than 4 micro-batches per stage, (pp - 1) / (m + pp - 1) (torchtitan and Megatron advise
+# m >= 4 pp); more micro-batches or an interleaved schedule win most of it back.
+BUBBLE_SHARE = 0.20
 
 
 def _span(intervals: list[dict[str, Any]]) -> str:
@@ -252,6 +256,26 @@ def data_bound(run: Run) -> list[Finding]:
     ]
 
 
+def pipeline_bubble(run: Run) -> list[Finding]:
+    pipe = run.info.get("pipeline")
+    if not pipe or pipe.get("bubble", 0) <= BUBBLE_SHARE:
+        return []
+    pp = run.info.get("parallel", {}).get("pp", len(pipe["stages"]))
+    return [
+        Finding(
+            "warning",
+            "pipeline_bubble",
+            f"pipeline ranks idle {pct(pipe['bubble'])} of each step",
+            [
+                f"schedule {pipe['schedule']}, {len(pipe['stages'])} stages on pp {pp}, "
+                f"{pipe['micro_batches']} micro-batches per step (train.grad_accum)"
+            ],
+            f"raise train.grad_accum (at least {4 * pp} micro-batches for pp {pp}; lower train.micro_batch to keep "
+            "the global batch), or use parallel.pp_schedule=interleaved_1f1b or a zero-bubble schedule (zbv, interleaved_zb)",
+        )
+    ]
+
+
 def hang(run: Run) -> list[Finding]:
     if run.hang is None:
         return []
@@ -378,6 +402,12 @@ def summary(run: Run) -> list[Finding]:
     info, last = run.info, (run.steps[-1] if run.steps else {})
     device = info.get("device_name") or info.get("device") or "?"
     evidence = [f"engine {run.engine}, world {info.get('world_size', '?')} x {device}, precision {info.get('precision', '?')}"]
+    par, pipe = info.get("parallel") or {}, info.get("pipeline")
+    split = [f"{n} {par[n]}" for n in ("tp", "pp", "cp") if par.get(n, 1) > 1]
+    if split:
+        evidence.append(f"model split over {', '.join(split)}; {par.get('dp_size', '?')} data-parallel ranks")
+    if pipe:
+        evidence.append(f"pipeline {pipe['schedule']}, {pipe['micro_batches']} micro-batches: bubble {pct(pipe['bubble'])}")
     evidence.append(f"{last.get('step') or 0} steps, {last.get('tokens') or 0:,} tokens")
     tps, mfu = median_of(run.intervals, "tokens_per_s"), median_of(run.intervals, "mfu")
     if tps is not None:
@@ -407,6 +437,7 @@ RULES: tuple[Callable[[Run], list[Finding]], ...] = (
     straggler,
     comm_bound,
     data_bound,
+    pipeline_bubble,
     checkpoint_blocking,
     profile,
     summary,

@@ -57,22 +57,29 @@ class FSDPEngine(TorchEngineMixin):
             return _shard_and_materialize(model, spec, world, dims, cfg, offload)
 
         self.pipeline: Pipeline | None = None
+        self.pipeline_info: dict[str, Any] | None = None  # for run.json and the start-up lines
         if dims.pp == 1:
             model = build(spec.build_meta(cfg.data.seq_len))
         else:
             spec.check_pp(dims.pp)
-            ids, parts, n_stages = stage_parts(spec, dims, world.rank, par.pp_schedule, cfg.data.seq_len)
+            ids, parts, ranges = stage_parts(spec, dims, world.rank, par.pp_schedule, cfg.data.seq_len)
             parts = [build(part) for part in parts]
             self.pipeline = Pipeline(
                 parts,
                 ids,
-                n_stages,
+                len(ranges),
                 par.pp_schedule,
                 cfg.train.grad_accum,
                 dims.mesh(world.device.type)["pp"].get_group(),
                 world.device,
             )
             model = parts[0] if len(parts) == 1 else MergedStages(parts)
+            self.pipeline_info = {
+                "schedule": par.pp_schedule,
+                "stages": [[r.start, r.stop - 1] for r in ranges],  # first and last block of each
+                "micro_batches": cfg.train.grad_accum,
+                "bubble": round(self.pipeline.bubble, 4),
+            }
 
         self.model: nn.Module = model
         # The root FSDP module (without a pipeline; the schedule drives each stage's own).
@@ -202,8 +209,8 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 
 def stage_parts(
     spec: ModelSpec, dims: ParallelDims, rank: int, schedule: str, seq_len: int
-) -> tuple[list[int], list[nn.Module], int]:
-    """The stages `rank` runs (indices, meta-device modules) and how many there are in all;
+) -> tuple[list[int], list[nn.Module], list[range]]:
+    """The stages `rank` runs (indices, meta-device modules) and every stage's blocks;
     blocks are split so that the costliest stage (the embedding on the first, the head on
     the last counted) is as cheap as it can be."""
     check_stages(spec.n_blocks, dims.pp, schedule)
@@ -216,7 +223,7 @@ def stage_parts(
         part = spec.build_meta(seq_len)
         spec.pipeline_stage(part, ranges[i], first=i == 0, last=i == n_stages - 1)
         parts.append(part)
-    return ids, parts, n_stages
+    return ids, parts, ranges
 
 
 def apply_fsdp(
