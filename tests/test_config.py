@@ -55,7 +55,8 @@ BAD_VALUES = [
     ("train.loss_scale_init=1000", "train.loss_scale_init", "1000", "accepted: 1, 2, 4, ..."),
     ("parallel.offload_optimizer=cpu", "parallel.offload_optimizer", "=cpu", "needs strategy zero1, zero2 or zero3, not ddp"),
     ("parallel.tp=2", "parallel.tp", "=2", "needs parallel.strategy=fsdp"),
-    ("parallel.pp=4", "parallel.pp", "=4", "pipeline parallelism is not implemented yet; accepted: 1"),
+    ("parallel.pp=4", "parallel.pp", "=4", "needs parallel.strategy=fsdp"),
+    ("parallel.pp_schedule=chimera", "parallel.pp_schedule", "'chimera'", "'gpipe', '1f1b', 'interleaved_1f1b'"),
     ("train.lr_scaling=sqrt", "train.lr_scaling", "=sqrt", "needs train.lr_base_batch"),
     ("=3", "section.key=value", "'=3'", "e.g. train.lr=3e-4"),
 ]

@@ -62,6 +62,7 @@ def build_run(
     activation_checkpointing: bool = False,
     ranks: bool = True,
     hosts: list[str] | None = None,
+    pipeline: dict[str, Any] | None = None,  # run.json's "pipeline" (the engine's layout)
 ) -> Path:
     root.mkdir(parents=True)
     hosts = hosts or [f"node{r // 4}" for r in range(world)]
@@ -77,6 +78,12 @@ def build_run(
         "peak_flops": 989e12,
         "device_memory_bytes": CAPACITY,
     }
+    if pipeline:
+        pp = len(pipeline["stages"])
+        info |= {
+            "pipeline": pipeline,
+            "parallel": {**info["parallel"], "pp": pp, "dp_shard": world // pp, "dp_size": world // pp},
+        }
     (root / "run.json").write_text(json.dumps(info))
     overrides = [
         f"parallel.strategy={engine}",
@@ -190,6 +197,12 @@ RULE_CASES = {
     "data_bound": ({"data": 0.3}, "data loading is 30% of the step", "data.dir"),
     "hang": ({"hang": True}, "the run hung: rank 5 stopped", "hang/rank5.txt"),
     "nonfinite": ({"nonfinite_at": 33}, "1 non-finite step, 0 rollbacks", "train.lr"),
+    # 1f1b on 4 stages with 4 micro-batches: 3 / 7 of each step idle.
+    "pipeline_bubble": (
+        {"pipeline": {"schedule": "1f1b", "stages": [[0, 1], [2, 3], [4, 5], [6, 7]], "micro_batches": 4, "bubble": 3 / 7}},
+        "pipeline ranks idle 43% of each step",
+        "at least 16 micro-batches for pp 4",
+    ),
     "checkpoint_blocking": (
         {"checkpoint_blocking_s": 4.0},
         "checkpoints block 13% of the run",

@@ -93,8 +93,8 @@ def test_ranks_map_to_coordinates_tp_innermost():
         dims.coordinates(16)
 
 
-def test_config_refuses_pp_until_implemented_tp_without_fsdp_and_dims_come_from_config():
-    with pytest.raises(UserError, match="parallel.pp=2: pipeline parallelism is not implemented yet; accepted: 1"):
+def test_config_refuses_tp_and_pp_without_fsdp_and_dims_come_from_config():
+    with pytest.raises(UserError, match="parallel.pp=2 needs parallel.strategy=fsdp .*not ddp; accepted: strategy fsdp"):
         load_config([], ["parallel.pp=2"])
     with pytest.raises(UserError, match="parallel.tp=2 needs parallel.strategy=fsdp .*not zero3; accepted: strategy fsdp"):
         load_config([], ["parallel.tp=2", "parallel.strategy=zero3"])

@@ -228,17 +228,53 @@ def test_tensor_parallel_divides_states_activations_and_compute_and_costs_activa
     assert chosen.comm_bytes == pytest.approx(tp_traffic + dp_only.comm_bytes / 2)
 
 
-def test_70b_on_4_nodes_auto_picks_tp_8_inside_each_node_at_the_same_global_batch():
+def test_70b_on_4_nodes_auto_picks_tp_8_inside_each_node_and_pp_2_across_at_the_same_global_batch():
     plan = plan_for("70b", nodes=4, extra=["parallel.strategy=auto"])
     s = plan.chosen.setup
-    assert (s.strategy, s.tp, s.dp, s.grad_accum) == ("fsdp", 8, 4, 8)  # 4 x 8 accumulated = 32 x 1
-    assert plan.reasons[-2].startswith("tp=8 inside each node (its per-block reductions need NVLink")
-    assert "at the same global batch (train.grad_accum x8)" in plan.reasons[-2]
+    # 2 x 16 accumulated = 32 x 1: the global batch as configured.
+    assert (s.strategy, s.tp, s.pp, s.dp, s.grad_accum) == ("fsdp", 8, 2, 2, 16)
+    assert plan.reasons[-3].startswith("tp=8 inside each node (its per-block reductions need NVLink")
+    assert "at the same global batch (train.grad_accum x16)" in plan.reasons[-3]
+    assert plan.reasons[-2].startswith(f"pp=2 ({s.pp_schedule}): each rank holds about 1/2 of the blocks")
     # Every plain data-parallel layout that fits is slower: the network carries 8x the states.
-    plain = [c for c in plan.candidates if c.setup.tp == 1 and c.fits]
+    plain = [c for c in plan.candidates if c.setup.tp == 1 and c.setup.pp == 1 and c.fits]
     assert plain and all(c.step_time > plan.chosen.step_time for c in plain)
+    # So is tp 8 alone: FSDP across the nodes gathers the weights for every micro-batch,
+    # where a pipeline stage stays gathered for the step and only activations cross nodes.
+    tp_only = [c for c in plan.candidates if c.setup.tp == 8 and c.setup.pp == 1 and c.fits]
+    assert tp_only and all(c.comm_bytes > plan.chosen.comm_bytes and c.step_time > plan.chosen.step_time for c in tp_only)
     # tp stays inside a node: no candidate splits a block across nodes.
     assert max(c.setup.tp for c in plan.candidates) == 8
+
+
+def test_405b_on_16_nodes_auto_keeps_tp_8_inside_nodes_and_pipelines_across_them():
+    plan = plan_for("405b", nodes=16, extra=["parallel.strategy=auto"])
+    s = plan.chosen.setup
+    assert s.tp == 8 and s.pp >= 4 and s.dp * s.tp * s.pp == 128 and s.dp * s.grad_accum == 128
+    assert plan.reasons[-2].startswith(f"pp={s.pp} ({s.pp_schedule})") and "the bubble costs" in plan.reasons[-2]
+    # Without a pipeline only layouts with slower steps fit (tp 8 + AC, ZeRO-3 offloading).
+    without = [c for c in plan.candidates if c.setup.pp == 1 and c.fits]
+    assert without and all(c.step_time > plan.chosen.step_time for c in without)
+
+
+def test_pipeline_memory_counts_the_ranks_stages_and_micro_batches_in_flight():
+    from dataclasses import replace as with_
+
+    from scaletrain.plan.pipeline import rank_share
+
+    spec = planning_spec(load_config([], ["model.preset=70b"]))
+    base = Setup(strategy="fsdp", dp=1, micro_batch=1, seq_len=4096, precision="bf16", tp=8, grad_accum=8)
+    one, four = estimate(spec, base), estimate(spec, with_(base, pp=4, reshard_after_forward=False))
+    params, blocks = rank_share(spec, 4, "1f1b", 4096)
+    # Model states: the rank's stages only (blocks of 80 split by cost: the head's rank fewer).
+    assert four.optimizer == pytest.approx(one.optimizer * params / spec.counts().total)
+    assert 19 <= blocks <= 21 and params < spec.counts().total / 3.5
+    # 1F1B's first rank holds pp = 4 micro-batches of its blocks: about the whole model's once.
+    assert four.activations == pytest.approx(one.activations * 4 * blocks / 80)
+    # gpipe holds all 8 in flight; the stage stays gathered through the step (bf16 copy).
+    gpipe = estimate(spec, with_(base, pp=4, pp_schedule="gpipe"))
+    assert gpipe.activations == pytest.approx(2 * four.activations)
+    assert four.buffers == pytest.approx(2 * params / 8)  # of its tp slice
 
 
 def test_tp_is_not_chosen_where_collectives_are_slow_or_the_model_does_not_split():

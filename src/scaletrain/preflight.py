@@ -51,6 +51,8 @@ def plan_run(cfg: Config, world: World, model: ModelSpec) -> tuple[Config, list[
                 strategy=s.strategy,
                 tp=s.tp,
                 sequence_parallel=s.sequence_parallel,
+                pp=s.pp,
+                pp_schedule=s.pp_schedule,
                 offload_optimizer=s.offload_optimizer,
                 offload_params=s.offload_params,
                 reshard_after_forward=s.reshard_after_forward,
@@ -59,7 +61,7 @@ def plan_run(cfg: Config, world: World, model: ModelSpec) -> tuple[Config, list[
                 auto_choice="; ".join(plan.reasons),
             )
         )
-        # A tp layout keeps the global batch: its fewer data-parallel ranks accumulate more.
+        # A tp / pp layout keeps the global batch: its fewer data-parallel ranks accumulate more.
         train = cfg.train.model_copy(update={"grad_accum": s.grad_accum})
         cfg = cfg.model_copy(update={"parallel": parallel, "train": train})
         lines.append(f"plan: parallel.strategy=auto -> {s.label}: " + "; ".join(plan.reasons))

@@ -190,7 +190,10 @@ def _shard_and_materialize(
         blocks,
         dims.fsdp_mesh(world.device),
         cfg.precision,
-        par.reshard_after_forward,
+        # A pipeline stage runs forward for several micro-batches before their backward:
+        # resharding would all-gather its weights again for each (torchtitan keeps them
+        # gathered too). A stage is 1/pp of the model; the planner counts the copy.
+        par.reshard_after_forward and dims.pp == 1,
         CPUOffloadPolicy(pin_memory=world.device.type == "cuda") if offload else OffloadPolicy(),
     )
     # DTensor parameters are swapped in place by to_empty (wrapper subclasses always use

@@ -16,6 +16,7 @@ import torch
 
 from scaletrain.models.spec import ModelSpec
 from scaletrain.plan.activations import block_activations, head_activations
+from scaletrain.plan.pipeline import gathered_stage_bytes, in_flight, rank_share
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class Setup:
     grad_accum: int = 1  # micro-batches per optimizer step (time and traffic, not memory)
     tp: int = 1  # tensor parallel (fsdp): every block, the embedding and the head split tp ways
     sequence_parallel: bool = True  # with tp: norms and residual split over the sequence too
+    pp: int = 1  # pipeline stages' ranks (fsdp): each holds its stages' blocks (plan/pipeline.py)
+    pp_schedule: str = "1f1b"
 
     @property
     def label(self) -> str:
@@ -44,12 +47,14 @@ class Setup:
             parts.append(f"optim->{self.offload_optimizer}")
         if self.offload_params != "none":
             parts.append(f"params->{self.offload_params}")
-        if self.strategy == "fsdp" and not self.reshard_after_forward:
+        if self.strategy == "fsdp" and not self.reshard_after_forward and self.pp == 1:  # a pipeline always is
             parts.append("shard-grad-op")
         if self.dp_replicate > 1:
             parts.append(f"hybrid {self.dp_replicate}x{self.dp // self.dp_replicate}")
         if self.tp > 1:
             parts.append(f"tp {self.tp}" + ("" if self.sequence_parallel else " (no SP)"))
+        if self.pp > 1:
+            parts.append(f"pp {self.pp} ({self.pp_schedule})")
         if self.activation_checkpointing:
             parts.append("AC")
         return " + ".join(parts)
@@ -97,7 +102,8 @@ def _state_bytes_per_param(strategy: str, precision: str) -> tuple[float, float,
 
 
 def estimate(model: ModelSpec, s: Setup) -> Memory:
-    n_params = model.counts().total
+    # With a pipeline: the parameters of the rank holding the most (its stages only).
+    n_params = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0]
     w, g, o = _state_bytes_per_param(s.strategy, s.precision)
     shard = s.dp // s.dp_replicate if s.strategy == "fsdp" else s.dp
     params, grads, optim = w * n_params, g * n_params, o * n_params
@@ -180,11 +186,13 @@ def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float]:
         # matmuls). An estimate (Megatron's accounting, arXiv 2205.05198), not a trace.
         saved += 4 * block.block_input * (1 - 1 / s.tp)
     block_input = block.block_input / (s.tp if s.sequence_parallel else 1)
+    # A pipeline rank runs its own blocks, for several micro-batches in flight.
+    blocks = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[1] * in_flight(s)
     if s.activation_checkpointing:
-        act = model.n_blocks * block_input  # each block keeps only its input
+        act = blocks * block_input  # each block keeps only its input
         recompute = float(saved)
     else:
-        act = model.n_blocks * saved
+        act = blocks * saved
     # Backward through the loss: the fp32 gradient of the logits and one fp32 temporary
     # of the same size (softmax gradient) exist together, before any block runs backward.
     # With tp the logits stay split over the vocabulary (loss parallel).
@@ -198,6 +206,8 @@ def engine_buffers(model: ModelSpec, s: Setup) -> float:
     weight_bytes = _state_bytes_per_param(s.strategy, s.precision)[0]
     block_params = model.counts().block
     root_params = n_params - model.n_blocks * block_params
+    if s.strategy == "fsdp" and s.pp > 1:
+        return gathered_stage_bytes(rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0], s.precision)
     if s.strategy == "fsdp":
         gathered = 2 if s.precision != "fp32" else 4  # MixedPrecisionPolicy param dtype
         if not s.reshard_after_forward:

@@ -16,6 +16,8 @@ from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel import dims_for
 from scaletrain.plan.hardware import Device, GiB
 from scaletrain.plan.memory import Memory, Setup, estimate
+from scaletrain.plan.pipeline import bubble, pp_comm_bytes_per_step, pp_options, rank_share, why_pp
+from scaletrain.stages import SCHEDULES
 
 OVERLAP = 0.8  # share of the compute time that can hide gradient / parameter traffic
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeedCPUAdam, order of magnitude per node
@@ -30,6 +32,7 @@ class Candidate:
     fits: bool
     why_not: str = ""
     tp_comm_bytes: float = 0.0  # of comm_bytes: tensor parallel's own, inside a node
+    pp_comm_bytes: float = 0.0  # of comm_bytes: pipeline activations between stages
 
     def as_dict(self) -> dict:
         return {
@@ -38,6 +41,7 @@ class Candidate:
             "memory": self.memory.as_dict(),
             "comm_bytes_per_step": self.comm_bytes,
             "tp_comm_bytes_per_step": self.tp_comm_bytes,
+            "pp_comm_bytes_per_step": self.pp_comm_bytes,
             "step_time_s": self.step_time,
             "why_not": self.why_not,
         }
@@ -91,7 +95,11 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
         bucket_size=p.bucket_size,
         tp=dims.tp,
         sequence_parallel=p.sequence_parallel,
+        pp=dims.pp,
+        pp_schedule=p.pp_schedule,
     )
+    if dims.pp > 1:
+        base = replace(base, reshard_after_forward=False)  # what the engine does under a pipeline
     if not all_strategies:
         return [base]
     plain: dict[str, Any] = dict(offload_optimizer="none", offload_params="none", reshard_after_forward=True, dp_replicate=1)
@@ -108,22 +116,25 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
     ]
     if nodes > 1 and world % nodes == 0:
         options.insert(5, replace(base, strategy="fsdp", **{**plain, "dp_replicate": nodes}))
-    if dims.tp == 1 and model is not None:
-        options += _tp_options(replace(base, strategy="fsdp", **plain), model, world, nodes)
+    if dims.tp == 1 and dims.pp == 1 and model is not None:
+        fsdp = replace(base, strategy="fsdp", **plain)
+        tps = _tp_sizes(model, world, nodes)
+        options += [replace(fsdp, tp=tp, dp=fsdp.dp // tp, grad_accum=fsdp.grad_accum * tp, sequence_parallel=True) for tp in tps]
+        options += pp_options(fsdp, model, world, nodes, [1, *tps])
     # Activation checkpointing trades ~1/3 more compute for memory: a fallback option.
     if not base.activation_checkpointing:
         options += [replace(o, activation_checkpointing=True) for o in options]
-    if dims.tp > 1:  # tensor parallel composes with FSDP2 only
+    if dims.tp > 1 or dims.pp > 1:  # tensor and pipeline parallel compose with FSDP2 only
         options = [o for o in options if o.strategy == "fsdp"]
     if p.strategy == "auto":
         return options
     return [base, *(o for o in options if o != base)]
 
 
-def _tp_options(fsdp: Setup, model: ModelSpec, world: int, nodes: int) -> list[Setup]:
-    """fsdp x tp for every tp that fits inside a node and splits the model evenly. The
-    global batch stays as configured: with dp / tp data-parallel ranks, each accumulates
-    tp times more micro-batches (the same micro-batch, so the same activation memory)."""
+def _tp_sizes(model: ModelSpec, world: int, nodes: int) -> list[int]:
+    """The tp sizes that fit inside a node and split the model evenly. Their layouts keep
+    the global batch: with dp / tp data-parallel ranks, each accumulates tp times more
+    micro-batches (the same micro-batch, so the same activation memory)."""
     per_node = world // nodes
     out = []
     for tp in (2, 4, 8):
@@ -133,7 +144,7 @@ def _tp_options(fsdp: Setup, model: ModelSpec, world: int, nodes: int) -> list[S
             model.check_tp(tp)
         except UserError:
             continue
-        out.append(replace(fsdp, tp=tp, dp=fsdp.dp // tp, grad_accum=fsdp.grad_accum * tp, sequence_parallel=True))
+        out.append(tp)
     return out
 
 
@@ -143,14 +154,15 @@ def evaluate(
     mem = estimate(model, s)
     comm = comm_bytes_per_step(model, s, s.grad_accum)
     tp_comm = tp_comm_bytes_per_step(model, s, s.grad_accum)
-    time = step_time(model, s, cfg, device, nodes, comm, tp_comm)
-    comm += tp_comm
+    pp_comm = pp_comm_bytes_per_step(model, s)
+    time = step_time(model, s, cfg, device, nodes, comm, tp_comm, pp_comm)
+    comm += tp_comm + pp_comm
     why_not = ""
     if mem.peak > usable:
         why_not = f"needs {fmt(mem.peak)} per device > {fmt(usable)} usable"
     elif cpu_per_node is not None and mem.cpu * (s.dp // nodes) > cpu_per_node:
         why_not = f"offload needs {fmt(mem.cpu * (s.dp // nodes))} host memory per node > {fmt(cpu_per_node)}"
-    return Candidate(s, mem, comm, time, not why_not, why_not, tp_comm)
+    return Candidate(s, mem, comm, time, not why_not, why_not, tp_comm, pp_comm)
 
 
 def tp_comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
@@ -161,22 +173,28 @@ def tp_comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float
         return 0.0
     act_bytes = 4 if s.precision == "fp32" else 2
     buffer = s.micro_batch * s.seq_len * model.hidden_size * act_bytes
-    return model.n_blocks * grad_accum * 4 * 2 * (s.tp - 1) / s.tp * buffer
+    return _rank_blocks(model, s) * grad_accum * 4 * 2 * (s.tp - 1) / s.tp * buffer
+
+
+def _rank_blocks(model: ModelSpec, s: Setup) -> int:
+    """The blocks this rank runs: all of them, or under a pipeline its stages' only."""
+    return rank_share(model, s.pp, s.pp_schedule, s.seq_len)[1]
 
 
 def tp_collectives(model: ModelSpec, s: Setup) -> int:
     """Per step: per block and micro-batch two in forward and two in backward, doubled
     with sequence parallel (each all-reduce becomes a reduce-scatter and an all-gather)."""
-    return model.n_blocks * s.grad_accum * 4 * (2 if s.sequence_parallel else 1)
+    return _rank_blocks(model, s) * s.grad_accum * 4 * (2 if s.sequence_parallel else 1)
 
 
 def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
     """Bytes each device sends per optimizer step over the data-parallel dimension (ring
-    collectives: (n-1)/n of the buffer); each tp rank moves its 1/tp of the states."""
+    collectives: (n-1)/n of the buffer); each tp rank moves its 1/tp of the states, each
+    pipeline rank those of its stages."""
     n = s.dp
     if n == 1:
         return 0.0
-    psi = model.counts().total / s.tp
+    psi = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0] / s.tp
     ring = (n - 1) / n
     torch_engine = s.strategy in ("ddp", "fsdp")
     grad_bytes = 4 if torch_engine or s.precision == "fp32" else 2
@@ -187,7 +205,8 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
         return ring * psi * (grad_bytes + param_bytes)  # reduce-scatter grads, all-gather updated params
     # zero3 / fsdp: parameters all-gathered in forward and again in backward for every
     # micro-batch (unless kept gathered: shard-grad-op), gradients reduce-scattered once.
-    gathers = grad_accum * (1 if (s.strategy == "fsdp" and not s.reshard_after_forward) else 2)
+    # Under a pipeline a stage stays gathered for the whole step: one gather.
+    gathers = 1 if s.pp > 1 else grad_accum * (1 if (s.strategy == "fsdp" and not s.reshard_after_forward) else 2)
     shard = n // s.dp_replicate
     total = (shard - 1) / shard * psi * (gathers * param_bytes + grad_bytes)
     if s.dp_replicate > 1:  # hybrid: all-reduce the gradient shards across replicas
@@ -196,16 +215,24 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
     return total
 
 
-def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: int, comm: float, tp_comm: float = 0.0) -> float:
+def step_time(
+    model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: int, comm: float, tp_comm: float = 0.0, pp_comm: float = 0.0
+) -> float:
     tokens = s.micro_batch * s.seq_len * s.grad_accum
-    flops = tokens * model.flops_per_token(s.seq_len) * (8 / 6 if s.activation_checkpointing else 1) / s.tp
+    flops = tokens * model.flops_per_token(s.seq_len) * (8 / 6 if s.activation_checkpointing else 1) / (s.tp * s.pp)
     peak = device.peak_flops_32 if s.precision == "fp32" else device.peak_flops_16
-    compute = flops / (peak * device.assumed_mfu)
-    bw = device.inter_node_bw if nodes > 1 else device.intra_node_bw
+    # A pipeline rank also idles for the bubble: busy (1 - bubble) of the step.
+    compute = flops / (peak * device.assumed_mfu) / (1 - bubble(s))
+    per_node = s.dp * s.tp * s.pp // nodes
+    # Ranks are laid out tp innermost, then dp, pp outermost (parallel.py): the dp group
+    # spans nodes once dp x tp exceeds a node, a pipeline's neighbours once it fills one.
+    bw = device.inter_node_bw if s.dp * s.tp > per_node else device.intra_node_bw
     exposed = max(0.0, comm / bw - OVERLAP * compute)
+    if s.pp > 1:  # activations between stages wait on the schedule: exposed, with each send's start-up
+        pp_bw = device.inter_node_bw if s.dp * s.tp >= per_node and nodes > 1 else device.intra_node_bw
+        exposed += pp_comm / pp_bw + 2 * s.grad_accum * SCHEDULES[s.pp_schedule][1] * device.collective_latency
     # Tensor parallel's collectives sit on the critical path between matmuls (nothing to
     # hide them behind): all exposed, over NVLink while tp fits in a node.
-    per_node = s.dp * s.tp // nodes
     exposed += tp_comm / (device.intra_node_bw if s.tp <= per_node else device.inter_node_bw)
     if s.tp > 1:  # and the start-up of each of those many small collectives
         exposed += tp_collectives(model, s) * device.collective_latency
@@ -304,6 +331,13 @@ def _reasons(chosen: Candidate, candidates: list[Candidate]) -> list[str]:
     text += f", estimated {chosen.step_time:.3g} s/step: the fastest (or simplest of the equally fast) that fits: chosen"
     if chosen.setup.tp > 1:
         reasons.append(_why_tp(chosen, candidates))
+    if chosen.setup.pp > 1:
+        plain = [c for c in candidates if c.setup.pp == 1 and c.fits]
+        other = min(plain, key=lambda c: c.step_time) if plain else None
+        ratio = other.comm_bytes / max(chosen.comm_bytes, 1.0) if other else 0.0
+        reasons.append(
+            why_pp(chosen.step_time, chosen.setup, other.setup.label if other else None, other.step_time if other else 0, ratio)
+        )
     reasons.append(text)
     return reasons
 
@@ -311,7 +345,7 @@ def _reasons(chosen: Candidate, candidates: list[Candidate]) -> list[str]:
 def _why_tp(chosen: Candidate, candidates: list[Candidate]) -> str:
     """Why tensor parallel: against the fastest plain data-parallel layout."""
     s = chosen.setup
-    plain = [c for c in candidates if c.setup.tp == 1 and c.fits]
+    plain = [c for c in candidates if c.setup.tp == 1 and c.setup.pp == 1 and c.fits]
     text = f"tp={s.tp} inside each node (its per-block reductions need NVLink, not the network)"
     if not plain:
         return text + ": no layout without tensor parallel fits"
@@ -321,7 +355,7 @@ def _why_tp(chosen: Candidate, candidates: list[Candidate]) -> str:
         text + f": each rank holds 1/{s.tp} of the model, so its data-parallel traffic over {s.dp} ranks is "
         f"{ratio:.1f}x smaller than {other.setup.label}'s over {other.setup.dp}; "
         f"{chosen.step_time:.3g} s/step against {other.step_time:.3g} at the same global batch "
-        f"(train.grad_accum x{s.tp})"
+        f"(train.grad_accum x{s.tp * s.pp})"
     )
 
 
@@ -343,7 +377,7 @@ def _nothing_fits(
     by_peak = sorted(candidates, key=lambda c: c.memory.peak)
     for more in (2, 4, 8, 16, 32, 64):
         for c in by_peak:
-            probe = replace(c.setup, dp=world * more // c.setup.tp, dp_replicate=1)
+            probe = replace(c.setup, dp=world * more // (c.setup.tp * c.setup.pp), dp_replicate=1)
             if evaluate(model, probe, cfg, device, nodes * more, usable, cpu_per_node).fits:
                 return (
                     msg
