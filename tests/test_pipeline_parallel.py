@@ -101,6 +101,20 @@ def test_pp_2_reshards_to_one_process(small_dataset, pp2_dp2_run, untied_referen
 @pytest.mark.dist
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
+def test_one_process_reshards_into_a_v_shaped_pipeline(small_dataset, untied_reference, tmp_path):
+    # The other way: the unsplit checkpoint into zbv's two stages per rank (blocks 0 and 3
+    # on rank 0, 1 and 2 on rank 1), verified against the checkpoint through the state
+    # gathered over the stages.
+    run = tmp_path / "zbv"
+    copy_until(untied_reference, run, 5)
+    proc = pp_run(small_dataset, run, 2, "parallel.pp=2", "parallel.pp_schedule=zbv", "train.micro_batch=1", "train.grad_accum=4")
+    assert "step_5 (fsdp at world 1) resharded onto fsdp at world 2 (pp 2); verified" in proc.stdout
+    assert_same_training(run, untied_reference)
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
 def test_tp_2_x_pp_2_matches_one_process(small_dataset, untied_reference, tmp_path):
     # Tensor parallel inside each stage with sequence parallel: the stages pass each other
     # hidden states split along the sequence, and the last stage's loss is vocabulary-split.
