@@ -9,9 +9,12 @@ The reference is one process accumulating the same 4 micro-batches of 1 (the glo
 of 4 of every equivalence run), untied: the embedding and the head sit on different
 stages. Same micro-batches, so the pipeline changes only summation order (the norm's sum
 over stages, the schedule's order of micro-batches, dp and tp reductions); the tolerances
-are the equivalence tests' (helpers.py). Measured against this reference: loss <= 1.1e-6,
-step-1 grad norm <= 8.5e-8; the grad norm of step 7, right after a loss spike, <= 1.4e-3
-(tp 2 x pp 2), the largest (Adam amplifies the last-bit differences of 6 steps there).
+are the equivalence tests' (helpers.py). The learning rate is 1e-3, not the other tests'
+3e-3: the untied model spikes at step 6 with 3e-3, and the step after a spike amplifies
+last-bit differences about a hundredfold (tp 2 x pp 2 under ATEN_CPU_CAPABILITY=default
+missed the loss tolerance there by 1.1e-5 against 1e-5). At 1e-3, against this reference,
+natively and under `default`: loss <= 8.1e-8, step-1 grad norm <= 8.5e-8, later grad
+norms <= 1.2e-5 (tp 2 x pp 2), hundreds of times inside the tolerances.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from helpers import (
     train,
 )
 
-UNTIED = ["model.tie_embeddings=false", "parallel.strategy=fsdp", "checkpoint.every=5"]
+UNTIED = ["model.tie_embeddings=false", "parallel.strategy=fsdp", "checkpoint.every=5", "train.lr=1e-3"]
 # pp 2 x dp 2 on 4 ranks: each rank runs 2 stages (interleaved), 2 micro-batches of 1 per
 # data-parallel rank and step.
 PP2_DP2 = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "train.micro_batch=1", "train.grad_accum=2"]

@@ -19,7 +19,7 @@ from scaletrain.plan.memory import (
     estimate,
     model_state_bytes,
 )
-from scaletrain.plan.planner import largest_micro_batch
+from scaletrain.plan.planner import fmt, largest_micro_batch
 
 pytestmark = pytest.mark.unit
 
@@ -255,6 +255,16 @@ def test_405b_on_16_nodes_auto_keeps_tp_8_inside_nodes_and_pipelines_across_them
     # Without a pipeline only layouts with slower steps fit (tp 8 + AC, ZeRO-3 offloading).
     without = [c for c in plan.candidates if c.setup.pp == 1 and c.fits]
     assert without and all(c.step_time > plan.chosen.step_time for c in without)
+
+
+def test_long_sequences_say_what_context_parallel_would_save():
+    plan = plan_for("8b", seq=32768, extra=["parallel.strategy=fsdp"])
+    (note,) = [n for n in plan.notes if "context parallel" in n]
+    m = plan.chosen.memory
+    per_token = m.activations + m.loss
+    assert note.startswith("sequences of 32768 tokens: activations and logits take")
+    assert f"cp=2: {fmt(per_token / 2)}" in note and "cp=8" in note and "parallel.cp is not available yet" in note
+    assert not [n for n in plan_for("8b", seq=4096).notes if "context parallel" in n]
 
 
 def test_pipeline_memory_counts_the_ranks_stages_and_micro_batches_in_flight():

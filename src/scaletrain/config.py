@@ -134,6 +134,8 @@ class ParallelConfig(Section):
     # torch.distributed.pipelining's schedule; gpipe and 1f1b run one stage per rank, the
     # others two (interleaved / looped / zero-bubble V). Micro-batches: train.grad_accum.
     pp_schedule: Literal[tuple(SCHEDULES)] = "1f1b"  # type: ignore[valid-type]
+    # Context parallel (the sequence split over cp ranks): not available yet, see _no_cp.
+    cp: int = Field(1, ge=1)
     # With tp > 1: the norms and the residual stream hold 1/tp of the sequence each (less
     # activation memory, the same communicated bytes). Off: they are replicated.
     sequence_parallel: bool = True
@@ -149,6 +151,20 @@ class ParallelConfig(Section):
     # Written by scaletrain into the run's resolved config when strategy was auto: the
     # planner's reasons. Informational; ignored as input.
     auto_choice: str | None = None
+
+    @field_validator("cp")
+    @classmethod
+    def _no_cp(cls, v: int) -> int:
+        if v > 1:
+            # torch 2.13's context_parallel replaces only the CUDA attention kernels (flash,
+            # efficient, cuDNN) with ring attention; a CPU run has none of them, and without
+            # two GPUs to check it on, scaletrain does not drive it (docs/parallelism.md).
+            raise ValueError(
+                f"parallel.cp={v}: context parallel is not available: torch's context_parallel implements ring attention "
+                "only for CUDA attention kernels and scaletrain does not drive it yet; accepted: 1 (`scaletrain plan` "
+                "shows what it would save for long sequences; activation checkpointing and tp cut activations today)"
+            )
+        return v
 
     @model_validator(mode="after")
     def _combinations(self) -> ParallelConfig:

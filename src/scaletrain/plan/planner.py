@@ -21,6 +21,9 @@ from scaletrain.stages import SCHEDULES
 
 OVERLAP = 0.8  # share of the compute time that can hide gradient / parameter traffic
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeedCPUAdam, order of magnitude per node
+# From here on (Llama 3's long-context stage trains 32k-token sequences) the plan says what
+# context parallel would save when activations are a large part of the peak.
+LONG_SEQUENCE = 16384
 
 
 @dataclass
@@ -280,7 +283,24 @@ def make_plan(
         chosen, reasons = best, _reasons(best, candidates)
     plan = Plan(world, nodes, device, usable, candidates, chosen, reasons, 0)
     plan.max_micro_batch = largest_micro_batch(model, chosen.setup, usable)
+    plan.notes += _what_cp_buys(chosen, cfg.data.seq_len)
     return plan
+
+
+def _what_cp_buys(chosen: Candidate, seq_len: int) -> list[str]:
+    """Long sequences: what splitting them over cp ranks (context parallel) would save.
+    Activations and the logits scale with the tokens per rank; model states do not (FSDP
+    would shard them over dp x cp). Not offered as a layout: see docs/parallelism.md."""
+    m = chosen.memory
+    per_token = m.activations + m.loss
+    if seq_len < LONG_SEQUENCE or per_token < 0.25 * m.peak:
+        return []
+    options = ", ".join(f"cp={cp}: {fmt(per_token / cp)} ({fmt(m.peak - per_token * (1 - 1 / cp))} peak)" for cp in (2, 4, 8))
+    return [
+        f"sequences of {seq_len} tokens: activations and logits take {fmt(per_token)} of the {fmt(m.peak)} peak; "
+        f"context parallel would split them over the sequence ({options}); parallel.cp is not available yet "
+        "(docs/parallelism.md), activation checkpointing and tp cut them today"
+    ]
 
 
 def _fastest(fitting: list[Candidate]) -> Candidate:
