@@ -72,8 +72,9 @@ def test_pp_2_x_dp_2_matches_one_process(pp2_dp2_run, untied_reference):
     # 4 stages of the tiny model's 4 blocks; the head (6 x 128 x 512 FLOPs per token) costs
     # less than a block (6 x 196,608 + attention), so the cost split is one block each.
     assert info["pipeline"]["stages"] == [[0, 0], [1, 1], [2, 2], [3, 3]]
-    assert 0 < info["pipeline"]["bubble"] < 1
-    assert "pipeline: interleaved_1f1b, 4 stages of blocks 0 | 1 | 2 | 3, 2 micro-batches per step" in proc.stdout
+    # (pp - 1) / (v m + pp - 1) with 2 stages per rank and 2 micro-batches: 1 / 5.
+    assert info["pipeline"]["bubble"] == 0.2
+    assert "pipeline: interleaved_1f1b, 4 stages of blocks 0 | 1 | 2 | 3, 2 micro-batches per step: ranks idle 20%" in proc.stdout
     assert_same_training(run, untied_reference)
 
 

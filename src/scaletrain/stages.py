@@ -94,7 +94,8 @@ def check_stages(n_blocks: int, pp: int, schedule: str) -> None:
 
 
 def ideal_bubble(pp: int, micro_batches: int, per_rank: int = 1) -> float:
-    """The idle share of a step of gpipe / 1f1b, (pp - 1) / (m + pp - 1), with forward and
-    backward of a micro-batch on a stage taken as one unit; `per_rank` stages per rank
-    shrink each unit (interleaving): (pp - 1) / (v m + pp - 1)."""
+    """The idle share of a step, (pp - 1) / (v m + pp - 1) for m micro-batches and v stages
+    per rank, a micro-batch's forward and backward on a stage taken as one unit: exact for
+    gpipe and 1f1b under that assumption, interleaving's smaller units included; the
+    zero-bubble schedules fill part of it with weight gradients, so for them a bound."""
     return (pp - 1) / (per_rank * micro_batches + pp - 1)

@@ -27,18 +27,6 @@ from torch import nn
 from scaletrain.stages import SCHEDULES, ideal_bubble
 
 
-def bubble_fraction(schedule: Any, pp: int, micro_batches: int, per_rank: int) -> float:
-    """The share of a step a rank sits idle, from the schedule's own timetable where it has
-    one (one slot per action, None = idle, averaged over ranks; a backward counted as one
-    slot like a forward), else the classic estimate (stages.ideal_bubble)."""
-    order = getattr(schedule, "pipeline_order", None)
-    if order:
-        length = max(len(ops) for ops in order.values())
-        idle = sum(length - sum(op is not None for op in ops) for ops in order.values())
-        return idle / (length * len(order))
-    return ideal_bubble(pp, micro_batches, per_rank)
-
-
 class MergedStages(nn.Module):
     """A rank's stages seen as one module with the full model's names (embedding, the blocks
     of all its stages, final norm and head, whichever it holds): what the optimizer,
@@ -81,8 +69,9 @@ class Pipeline:
         # scale_grads: each micro-batch's loss is its mean, so the summed gradients are
         # divided by the number of micro-batches: the window mean, as without a pipeline.
         self.schedule = cls(stages[0] if one else stages, n_microbatches=micro_batches, loss_fn=self._call_loss, scale_grads=True)
-        pp = dist.get_world_size(group)
-        self.bubble = bubble_fraction(self.schedule, pp, micro_batches, SCHEDULES[schedule][1])
+        # The classic estimate (stages.ideal_bubble): torch's own timetables drop the idle
+        # slots of gpipe and 1f1b, so they cannot be counted from the schedule.
+        self.bubble = ideal_bubble(dist.get_world_size(group), micro_batches, SCHEDULES[schedule][1])
 
     def _call_loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         assert self._loss is not None
