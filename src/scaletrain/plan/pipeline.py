@@ -115,8 +115,8 @@ def why_pp(chosen_time: float, s: Setup, other_label: str | None, other_time: fl
     if other_label is None:
         return text + "; no layout without pipeline parallel fits"
     return text + (
-        f"; {chosen_time:.3g} s/step against {other_time:.3g} for {other_label} "
-        f"({traffic_ratio:.1f}x the data-parallel traffic of this layout)"
+        f"; {chosen_time:.3g} s/step against {other_time:.3g} for {other_label}, whose data-parallel traffic is "
+        + (f"{traffic_ratio:.0f}x this layout's" if traffic_ratio >= 1 else "smaller but paid per micro-batch")
     )
 
 

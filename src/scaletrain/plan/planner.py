@@ -354,12 +354,17 @@ def _reasons(chosen: Candidate, candidates: list[Candidate]) -> list[str]:
     if chosen.setup.pp > 1:
         plain = [c for c in candidates if c.setup.pp == 1 and c.fits]
         other = min(plain, key=lambda c: c.step_time) if plain else None
-        ratio = other.comm_bytes / max(chosen.comm_bytes, 1.0) if other else 0.0
+        ratio = _dp_bytes(other) / max(_dp_bytes(chosen), 1.0) if other else 0.0
         reasons.append(
             why_pp(chosen.step_time, chosen.setup, other.setup.label if other else None, other.step_time if other else 0, ratio)
         )
     reasons.append(text)
     return reasons
+
+
+def _dp_bytes(c: Candidate) -> float:
+    """What a candidate moves over its data-parallel ranks: its traffic less tp's and pp's own."""
+    return c.comm_bytes - c.tp_comm_bytes - c.pp_comm_bytes
 
 
 def _why_tp(chosen: Candidate, candidates: list[Candidate]) -> str:
@@ -370,10 +375,15 @@ def _why_tp(chosen: Candidate, candidates: list[Candidate]) -> str:
     if not plain:
         return text + ": no layout without tensor parallel fits"
     other = min(plain, key=lambda c: c.step_time)
-    ratio = other.comm_bytes / max(chosen.comm_bytes - chosen.tp_comm_bytes, 1.0)
+    mine = _dp_bytes(chosen)
+    traffic = (
+        f"its data-parallel traffic over {s.dp} ranks is {_dp_bytes(other) / mine:.1f}x smaller than "
+        f"{other.setup.label}'s over {other.setup.dp}"
+        if mine > 0
+        else f"it needs no data-parallel traffic, where {other.setup.label} moves its states over {other.setup.dp} ranks"
+    )
     return (
-        text + f": each rank holds 1/{s.tp} of the model, so its data-parallel traffic over {s.dp} ranks is "
-        f"{ratio:.1f}x smaller than {other.setup.label}'s over {other.setup.dp}; "
+        text + f": each rank holds 1/{s.tp} of the model, so {traffic}; "
         f"{chosen.step_time:.3g} s/step against {other.step_time:.3g} at the same global batch "
         f"(train.grad_accum x{s.tp * s.pp})"
     )
