@@ -34,7 +34,6 @@ from helpers import (
     base_overrides,
     check,
     copy_until,
-    one_line_error,
     run_info,
     train,
 )
@@ -176,10 +175,3 @@ def test_stages_balance_the_head_against_blocks():
     # An embedding and a head of 2 each: 11 blocks on 3 stages cost 5 each only as 3, 5, 3.
     assert split_blocks(11, 3, block=1.0, first=2.0, last=2.0) == [range(0, 3), range(3, 8), range(8, 11)]
     assert split_blocks(4, 4, 1.0, 0.0, 0.0) == [range(i, i + 1) for i in range(4)]
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(120)
-def test_tied_model_with_pp_is_a_one_line_error(small_dataset, tmp_path):
-    args = [*base_overrides(small_dataset, tmp_path / "run"), "parallel.strategy=fsdp", "parallel.pp=2", "train.grad_accum=2"]
-    one_line_error(train(args, nproc=2, timeout=120), "parallel.pp=2 needs untied embeddings", "model.tie_embeddings=false")

@@ -66,6 +66,9 @@ class TrainConfig(Section):
     steps: int = Field(300, ge=1)
     micro_batch: int = Field(16, ge=1)
     grad_accum: int = Field(1, ge=1)
+    # The cross entropy this many positions at a time (models/loss.py): the fp32 logits
+    # and their fp32 gradient never exist whole. 0: all at once (plain torch).
+    loss_chunk_tokens: int = Field(0, ge=0)
     lr: float = Field(3e-3, gt=0, le=10)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = Field(20, ge=0)
@@ -262,6 +265,11 @@ class Config(Section):
     @model_validator(mode="after")
     def _pipeline_schedule(self) -> Config:
         par = self.parallel
+        if self.train.loss_chunk_tokens and par.tp > 1:
+            raise ValueError(
+                f"train.loss_chunk_tokens={self.train.loss_chunk_tokens} does not combine with parallel.tp={par.tp}: under "
+                "tensor parallel the loss is already split over the vocabulary (loss parallel); accepted: 0"
+            )
         if par.pp == 1:
             return self
         if self.precision == "fp16":

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.loss import cross_entropy
 from scaletrain.models.presets import ModelShape
 
 INIT_STD = 0.02
@@ -245,6 +246,6 @@ def build_model(shape: ModelShape, max_seq_len: int, seed: int, device: str | to
     return model
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, in fp32 (bf16 logsumexp over a large vocab is too coarse)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
+    """Mean next-token cross entropy in fp32, whole or `chunk_tokens` positions at a time (models/loss.py)."""
+    return cross_entropy(logits, targets, chunk_tokens)

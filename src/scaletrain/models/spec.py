@@ -61,6 +61,10 @@ class ModelSpec(Protocol):
     def vocab_size(self) -> int: ...
 
     @property
+    def loss_chunk_tokens(self) -> int:
+        """Positions per chunk of the cross entropy (0: all at once); the planner's loss memory."""
+
+    @property
     def hidden_size(self) -> int:
         """Width of the residual stream between blocks."""
 
@@ -122,6 +126,7 @@ class LlamaSpec:
 
     shape: ModelShape
     name: str = "llama"
+    loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: the cross entropy in chunks (0: whole)
 
     @property
     def vocab_size(self) -> int:
@@ -145,7 +150,7 @@ class LlamaSpec:
         materialize(model, device, seed)  # type: ignore[arg-type]
 
     def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
-        return loss_fn(output, targets)
+        return loss_fn(output, targets, self.loss_chunk_tokens)
 
     def config(self) -> dict[str, Any]:
         return asdict(self.shape)

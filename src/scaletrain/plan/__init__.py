@@ -16,7 +16,8 @@ def planning_spec(cfg: Config) -> ModelSpec:
     """The model to plan for before any tokenizer exists: the preset's vocabulary, or (CPU
     presets) the size of the tokenizer the run would train."""
     has_vocab = cfg.model.vocab_size is not None or PRESETS[cfg.model.preset]["vocab_size"] is not None
-    return LlamaSpec(resolve_shape(cfg.model, None if has_vocab else cfg.data.vocab_size))
+    shape = resolve_shape(cfg.model, None if has_vocab else cfg.data.vocab_size)
+    return LlamaSpec(shape, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
 
 
 __all__ = ["Candidate", "Memory", "Plan", "Setup", "estimate", "make_plan", "planning_spec"]

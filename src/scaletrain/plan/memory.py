@@ -195,8 +195,15 @@ def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float]:
         act = blocks * saved
     # Backward through the loss: the fp32 gradient of the logits and one fp32 temporary
     # of the same size (softmax gradient) exist together, before any block runs backward.
-    # With tp the logits stay split over the vocabulary (loss parallel).
-    loss = (head.saved + 2 * head.logits_fp32) / s.tp
+    # With tp the logits stay split over the vocabulary (loss parallel). The chunked loss
+    # (models/loss.py) writes the gradient in the logits' dtype, with fp32 temporaries of
+    # one chunk (the traced saved bytes already hold its logits and log-sum-exps).
+    chunk = model.loss_chunk_tokens
+    if chunk:
+        tokens = s.micro_batch * s.seq_len
+        loss = head.saved + head.logits + 2 * head.logits_fp32 * min(chunk, tokens) / tokens
+    else:
+        loss = (head.saved + 2 * head.logits_fp32) / s.tp
     return float(act), float(loss), recompute
 
 

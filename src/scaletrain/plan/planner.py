@@ -7,7 +7,7 @@ point is a ranking between strategies on the same model, not a promise of wall t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, is_dataclass, replace
 from typing import Any
 
 from scaletrain.config import Config
@@ -24,6 +24,9 @@ CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeedCPUAdam, order of magnitude per node
 # From here on (Llama 3's long-context stage trains 32k-token sequences) the plan says what
 # context parallel would save when activations are a large part of the peak.
 LONG_SEQUENCE = 16384
+# The chunk the plan suggests for a large loss: 4096 positions x a 128k vocabulary is 2 GiB
+# of fp32 temporaries, small beside what it replaces, and few enough chunks to stay fast.
+LOSS_CHUNK = 4096
 
 
 @dataclass
@@ -284,7 +287,20 @@ def make_plan(
     plan = Plan(world, nodes, device, usable, candidates, chosen, reasons, 0)
     plan.max_micro_batch = largest_micro_batch(model, chosen.setup, usable)
     plan.notes += _what_cp_buys(chosen, cfg.data.seq_len)
+    plan.notes += _what_chunking_buys(model, chosen)
     return plan
+
+
+def _what_chunking_buys(model: ModelSpec, chosen: Candidate) -> list[str]:
+    """A plain loss that is a large part of the peak: what the chunked one would leave."""
+    m = chosen.memory
+    if model.loss_chunk_tokens or chosen.setup.tp > 1 or m.loss < 0.1 * m.peak or not is_dataclass(model):
+        return []
+    chunked = estimate(replace(model, loss_chunk_tokens=LOSS_CHUNK), chosen.setup)
+    return [
+        f"the loss holds {fmt(m.loss)} of the {fmt(m.peak)} peak (fp32 log-probabilities, gradient and temporary of "
+        f"the logits); train.loss_chunk_tokens={LOSS_CHUNK} would hold {fmt(chunked.loss)} (peak {fmt(chunked.peak)})"
+    ]
 
 
 def _what_cp_buys(chosen: Candidate, seq_len: int) -> list[str]:
