@@ -34,7 +34,9 @@ from helpers import (
     base_overrides,
     check,
     copy_until,
+    one_line_error,
     run_info,
+    scaletrain,
     train,
 )
 
@@ -175,3 +177,10 @@ def test_stages_balance_the_head_against_blocks():
     # An embedding and a head of 2 each: 11 blocks on 3 stages cost 5 each only as 3, 5, 3.
     assert split_blocks(11, 3, block=1.0, first=2.0, last=2.0) == [range(0, 3), range(3, 8), range(8, 11)]
     assert split_blocks(4, 4, 1.0, 0.0, 0.0) == [range(i, i + 1) for i in range(4)]
+
+
+@pytest.mark.e2e
+def test_plan_measure_refuses_a_pipeline():
+    # torch's MemTracker fails inside a stage's backward (autograd.grad): said up front.
+    proc = scaletrain(["plan", "--measure", "run.device=cpu", "parallel.strategy=fsdp", "parallel.pp=2", "train.grad_accum=2"])
+    one_line_error(proc, "--measure does not support parallel.pp=2", "accepted: parallel.pp=1")

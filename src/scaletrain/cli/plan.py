@@ -101,6 +101,12 @@ def _measure(cfg: Config, console: Console, as_json: bool) -> int:
 
     if cfg.parallel.strategy == "auto":
         raise UserError("--measure needs a concrete parallel.strategy (ddp, fsdp, zero1, zero2, zero3), not auto")
+    if cfg.parallel.pp > 1:
+        # torch's MemTracker hooks modules through autograd, which a pipeline stage's
+        # backward (torch.autograd.grad on its outputs) does not support (torch 2.13).
+        raise UserError(
+            f"--measure does not support parallel.pp={cfg.parallel.pp} (torch's MemTracker cannot follow a pipeline's backward); accepted: parallel.pp=1"
+        )
     world = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
         model = planning_spec(cfg)
