@@ -38,6 +38,10 @@ class ModelConfig(Section):
     tie_embeddings: bool | None = None
     rope_theta: float | None = Field(None, gt=0)
     norm_eps: float = Field(1e-5, gt=0)
+    # Glob patterns over parameter names ("layers.*.attention.*"): only the parameters they
+    # match are trained, every other one is frozen (no gradient, no optimizer state).
+    # Empty: everything trains.
+    trainable: list[str] = Field(default_factory=list)
 
 
 class DataConfig(Section):

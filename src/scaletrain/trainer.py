@@ -57,7 +57,12 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
         paths.root.mkdir(parents=True, exist_ok=True)
 
     data = PackedTokens(_prepared_data(cfg, world), cfg.data.seq_len, cfg.train.seed)
-    spec: ModelSpec = LlamaSpec(resolve_shape(cfg.model, data.vocab_size), loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+    spec: ModelSpec = LlamaSpec(
+        resolve_shape(cfg.model, data.vocab_size),
+        loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+        trainable=tuple(cfg.model.trainable),
+    )
+    spec.build_meta(cfg.data.seq_len)  # a model.trainable pattern that matches nothing stops here
     cfg, notes = plan_run(cfg, world, spec)  # before any allocation; resolves strategy=auto
     dims = dims_for(cfg.parallel, world.world_size)
     if resume_from is not None:

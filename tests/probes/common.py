@@ -16,6 +16,6 @@ SMALL_MODEL = ["model.vocab_size=67", "model.dim=32", "model.n_layers=2", "model
 
 def build(overrides: list[str], world) -> tuple[Engine, LlamaSpec, Config]:
     cfg = load_config([], overrides)
-    spec = LlamaSpec(resolve_shape(cfg.model))
+    spec = LlamaSpec(resolve_shape(cfg.model), trainable=tuple(cfg.model.trainable))
     engine = build_engine(spec, world, dims_for(cfg.parallel, world.world_size), cfg, decay_groups(cfg.train.weight_decay))
     return engine, spec, cfg

@@ -47,6 +47,13 @@ def check_config(path: Path, cfg: Config, saved_state: dict[str, Any], model: di
             now.get("data.paths"),
             "other tokens: the data position would point elsewhere",
         )
+    if (saved_cfg.get("model.trainable") or []) != (now.get("model.trainable") or []):
+        raise refuse(
+            "model.trainable",
+            saved_cfg.get("model.trainable") or [],
+            now.get("model.trainable"),
+            "its optimizer state holds exactly the parameters it trained",
+        )
     for key in _DATA_KEYS:
         if saved_cfg.get(key) != now.get(key):
             raise refuse(key, saved_cfg.get(key), now.get(key), "the data position would point elsewhere")

@@ -141,7 +141,7 @@ class DeepSpeedEngine(AccumulationWindow):
             self.optimizer.loss_scaler.cur_scale = float(scale)
 
     def state_dict(self) -> dict[str, Any]:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+        from deepspeed.utils import safe_get_full_optimizer_state
 
         # The fp32 masters and moments, assembled from every rank's partition (collective),
         # in the layout torch's get_state_dict gives (see engines.base.Engine.state_dict).
@@ -151,8 +151,8 @@ class DeepSpeedEngine(AccumulationWindow):
         step = torch.tensor(float(_optimizer_step(self.ds.basic_optimizer)))
         first = self._first_names()
         for name, param in self._named_parameters():
-            model[name] = safe_get_full_fp32_param(param).detach().float().cpu().clone()
-            if name in first:
+            model[name] = self._full_value(param)
+            if name in first and param.requires_grad:  # a frozen parameter has no optimizer state
                 if stepped:  # as torch: no moments before the first step
                     for key in ("exp_avg", "exp_avg_sq"):
                         optim[f"state.{name}.{key}"] = safe_get_full_optimizer_state(param, key).detach().float().cpu().clone()
@@ -173,7 +173,7 @@ class DeepSpeedEngine(AccumulationWindow):
                 param.data.copy_(state["model"][name].to(param.dtype))
         first = self._first_names()
         for name, param in params.items():
-            if name not in first:
+            if name not in first or not param.requires_grad:  # frozen: its value is set above
                 continue
             self._set_full(param, state["model"][name], None)
             group = self._group_of(param)
@@ -259,8 +259,6 @@ class DeepSpeedEngine(AccumulationWindow):
         }
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        from deepspeed.utils import safe_get_full_fp32_param
-
         # The fp32 master weights (not the fp16/bf16 copies the forward uses), assembled
         # from every rank's partition: a collective. Tied weights appear under each name,
         # like a state_dict.
@@ -268,10 +266,22 @@ class DeepSpeedEngine(AccumulationWindow):
         done: dict[int, torch.Tensor] = {}
         for name, param in self.module.named_parameters(remove_duplicate=False):
             if id(param) not in done:
-                full = safe_get_full_fp32_param(param)
-                done[id(param)] = (param.detach().float() if full is None else full).detach().cpu().clone()
+                done[id(param)] = self._full_value(param)
             out[plain_name(name)] = done[id(param)]
         return out
+
+    def _full_value(self, param: nn.Parameter) -> torch.Tensor:
+        """Collective: `param` whole on CPU in fp32: its fp32 master where the optimizer holds
+        one; a frozen parameter (model.trainable) has none, so its own value, which ZeRO-3
+        gathers from the partitions."""
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full = safe_get_full_fp32_param(param) if param.requires_grad else None
+        if full is not None:
+            return full.detach().float().cpu().clone()
+        with GatheredParameters([param]):
+            return param.detach().float().cpu().clone()
 
     def checkpoint_files(self) -> dict[str, str]:
         return {CONFIG_FILE: self._config_json}

@@ -9,6 +9,7 @@ one follows the same protocol.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -74,7 +75,9 @@ class ModelSpec(Protocol):
     def __hash__(self) -> int: ...
 
     def build_meta(self, max_seq_len: int) -> nn.Module:
-        """The model on the meta device: no memory until an engine materializes it."""
+        """The model on the meta device: no memory until an engine materializes it. Frozen
+        parameters (model.trainable) already have requires_grad off, so every engine wraps
+        and shards them as frozen and the optimizer never sees them."""
 
     def blocks(self, model: nn.Module) -> nn.Module:
         """The repeated units engines wrap, checkpoint and shard, as the container that holds
@@ -127,6 +130,7 @@ class LlamaSpec:
     shape: ModelShape
     name: str = "llama"
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: the cross entropy in chunks (0: whole)
+    trainable: tuple[str, ...] = ()  # model.trainable: glob patterns; the rest is frozen (empty: none)
 
     @property
     def vocab_size(self) -> int:
@@ -141,7 +145,9 @@ class LlamaSpec:
         return self.shape.n_layers
 
     def build_meta(self, max_seq_len: int) -> nn.Module:
-        return build_meta_model(self.shape, max_seq_len)
+        model = build_meta_model(self.shape, max_seq_len)
+        freeze_all_but(model, self.trainable)
+        return model
 
     def blocks(self, model: nn.Module) -> nn.Module:
         return model.layers  # type: ignore[return-value]
@@ -195,6 +201,26 @@ class LlamaSpec:
         s = self.shape
         block = 6 * self.counts().block + 12 * s.n_heads * s.head_dim * seq_len
         return 0.0, float(block), float(6 * s.dim * s.vocab_size)
+
+
+def freeze_all_but(model: nn.Module, patterns: tuple[str, ...]) -> None:
+    """Turn requires_grad off for every parameter no pattern matches (none: all train).
+    A weight shared under several names (a tied head) trains if any of its names match.
+    A pattern that matches nothing is a one-line UserError naming some real names."""
+    if not patterns:
+        return
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    every = [n for group in names.values() for n in group]
+    unmatched = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n in every)]
+    if unmatched:
+        raise UserError(
+            f"model.trainable pattern {unmatched[0]!r} matches no parameter; accepted: glob patterns over names such as "
+            f"{', '.join(repr(n) for n in (every[0], every[1], every[-1]))} (e.g. 'layers.*.attention.*')"
+        )
+    for p in model.parameters():
+        p.requires_grad_(any(fnmatch.fnmatchcase(n, pat) for n in names[id(p)] for pat in patterns))
 
 
 @lru_cache(maxsize=64)

@@ -17,7 +17,7 @@ def planning_spec(cfg: Config) -> ModelSpec:
     presets) the size of the tokenizer the run would train."""
     has_vocab = cfg.model.vocab_size is not None or PRESETS[cfg.model.preset]["vocab_size"] is not None
     shape = resolve_shape(cfg.model, None if has_vocab else cfg.data.vocab_size)
-    return LlamaSpec(shape, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+    return LlamaSpec(shape, loss_chunk_tokens=cfg.train.loss_chunk_tokens, trainable=tuple(cfg.model.trainable))
 
 
 __all__ = ["Candidate", "Memory", "Plan", "Setup", "estimate", "make_plan", "planning_spec"]

@@ -1,0 +1,67 @@
+"""Frozen base, subset training (model.trainable): on every engine, frozen parameters stay
+bit for bit, trainable ones change, and only trainable ones get optimizer state."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import sys
+
+import pytest
+
+from scaletrain.config import load_config
+from scaletrain.errors import UserError
+from scaletrain.models import resolve_shape
+from scaletrain.models.spec import LlamaSpec
+
+from helpers import PROBES, check, probe_command, run
+
+sys.path.insert(0, str(PROBES))
+from frozen import STRATEGIES, TRAINABLE  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def frozen_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("frozen")
+    check(run(probe_command("frozen", ["--out", str(out)], nproc=2), timeout=400))
+    return json.loads((out / "frozen.json").read_text())
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_only_the_trainable_parameters_change_and_have_optimizer_state(frozen_runs, strategy):
+    got = frozen_runs[strategy]
+    trainable = sorted(n for n in got["names"] if fnmatch.fnmatchcase(n, TRAINABLE))
+    assert trainable and len(trainable) < len(got["names"])  # a real subset
+    assert got["changed"] == trainable  # frozen ones bit for bit, every trainable one moved
+    assert got["with_state"] == trainable
+
+
+@pytest.mark.unit
+def test_a_pattern_that_matches_nothing_names_real_parameters():
+    cfg = load_config([], ["model.vocab_size=64", "model.trainable=['layers.*.attn.*']"])
+    spec = LlamaSpec(resolve_shape(cfg.model), trainable=tuple(cfg.model.trainable))
+    with pytest.raises(
+        UserError, match=r"model.trainable pattern 'layers.\*.attn.\*' matches no parameter; accepted: .*'tok_embeddings.weight'"
+    ):
+        spec.build_meta(16)
+
+
+@pytest.mark.unit
+def test_a_tied_weight_trains_when_either_name_matches():
+    cfg = load_config([], ["model.vocab_size=64", "model.trainable=['output.*']"])  # the tiny preset ties
+    model = LlamaSpec(resolve_shape(cfg.model), trainable=("output.*",)).build_meta(16)
+    assert model.tok_embeddings.weight.requires_grad and model.output.weight is model.tok_embeddings.weight
+    assert not any(p.requires_grad for n, p in model.named_parameters() if n.startswith("layers."))
+
+
+@pytest.mark.unit
+def test_resume_refuses_another_trainable_set(tmp_path):
+    from scaletrain.checkpoint.resume import check_config
+
+    (tmp_path / "config.yaml").write_text(load_config([], ["model.trainable=['layers.*']"]).to_yaml())
+    with pytest.raises(
+        UserError, match=r"model.trainable is \[\] but checkpoint .* was trained with \['layers.\*'\] \(its optimizer"
+    ):
+        check_config(tmp_path, load_config([], []), {}, {}, "x")
