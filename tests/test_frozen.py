@@ -14,7 +14,7 @@ from scaletrain.errors import UserError
 from scaletrain.models import resolve_shape
 from scaletrain.models.spec import LlamaSpec
 
-from helpers import PROBES, check, probe_command, run
+from helpers import PROBES, base_overrides, check, probe_command, run, scaletrain, train
 
 sys.path.insert(0, str(PROBES))
 from frozen import STRATEGIES, TRAINABLE  # noqa: E402
@@ -65,3 +65,34 @@ def test_resume_refuses_another_trainable_set(tmp_path):
         UserError, match=r"model.trainable is \[\] but checkpoint .* was trained with \['layers.\*'\] \(its optimizer"
     ):
         check_config(tmp_path, load_config([], []), {}, {}, "x")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_frozen_base_run_exports_exactly_its_trainable_tensors(small_dataset, tmp_path):
+    from scaletrain.checkpoint.hf_export import hf_name
+
+    run_dir, out = tmp_path / "run", tmp_path / "hf"
+    patterns = "model.trainable=['layers.*.feed_forward.*','norm.weight']"
+    check(train([*base_overrides(small_dataset, run_dir, steps=4), "checkpoint.every=4", patterns]))
+    check(scaletrain(["ckpt", "export", str(run_dir), str(out), "--trainable-only"]))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    names = [f"layers.{i}.feed_forward.w{j}.weight" for i in range(4) for j in (1, 2, 3)] + ["norm.weight"]
+    assert set(index["weight_map"]) == {hf_name(n) for n in names}
+
+
+@pytest.mark.unit
+def test_the_planner_counts_no_gradient_or_optimizer_state_for_frozen_parameters():
+    from scaletrain.plan import planning_spec
+    from scaletrain.plan.memory import Setup, estimate
+
+    def memory(*overrides: str):
+        spec = planning_spec(load_config([], ["model.preset=8b", *overrides]))
+        return spec, estimate(spec, Setup("fsdp", 8, 1, 4096, "bf16"))
+
+    _, full = memory()
+    spec, frozen = memory("model.trainable=['layers.*.attention.*']")
+    share = spec.counts().trainable / spec.counts().total
+    assert 0.05 < share < 0.3  # the attention projections of an 8B: 1.3B of 8.0B
+    assert frozen.params == full.params  # frozen weights are still held
+    assert frozen.grads == pytest.approx(full.grads * share) and frozen.optimizer == pytest.approx(full.optimizer * share)

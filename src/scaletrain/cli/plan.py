@@ -101,6 +101,11 @@ def _measure(cfg: Config, console: Console, as_json: bool) -> int:
 
     if cfg.parallel.strategy == "auto":
         raise UserError("--measure needs a concrete parallel.strategy (ddp, fsdp, zero1, zero2, zero3), not auto")
+    if cfg.model.trainable:
+        # MemTracker registers a gradient hook on every parameter: a frozen one refuses it.
+        raise UserError(
+            "--measure does not support model.trainable (torch's MemTracker cannot track frozen parameters); accepted: model.trainable=[]"
+        )
     if cfg.parallel.pp > 1:
         # torch's MemTracker hooks modules through autograd, which a pipeline stage's
         # backward (torch.autograd.grad on its outputs) does not support (torch 2.13).

@@ -45,6 +45,7 @@ class ModelCounts:
     matmul: int  # parameters multiplied per token: every Linear weight, a tied head included
     block: int  # parameters of one repeated block
     numels: tuple[int, ...]  # each distinct parameter tensor's elements
+    trainable: int = 0  # of total, those that train (model.trainable; all when it is empty)
 
     @property
     def largest(self) -> int:
@@ -241,6 +242,7 @@ def _counts(spec: ModelSpec) -> ModelCounts:
         matmul=sum(w.numel() for w in linear_weights),
         block=sum(p.numel() for p in next(spec.blocks(model).children()).parameters()),
         numels=tuple(p.numel() for p in distinct.values()),
+        trainable=sum(p.numel() for p in distinct.values() if p.requires_grad),
     )
 
 

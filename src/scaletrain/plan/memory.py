@@ -106,7 +106,10 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
     n_params = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0]
     w, g, o = _state_bytes_per_param(s.strategy, s.precision)
     shard = s.dp // s.dp_replicate if s.strategy == "fsdp" else s.dp
-    params, grads, optim = w * n_params, g * n_params, o * n_params
+    # Frozen parameters (model.trainable) keep their weights only: no gradient, no
+    # optimizer state, no fp32 master.
+    n_train = n_params * trainable_share(model)
+    params, grads, optim = w * n_params, g * n_train, o * n_train
     if s.strategy in ("fsdp", "zero3"):
         params, grads, optim = params / shard, grads / shard, optim / shard
     if s.strategy == "zero3" and s.offload_params == "none":
@@ -120,13 +123,13 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
         optim = optim / shard
     # ZeRO-1/2 step: the gradient partition is flattened into fp32 for the optimizer
     # (DeepSpeed's estimators count it as "4 bytes grads_32bit").
-    fp32_grad_partition = 4.0 * n_params / shard if s.strategy in ("zero1", "zero2") else 0.0
+    fp32_grad_partition = 4.0 * n_train / shard if s.strategy in ("zero1", "zero2") else 0.0
 
     cpu = 0.0
     if s.offload_optimizer != "none":
         # ZeRO-Offload: fp32 master, moments and the fp32 gradient partition live on the
         # host; reduced gradients go straight there, the device keeps only the buckets.
-        cpu += optim + 4.0 * n_params / shard
+        cpu += optim + 4.0 * n_train / shard
         optim, grads, fp32_grad_partition = 0.0, 0.0, 0.0
     if s.offload_params != "none":
         cpu += params
@@ -162,13 +165,23 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
     return Memory(params, grads, optim, act, loss, buffers + extra, peak, phase, cpu)
 
 
+def trainable_share(model: ModelSpec) -> float:
+    """The share of the parameters that train (1 unless model.trainable freezes some)."""
+    c = model.counts()
+    return c.trainable / c.total if c.trainable else 1.0
+
+
 def model_state_bytes(model: ModelSpec, s: Setup) -> tuple[float, float]:
     """(device, host) bytes of weights + gradients + optimizer state at the optimizer step,
     the quantity the ZeRO paper and DeepSpeed's estimators give, without buffers."""
     m = estimate(model, s)
     n_params = model.counts().total
     shard = s.dp // s.dp_replicate if s.strategy == "fsdp" else s.dp
-    step_grad = 4.0 * n_params / shard if s.strategy in ("zero1", "zero2") and s.offload_optimizer == "none" else 0.0
+    step_grad = (
+        4.0 * n_params * trainable_share(model) / shard
+        if s.strategy in ("zero1", "zero2") and s.offload_optimizer == "none"
+        else 0.0
+    )
     return m.params + m.grads + m.optimizer + step_grad, m.cpu
 
 

@@ -15,7 +15,7 @@ from scaletrain.errors import UserError
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel import dims_for
 from scaletrain.plan.hardware import Device, GiB
-from scaletrain.plan.memory import Memory, Setup, estimate
+from scaletrain.plan.memory import Memory, Setup, estimate, trainable_share
 from scaletrain.plan.pipeline import bubble, pp_comm_bytes_per_step, pp_options, rank_share, why_pp
 from scaletrain.stages import SCHEDULES
 
@@ -201,23 +201,25 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
     if n == 1:
         return 0.0
     psi = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0] / s.tp
+    # Gradients (and ZeRO-1/2's updated weights) exist for the trained parameters only.
+    train = psi * trainable_share(model)
     ring = (n - 1) / n
     torch_engine = s.strategy in ("ddp", "fsdp")
     grad_bytes = 4 if torch_engine or s.precision == "fp32" else 2
     param_bytes = 4 if s.precision == "fp32" else 2
     if s.strategy == "ddp":
-        return 2 * ring * psi * grad_bytes  # all-reduce = reduce-scatter + all-gather
+        return 2 * ring * train * grad_bytes  # all-reduce = reduce-scatter + all-gather
     if s.strategy in ("zero1", "zero2"):
-        return ring * psi * (grad_bytes + param_bytes)  # reduce-scatter grads, all-gather updated params
+        return ring * train * (grad_bytes + param_bytes)  # reduce-scatter grads, all-gather updated params
     # zero3 / fsdp: parameters all-gathered in forward and again in backward for every
     # micro-batch (unless kept gathered: shard-grad-op), gradients reduce-scattered once.
     # Under a pipeline a stage stays gathered for the whole step: one gather.
     gathers = 1 if s.pp > 1 else grad_accum * (1 if (s.strategy == "fsdp" and not s.reshard_after_forward) else 2)
     shard = n // s.dp_replicate
-    total = (shard - 1) / shard * psi * (gathers * param_bytes + grad_bytes)
+    total = (shard - 1) / shard * (psi * gathers * param_bytes + train * grad_bytes)
     if s.dp_replicate > 1:  # hybrid: all-reduce the gradient shards across replicas
         r = s.dp_replicate
-        total += 2 * (r - 1) / r * psi / shard * grad_bytes
+        total += 2 * (r - 1) / r * train / shard * grad_bytes
     return total
 
 
