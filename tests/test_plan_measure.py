@@ -62,10 +62,10 @@ def test_predicted_peak_within_15_percent_of_measured(world, overrides):
 def test_chunked_loss_lowers_the_measured_peak_as_predicted():
     # fp32 (bf16 matmuls take a minute here): the logits exist in fp32 anyway, so the
     # chunked loss saves only backward's fp32 temporary, less a chunk's: the planner
-    # predicts 198.3 -> 174.3 MiB, MemTracker measured 198.2 -> 178.3 (bytes counted, not
+    # predicts 198.3 -> 174.3 MiB, MemTracker measured 198.2 -> 174.3 (bytes counted, not
     # sampled: the same every run). In bf16 the saving is larger (docs/planner.md).
     base = CASES[0][1]  # tiny, 16 x 128
     plain, chunked = measure(1, base), measure(1, [*base, "train.loss_chunk_tokens=256"])
     saved = 1 - chunked["measured"]["peak"] / plain["measured"]["peak"]
-    assert saved > 0.08, f"measured peak {plain['measured']['peak'] / 2**20:.1f} -> {chunked['measured']['peak'] / 2**20:.1f} MiB"
+    assert saved > 0.1, f"measured peak {plain['measured']['peak'] / 2**20:.1f} -> {chunked['measured']['peak'] / 2**20:.1f} MiB"
     assert abs(chunked["predicted"]["peak"] / chunked["measured"]["peak"] - 1) <= 0.15

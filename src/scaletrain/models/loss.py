@@ -50,7 +50,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         scale = grad.float() / n
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            probs = torch.exp(logits[start:end].float() - lse[start:end, None])  # softmax, fp32
+            # One fp32 chunk, worked on in place: softmax, minus the one-hot, times the scale.
+            probs = logits[start:end].to(torch.float32, copy=True)  # a copy even of fp32 logits (saved for backward)
+            probs.sub_(lse[start:end, None]).exp_()
             probs[torch.arange(end - start, device=probs.device), targets[start:end]] -= 1.0
-            out[start:end] = (probs * scale).to(out.dtype)
+            out[start:end] = probs.mul_(scale)  # copy_ casts to the logits' dtype
         return out, None, None
