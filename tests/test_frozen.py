@@ -96,3 +96,16 @@ def test_the_planner_counts_no_gradient_or_optimizer_state_for_frozen_parameters
     assert 0.05 < share < 0.3  # the attention projections of an 8B: 1.3B of 8.0B
     assert frozen.params == full.params  # frozen weights are still held
     assert frozen.grads == pytest.approx(full.grads * share) and frozen.optimizer == pytest.approx(full.optimizer * share)
+
+
+@pytest.mark.unit
+def test_a_pipeline_stage_with_nothing_to_train_is_refused():
+    from scaletrain.engines.fsdp import stage_parts
+    from scaletrain.parallel import ParallelDims
+
+    shape = resolve_shape(load_config([], ["model.vocab_size=64", "model.tie_embeddings=false"]).model)
+    frozen_first_stage = LlamaSpec(shape, trainable=("output.weight",))
+    with pytest.raises(UserError, match=r"pipeline stage 0 \(blocks 0-1\) has no trainable parameter under model.trainable"):
+        stage_parts(frozen_first_stage, ParallelDims(1, 1, pp=2), 0, "1f1b", 16)
+    ids, parts, _ = stage_parts(LlamaSpec(shape, trainable=("layers.*",)), ParallelDims(1, 1, pp=2), 1, "1f1b", 16)
+    assert ids == [1] and any(p.requires_grad for p in parts[0].parameters())

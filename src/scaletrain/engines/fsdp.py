@@ -35,6 +35,7 @@ from scaletrain.engines.checkpointing import apply_activation_checkpointing
 from scaletrain.engines.dcp_state import TorchEngineMixin
 from scaletrain.engines.pipeline import MergedStages, Pipeline
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
+from scaletrain.errors import UserError
 from scaletrain.models.spec import LossFn, ModelSpec
 from scaletrain.optim import build_adamw
 from scaletrain.parallel import ParallelDims
@@ -158,7 +159,10 @@ class FSDPEngine(TorchEngineMixin):
         for group in groups:
             norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], foreach=True)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+        if not norms:  # a pipeline stage whose parameters are all frozen (model.trainable)
+            total = torch.zeros((), device=self.device)
+        else:
+            total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
         if self.pipeline is not None:
             total = self.pipeline.total_norm(total)  # this rank holds its stages' parameters only
         if self.clip_grad > 0:
@@ -221,12 +225,23 @@ def stage_parts(
     ids = stage_ids(schedule, dims.pp, dims.coordinates(rank)["pp"])
     first, block, last = spec.stage_costs(seq_len)
     ranges = split_blocks(spec.n_blocks, n_stages, block, first, last)
-    parts = []
-    for i in ids:
+
+    def stage(i: int) -> nn.Module:
         part = spec.build_meta(seq_len)
         spec.pipeline_stage(part, ranges[i], first=i == 0, last=i == n_stages - 1)
-        parts.append(part)
-    return ids, parts, ranges
+        return part
+
+    counts = spec.counts()
+    if counts.trainable != counts.total:
+        # A frozen base: a stage with nothing to train would have an empty optimizer, which
+        # torch's state-dict helpers refuse. Every rank checks every stage: the same verdict.
+        for i in range(n_stages):
+            if not any(p.requires_grad for p in stage(i).parameters()):
+                raise UserError(
+                    f"pipeline stage {i} (blocks {ranges[i].start}-{ranges[i].stop - 1}) has no trainable parameter under "
+                    "model.trainable; accepted: patterns that leave every stage something to train, or a smaller parallel.pp"
+                )
+    return ids, [stage(i) for i in ids], ranges
 
 
 def apply_fsdp(
