@@ -8,6 +8,7 @@ clipping, batch sizes, precision, loss scaler) to OUT/rank<R>.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -63,7 +64,12 @@ def main() -> None:
             "hysteresis": scaler["delayed_shift"],
         }
     (Path(args.out) / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(live))
-    del engine, optimizer
+    # Both ranks drop the engine (ZeRO-3's hooks and partitions) and meet before either
+    # tears gloo down: once, in CI, rank 1 aborted at exit ("terminate called without an
+    # active exception") after rank 0 had destroyed its group first.
+    del engine, optimizer, scheduler, model
+    gc.collect()
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
