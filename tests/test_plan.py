@@ -299,3 +299,19 @@ def test_tp_is_not_chosen_where_collectives_are_slow_or_the_model_does_not_split
         [], ["model.preset=tiny", "model.vocab_size=512", "model.dim=192", "model.n_heads=6", "parallel.strategy=auto"]
     )
     assert {c.setup.tp for c in make_plan(odd, planning_spec(odd), 8, 1, gpu("h100", "80GiB")).candidates} == {1, 2}
+
+
+def test_a_pipeline_stage_is_gathered_once_per_step_whatever_the_micro_batches():
+    from dataclasses import replace as with_
+
+    from scaletrain.plan.pipeline import rank_share
+    from scaletrain.plan.planner import comm_bytes_per_step
+
+    spec = planning_spec(load_config([], ["model.preset=70b"]))
+    s = Setup(strategy="fsdp", dp=4, micro_batch=1, seq_len=4096, precision="bf16", tp=8, pp=4, grad_accum=8)
+    few, many = comm_bytes_per_step(spec, s, 8), comm_bytes_per_step(spec, with_(s, grad_accum=32), 32)
+    # One bf16 all-gather of the stage and one fp32 reduce-scatter of its gradients, over dp 4.
+    psi = rank_share(spec, 4, "1f1b", 4096)[0] / 8
+    assert few == many == pytest.approx(3 / 4 * psi * (2 + 4))
+    # Without a pipeline FSDP gathers twice per micro-batch.
+    assert comm_bytes_per_step(spec, with_(s, pp=1), 8) > 10 * few
