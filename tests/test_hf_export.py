@@ -9,11 +9,12 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from scaletrain.checkpoint.hf_export import export_hf, hf_name
+from scaletrain.checkpoint.hf_export import export_hf, export_target, hf_name
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.engines.dcp_state import save_dcp
 from scaletrain.models.llama import build_model
 from scaletrain.models.presets import ModelShape
+from scaletrain.models.spec import LlamaSpec
 
 from helpers import assert_hf_export_matches, check, one_line_error, scaletrain
 
@@ -72,7 +73,9 @@ def test_bf16_and_trainable_only_export_in_small_shards(tmp_path):
     layout = ParamLayout(build_model(shape, 16, seed=0).to("meta"))
     out = tmp_path / "hf"
     # 3 KiB shards: each of these tensors (2-8 KiB in bf16) gets a file of its own or shares one.
-    done = export_hf(ckpt, out, layout, shape, 16, dtype="bf16", trainable_only=True, max_shard_bytes=3 << 10)
+    done = export_hf(
+        ckpt, out, layout, export_target(LlamaSpec(shape), 16), dtype="bf16", trainable_only=True, max_shard_bytes=3 << 10
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert (
         set(index["weight_map"]) == {hf_name(n) for n in trained} == {"model.layers.1.self_attn.q_proj.weight", "lm_head.weight"}

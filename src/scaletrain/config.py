@@ -27,6 +27,11 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
+    # builtin: scaletrain's own Llama, shaped by the preset and the fields below. hf: a
+    # Hugging Face causal LM from a local directory (path) or an inline config (hf_config).
+    source: Literal["builtin", "hf"] = "builtin"
+    path: str | None = None  # source hf: a local directory written by save_pretrained
+    hf_config: dict[str, Any] | None = None  # source hf: {model_type: llama, hidden_size: ...}
     preset: Literal[MODEL_PRESETS] = "tiny"  # type: ignore[valid-type]
     # Each shape field overrides the preset when set; vocab_size defaults to the tokenizer's.
     vocab_size: int | None = Field(None, ge=2)
@@ -42,6 +47,30 @@ class ModelConfig(Section):
     # match are trained, every other one is frozen (no gradient, no optimizer state).
     # Empty: everything trains.
     trainable: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        shape = [k for k in _SHAPE_FIELDS if getattr(self, k) is not None]
+        if self.source == "builtin":
+            given = [k for k in ("path", "hf_config") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(
+                    f"model.{given[0]} is for Hugging Face models; accepted: model.source=hf with it, or no model.{given[0]}"
+                )
+        elif (self.path is None) == (self.hf_config is None):
+            raise ValueError(
+                "model.source=hf needs exactly one of model.path (a local directory) or model.hf_config (an inline config)"
+            )
+        elif shape:
+            raise ValueError(
+                f"model.{shape[0]} shapes the built-in model; accepted: the field in model.hf_config, or model.source=builtin"
+            )
+        if self.hf_config is not None and "model_type" not in self.hf_config:
+            raise ValueError("model.hf_config has no model_type; accepted: e.g. {model_type: llama, hidden_size: 64, ...}")
+        return self
+
+
+_SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "rope_theta")
 
 
 class DataConfig(Section):
@@ -283,6 +312,17 @@ class Config(Section):
         problem = schedule_problem(par.pp_schedule, par.pp, self.train.grad_accum)
         if problem:
             raise ValueError(f"parallel.pp_schedule={par.pp_schedule}: {problem}")
+        return self
+
+    @model_validator(mode="after")
+    def _tokenizer_from_model_dir(self) -> Config:
+        # A Hugging Face model directory normally carries the tokenizer the model was trained
+        # with: the data is tokenized with it unless data.tokenizer names another.
+        m = self.model
+        if m.source == "hf" and m.path and self.data.tokenizer is None:
+            tok = Path(m.path).expanduser() / "tokenizer.json"
+            if tok.is_file():
+                self.data.tokenizer = str(tok)
         return self
 
     @model_validator(mode="after")

@@ -22,8 +22,7 @@ from scaletrain.config import load_config
 from scaletrain.distributed import ALONE, shutdown
 from scaletrain.engines import build_engine
 from scaletrain.errors import UserError
-from scaletrain.models import LlamaSpec
-from scaletrain.models.presets import ModelShape
+from scaletrain.models import saved_spec
 from scaletrain.optim import decay_groups
 from scaletrain.parallel import dims_for
 
@@ -36,7 +35,7 @@ def convert(src: Path, dst: Path, strategy: str, overrides: list[str]) -> str:
     cfg = load_config([str(src / "config.yaml")], [*reset, f"parallel.strategy={strategy}", *overrides])
     world = ALONE
     dims = dims_for(cfg.parallel, 1)
-    spec = LlamaSpec(ModelShape(**saved["model"]))
+    spec = saved_spec(saved["model"])
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
     state = read_state(src, layout)
     torch.manual_seed(cfg.train.seed)

@@ -23,7 +23,7 @@ from scaletrain.distributed import World, all_hostnames, init_distributed, rank0
 from scaletrain.engines import build_engine
 from scaletrain.errors import UserError
 from scaletrain.guards import ReplicaCheck, Watchdog
-from scaletrain.models import LlamaSpec, ModelSpec, resolve_shape
+from scaletrain.models import ModelSpec, model_spec
 from scaletrain.nonfinite import NonfiniteGuard, nan_loss
 from scaletrain.optim import decay_groups, lr_at, scaled_lr
 from scaletrain.parallel import describe, dims_for
@@ -57,11 +57,7 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
         paths.root.mkdir(parents=True, exist_ok=True)
 
     data = PackedTokens(_prepared_data(cfg, world), cfg.data.seq_len, cfg.train.seed)
-    spec: ModelSpec = LlamaSpec(
-        resolve_shape(cfg.model, data.vocab_size),
-        loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-        trainable=tuple(cfg.model.trainable),
-    )
+    spec: ModelSpec = model_spec(cfg, data.vocab_size)
     spec.build_meta(cfg.data.seq_len)  # a model.trainable pattern that matches nothing stops here
     cfg, notes = plan_run(cfg, world, spec)  # before any allocation; resolves strategy=auto
     dims = dims_for(cfg.parallel, world.world_size)

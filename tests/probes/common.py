@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from scaletrain.config import Config, load_config
 from scaletrain.engines import Engine, build_engine
-from scaletrain.models import LlamaSpec, resolve_shape
+from scaletrain.models import ModelSpec, model_spec
 from scaletrain.optim import decay_groups
 from scaletrain.parallel import dims_for
 
@@ -14,8 +14,8 @@ SMALL_MODEL = ["model.vocab_size=67", "model.dim=32", "model.n_layers=2", "model
                "model.ffn_dim=48", "data.seq_len=16", "train.micro_batch=2", "run.device=cpu"]  # fmt: skip
 
 
-def build(overrides: list[str], world) -> tuple[Engine, LlamaSpec, Config]:
+def build(overrides: list[str], world) -> tuple[Engine, ModelSpec, Config]:
     cfg = load_config([], overrides)
-    spec = LlamaSpec(resolve_shape(cfg.model), trainable=tuple(cfg.model.trainable))
+    spec = model_spec(cfg, None)
     engine = build_engine(spec, world, dims_for(cfg.parallel, world.world_size), cfg, decay_groups(cfg.train.weight_decay))
     return engine, spec, cfg

@@ -1,8 +1,9 @@
-"""Export a checkpoint of the built-in Llama as a Hugging Face LlamaForCausalLM directory:
-safetensors shards + index, config.json, generation_config.json and the run's tokenizer.
+"""Export a checkpoint as a Hugging Face model directory: safetensors shards + index,
+config.json, generation_config.json and the run's tokenizer.
 
-The built-in model uses rotate-half RoPE, HF Llama's layout, so tensors are renamed, never
-permuted. Peak memory stays near the largest tensor, not the model: each shard's header is
+The built-in Llama becomes a LlamaForCausalLM: it uses rotate-half RoPE, HF Llama's
+layout, so tensors are renamed, never permuted. A Hugging Face model (model.source=hf)
+keeps its own names and config. Peak memory stays near the largest tensor, not the model: each shard's header is
 computed from shapes alone, then every tensor is read from the checkpoint (one DCP key,
 or one DeepSpeed universal file), converted and appended to its shard, and dropped. The
 safetensors format (an 8-byte little-endian header length, a JSON header of dtype, shape
@@ -17,6 +18,8 @@ import json
 import re
 import shutil
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ from scaletrain.checkpoint.formats import read_stamp
 from scaletrain.checkpoint.neutral import ParamLayout, WeightStream
 from scaletrain.errors import UserError
 from scaletrain.models.presets import ModelShape
+from scaletrain.models.spec import LlamaSpec, ModelSpec
 
 DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16"), "fp16": (torch.float16, "F16")}
 _RENAMES = [
@@ -74,12 +78,31 @@ def hf_config(shape: ModelShape, max_positions: int, dtype: str, bos_eos: int | 
     }
 
 
+@dataclass(frozen=True)
+class ExportTarget:
+    """What a checkpoint becomes: each tensor's HF name, config.json (from the dtype name
+    and the tokenizer's end-of-document id) and whether the head is the embedding."""
+
+    rename: Callable[[str], str]
+    config: Callable[[str, int | None], dict[str, Any]]
+    tied: bool
+
+
+def export_target(spec: ModelSpec, max_positions: int) -> ExportTarget:
+    if isinstance(spec, LlamaSpec):
+        shape = spec.shape
+        return ExportTarget(hf_name, lambda dtype, eos: hf_config(shape, max_positions, dtype, eos), shape.tie_embeddings)
+    from scaletrain.models.hf import HFSpec
+
+    assert isinstance(spec, HFSpec)
+    return ExportTarget(lambda name: name, spec.export_config, spec.tied)
+
+
 def export_hf(
     ckpt: Path,
     out: Path,
     layout: ParamLayout,
-    shape: ModelShape,
-    max_positions: int,
+    target: ExportTarget,
     dtype: str = "bf16",
     trainable_only: bool = False,
     tokenizer: Path | None = None,
@@ -95,7 +118,7 @@ def export_hf(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with WeightStream(ckpt, layout) as weights:
-        names = [n for n in layout.shapes if not (shape.tie_embeddings and n in layout.aliases)]
+        names = [n for n in layout.shapes if not (target.tied and n in layout.aliases)]
         if trainable_only:
             names = [n for n in names if layout.aliases.get(n, n) in weights.trained]
             if not names:
@@ -105,14 +128,15 @@ def export_hf(
         total = 0
         for i, shard in enumerate(shards):
             file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            total += _write_shard(tmp / file, shard, layout, weights, torch_dtype, st_dtype)
-            weight_map |= {hf_name(n): file for n in shard}
+            total += _write_shard(tmp / file, shard, layout, weights, torch_dtype, st_dtype, target.rename)
+            weight_map |= {target.rename(n): file for n in shard}
     index = {"metadata": {"total_size": total, "format": "pt"}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     eos = _write_tokenizer(tmp, tokenizer) if tokenizer else None
-    config = hf_config(shape, max_positions, dtype, eos)
+    config = target.config(dtype, eos)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": eos}, indent=2) + "\n")
+    generation = {k: config.get(k) for k in ("bos_token_id", "eos_token_id")}
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     _check_readable(tmp, weight_map)
     tmp.rename(out)  # whole or not at all
     stamp = read_stamp(ckpt)
@@ -134,14 +158,20 @@ def _plan_shards(names: list[str], layout: ParamLayout, dtype: torch.dtype, limi
 
 
 def _write_shard(
-    path: Path, names: list[str], layout: ParamLayout, weights: WeightStream, dtype: torch.dtype, st_dtype: str
+    path: Path,
+    names: list[str],
+    layout: ParamLayout,
+    weights: WeightStream,
+    dtype: torch.dtype,
+    st_dtype: str,
+    rename: Callable[[str], str],
 ) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name in names:
         nbytes = layout.shapes[name].numel() * itemsize
-        header[hf_name(name)] = {"dtype": st_dtype, "shape": list(layout.shapes[name]), "data_offsets": [offset, offset + nbytes]}
+        header[rename(name)] = {"dtype": st_dtype, "shape": list(layout.shapes[name]), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned

@@ -93,7 +93,11 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold a dataset yet)")
     defaults = DataConfig()
     prep.add_argument("--vocab-size", type=int, default=defaults.vocab_size, help="BPE vocabulary size when training a tokenizer")
-    prep.add_argument("--tokenizer", metavar="TOKENIZER.json", help="use this tokenizer instead of training one")
+    prep.add_argument(
+        "--tokenizer",
+        metavar="TOKENIZER",
+        help="use this tokenizer.json (or a model directory holding one) instead of training one",
+    )
     prep.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.parquet records")
     prep.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens, help="tokens per shard file")
     prep.set_defaults(func=_cmd_data_prepare)

@@ -135,18 +135,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from scaletrain.checkpoint.hf_export import export_hf
+    from scaletrain.checkpoint.hf_export import export_hf, export_target
     from scaletrain.checkpoint.neutral import ParamLayout
     from scaletrain.config import load_config
-    from scaletrain.models import LlamaSpec
-    from scaletrain.models.presets import ModelShape
+    from scaletrain.models import saved_spec
     from scaletrain.plan.hardware import parse_size
 
     path = resolve(args.ckpt)
     saved = json.loads((path / "trainer.json").read_text())
     cfg = load_config([str(path / "config.yaml")])
-    shape = ModelShape(**saved["model"])
-    layout = ParamLayout(LlamaSpec(shape).build_meta(cfg.data.seq_len))
+    spec = saved_spec(saved["model"])
+    layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
     tokenizer = Path(args.tokenizer) if args.tokenizer else _run_tokenizer(cfg)
     if tokenizer is not None and not tokenizer.is_file():
         raise UserError(f"--tokenizer {tokenizer}: no such file; accepted: a tokenizer.json")
@@ -154,8 +153,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         path,
         Path(args.out),
         layout,
-        shape,
-        max_positions=cfg.data.seq_len,
+        export_target(spec, max_positions=cfg.data.seq_len),
         dtype=args.dtype,
         trainable_only=args.trainable_only,
         tokenizer=tokenizer,

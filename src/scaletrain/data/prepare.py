@@ -79,11 +79,22 @@ def _train_tokenizer(docs: Iterator[str], vocab_size: int) -> Any:
     return tok
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """A tokenizer.json, given as the file or as the model directory that holds it."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / TOKENIZER_FILE
+    if not p.is_file():
+        raise UserError(
+            f"data.tokenizer: {str(path)!r} not found; accepted: a Hugging Face tokenizer.json file, or a directory holding one"
+        )
+    return p
+
+
 def _load_tokenizer(path: Path) -> Any:
     from tokenizers import Tokenizer
 
-    if not path.is_file():
-        raise UserError(f"data.tokenizer: {str(path)!r} not found; accepted: a Hugging Face tokenizer.json file")
+    path = tokenizer_file(path)
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception for malformed files
@@ -233,9 +244,9 @@ def _build(
             tok.save(str(tmp / TOKENIZER_FILE))
             source = f"trained here (byte-level BPE, vocab {vocab_size})"
         else:
-            tok = _load_tokenizer(Path(tokenizer).expanduser())
-            shutil.copyfile(Path(tokenizer).expanduser(), tmp / TOKENIZER_FILE)
-            source = str(Path(tokenizer).expanduser().resolve())
+            tok = _load_tokenizer(Path(tokenizer))
+            shutil.copyfile(tokenizer_file(tokenizer), tmp / TOKENIZER_FILE)
+            source = str(tokenizer_file(tokenizer).resolve())
         eos_id, eos_token = _eos_id(tok, source)
         vocab = _vocab_size(tok)
         # Ids run 0..vocab-1, so uint16 holds them exactly when vocab <= 65536.
@@ -337,9 +348,7 @@ def resolve_dataset_dir(data_cfg: Any) -> tuple[Path, list[str] | None]:
     files = expand_inputs(inputs, what="data.paths")
     tok_key: Any = None
     if data_cfg.tokenizer is not None:
-        tp = Path(data_cfg.tokenizer).expanduser()
-        if not tp.is_file():
-            raise UserError(f"data.tokenizer: {data_cfg.tokenizer!r} not found; accepted: a Hugging Face tokenizer.json file")
+        tp = tokenizer_file(data_cfg.tokenizer)
         st = tp.stat()
         tok_key = [str(tp.resolve()), st.st_size, st.st_mtime_ns]
     key = {

@@ -184,9 +184,9 @@ class Llama(nn.Module):
             else:
                 std = out_std if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
                 gen = torch.Generator(device="cpu")
-                gen.manual_seed(_param_seed(seed, name))
+                gen.manual_seed(param_seed(seed, name))
                 full = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-            _copy_full(param, full)
+            copy_full(param, full)
 
 
 def keep_stage(model: Llama, blocks: range, first: bool, last: bool) -> None:
@@ -205,14 +205,14 @@ def canonical_name(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
 
 
-def _param_seed(seed: int, name: str) -> int:
+def param_seed(seed: int, name: str) -> int:
     # torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so the run seed
     # cannot sit in the high bits; it becomes the CRC's starting value instead. For one name,
     # that map is a bijection, so distinct seeds below 2**32 always give distinct streams.
     return zlib.crc32(name.encode(), zlib.crc32((seed & 0xFFFF_FFFF).to_bytes(4, "little")))
 
 
-def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a full-size CPU tensor into `param`, which may be a sharded DTensor (FSDP2)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 

@@ -231,7 +231,14 @@ def _counts(spec: ModelSpec) -> ModelCounts:
     total = sum(p.numel() for p in distinct.values())
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     embedding = sum(distinct[i].numel() for i in embedding_ids)
-    linear_weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    # Every 2-D weight outside an embedding table multiplies activations: nn.Linear, and
+    # the same under other names (GPT-2's Conv1D); a tied head counts again here.
+    linear_weights = [
+        w
+        for m in model.modules()
+        if isinstance(w := getattr(m, "weight", None), torch.Tensor) and w.dim() == 2
+        if not isinstance(m, nn.Embedding)
+    ]
     output = _output_head(model)
     untied_output = output.weight.numel() if output is not None and id(output.weight) not in embedding_ids else 0
     return ModelCounts(

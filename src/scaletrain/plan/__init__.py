@@ -7,7 +7,7 @@ process group, no engine, no training loop; those use the planner, never the rev
 from __future__ import annotations
 
 from scaletrain.config import Config
-from scaletrain.models import PRESETS, LlamaSpec, ModelSpec, resolve_shape
+from scaletrain.models import PRESETS, ModelSpec, model_spec
 from scaletrain.plan.memory import Memory, Setup, estimate
 from scaletrain.plan.planner import Candidate, Plan, make_plan
 
@@ -15,9 +15,11 @@ from scaletrain.plan.planner import Candidate, Plan, make_plan
 def planning_spec(cfg: Config) -> ModelSpec:
     """The model to plan for before any tokenizer exists: the preset's vocabulary, or (CPU
     presets) the size of the tokenizer the run would train."""
-    has_vocab = cfg.model.vocab_size is not None or PRESETS[cfg.model.preset]["vocab_size"] is not None
-    shape = resolve_shape(cfg.model, None if has_vocab else cfg.data.vocab_size)
-    return LlamaSpec(shape, loss_chunk_tokens=cfg.train.loss_chunk_tokens, trainable=tuple(cfg.model.trainable))
+    if cfg.model.source == "hf":
+        has_vocab = cfg.model.path is not None or "vocab_size" in (cfg.model.hf_config or {})
+    else:
+        has_vocab = cfg.model.vocab_size is not None or PRESETS[cfg.model.preset]["vocab_size"] is not None
+    return model_spec(cfg, None if has_vocab else cfg.data.vocab_size)
 
 
 __all__ = ["Candidate", "Memory", "Plan", "Setup", "estimate", "make_plan", "planning_spec"]

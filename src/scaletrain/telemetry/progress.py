@@ -86,7 +86,7 @@ def print_banner(
         f" ({world.backend})" if world.backend else ""
     )
     console.print(
-        f"[bold]scaletrain[/] model {cfg.model.preset}: {model.counts().total / 1e6:.2f}M params, "
+        f"[bold]scaletrain[/] model {model_label(cfg, model)}: {model.counts().total / 1e6:.2f}M params, "
         f"{model.flops_per_token(cfg.data.seq_len) / 1e6:.1f} MFLOPs/token | {where} | {cfg.precision} | "
         f"data {samples_per_epoch:,} samples/epoch of {cfg.data.seq_len} tokens | {tokens_per_step:,} tokens/step"
         + (f" | resuming from {resume_from}" if resume_from else ""),
@@ -135,3 +135,10 @@ def print_run_summary(console: Console, paths: Any, summary: dict[str, Any], res
         ("checkpoints", ", ".join(p.name for _, p in complete_checkpoints(paths.checkpoints)) or "none"),
     ]
     print_summary(console, "training finished", items)
+
+
+def model_label(cfg: Any, model: Any) -> str:
+    """The built-in model's preset, or a Hugging Face model's type and where it came from."""
+    if cfg.model.source == "builtin":
+        return str(cfg.model.preset)
+    return f"{model.model_type} (Hugging Face, {cfg.model.path or 'inline config'})"

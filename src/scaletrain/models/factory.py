@@ -1,0 +1,44 @@
+"""The model spec a config (or a saved checkpoint) describes: the built-in Llama or a
+Hugging Face model. Callers never construct a spec class themselves."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from scaletrain.errors import UserError
+from scaletrain.models.presets import ModelShape, resolve_shape
+from scaletrain.models.spec import LlamaSpec, ModelSpec
+
+
+def model_spec(cfg: Any, vocab_size: int | None) -> ModelSpec:
+    """`cfg.model` as a spec; `vocab_size` is the tokenizer's (None before one exists)."""
+    m = cfg.model
+    common: dict[str, Any] = {"loss_chunk_tokens": cfg.train.loss_chunk_tokens, "trainable": tuple(m.trainable)}
+    if m.source == "builtin":
+        return LlamaSpec(resolve_shape(m, vocab_size), **common)
+    from scaletrain.models.hf import HFSpec, load_config
+
+    conf = load_config(m.path, m.hf_config, vocab_size)
+    if vocab_size is not None and conf["vocab_size"] < vocab_size:
+        # A token id past the embedding table would fail at the first rare token, long after start-up.
+        where = f"model.path {m.path!r}" if m.path else "model.hf_config"
+        raise UserError(
+            f"{where} has vocab_size={conf['vocab_size']}, smaller than the data tokenizer's {vocab_size} tokens; accepted: "
+            "the model's own tokenizer (data.tokenizer=<model dir>) or a model with a vocabulary at least that large"
+        )
+    return HFSpec(_canonical_json(conf), path=m.path, **common)
+
+
+def saved_spec(saved_model: dict[str, Any]) -> ModelSpec:
+    """The spec a checkpoint's trainer.json "model" entry (spec.config()) describes. Its
+    weights come from the checkpoint, so a Hugging Face model needs no directory."""
+    if saved_model.get("source") == "hf":
+        from scaletrain.models.hf import HFSpec
+
+        return HFSpec(_canonical_json(saved_model["hf_config"]))
+    return LlamaSpec(ModelShape(**saved_model))
+
+
+def _canonical_json(conf: dict[str, Any]) -> str:
+    return json.dumps(conf, sort_keys=True, default=str)

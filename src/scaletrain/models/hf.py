@@ -1,0 +1,380 @@
+"""Hugging Face causal language models as a model spec (`model.source: hf`).
+
+The model comes from a local directory (`model.path`: its config.json and safetensors
+weights, `from_pretrained`'s layout) or from an inline config (`model.hf_config`: any
+`model_type` transformers knows, built with `from_config`). Nothing is fetched: the hub
+is switched off before transformers is imported.
+
+Everything engine-facing goes through the model's own structure, never a name list per
+architecture: the repeated blocks are the ModuleList whose children are the classes the
+model itself declares unsplittable (`_no_split_modules`, what HF's own device maps and
+FSDP wrapping policies use); the planner's traced block is the model's first decoder
+layer called with exactly the arguments the model passes it (captured by a hook on a
+one-layer copy under fake tensors), so rotary tables, masks and position ids come from the
+architecture's own code.
+
+Weights are built on the meta device and materialized by the engine (sharded first under
+FSDP): from the directory one tensor at a time (read from the memory-mapped safetensors,
+cast to the engine's fp32 master dtype, and copied into this rank's shard), so no rank
+ever holds a second full copy of the model; or, for an inline config, by the same
+per-parameter seeded init as the built-in Llama (N(0, initializer_range) for matmul and
+embedding weights, ones and zeros for norms, zeros for biases: HF's own `_init_weights`
+rule) so values do not depend on the engine or the sharding. Non-persistent buffers
+(rotary inverse frequencies) are recomputed by the model's own `_init_weights`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain.errors import UserError
+from scaletrain.models.llama import canonical_name, copy_full, param_seed
+from scaletrain.models.loss import cross_entropy
+
+# Keys of a config's dict that say nothing about the tensors: left out of what a resume
+# compares and of what rebuilds the model.
+_VOLATILE = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache", "_attn_implementation_autoset")
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def transformers_module() -> Any:
+    """transformers, offline and quiet (its warnings about unused generation fields would
+    bury scaletrain's own lines)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(
+            "model.source=hf needs the transformers package; accepted: pip install 'scaletrain[hf]', or model.source=builtin"
+        ) from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def load_config(path: str | None, inline: dict[str, Any] | None, vocab_size: int | None) -> dict[str, Any]:
+    """The model's config as a plain dict: read from `path`/config.json, or the inline one
+    with the data's vocabulary size where it names none. Checked by transformers."""
+    tf = transformers_module()
+    if path is not None:
+        d = Path(path).expanduser()
+        if not (d / "config.json").is_file():
+            raise UserError(f"model.path: {path!r} has no config.json; accepted: a local directory written by save_pretrained")
+        conf = tf.AutoConfig.from_pretrained(str(d), local_files_only=True)
+    else:
+        raw = dict(inline or {})
+        model_type = raw.pop("model_type", None)
+        if model_type not in tf.CONFIG_MAPPING:
+            raise UserError(
+                f"model.hf_config.model_type {model_type!r} is unknown to transformers; accepted: e.g. llama, qwen2, gpt2, mistral"
+            )
+        if vocab_size is not None and "vocab_size" not in raw:
+            raw["vocab_size"] = vocab_size
+        try:
+            conf = tf.AutoConfig.for_model(model_type, **raw)
+        except (TypeError, ValueError) as e:
+            raise UserError(
+                f"model.hf_config: transformers refused it ({e}); accepted: the fields of a {model_type} config"
+            ) from None
+    if not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in _causal_archs(tf, conf)):
+        raise UserError(f"model_type {conf.model_type!r} has no causal language model class; accepted: decoder-only models")
+    out = {k: v for k, v in conf.to_dict().items() if k not in _VOLATILE}
+    return out
+
+
+def _causal_archs(tf: Any, conf: Any) -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(conf.model_type)
+    return [cls] if isinstance(cls, str) else list(cls or [])
+
+
+@dataclass(frozen=True)
+class HFSpec:
+    """A Hugging Face causal LM; `hf_config` is its config as JSON (hashable), `path` the
+    directory whose weights it starts from (None: seeded init)."""
+
+    hf_config: str
+    path: str | None = None
+    name: str = "hf"
+    loss_chunk_tokens: int = 0
+    trainable: tuple[str, ...] = ()
+
+    @cached_property
+    def _conf(self) -> Any:
+        tf = transformers_module()
+        raw = json.loads(self.hf_config)
+        conf = tf.AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+        conf.use_cache = False  # training: no key/value cache is built
+        return conf
+
+    @property
+    def model_type(self) -> str:
+        return str(self._conf.model_type)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._conf.vocab_size)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self._conf.hidden_size)
+
+    @property
+    def n_blocks(self) -> int:
+        return int(self._conf.num_hidden_layers)
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self._conf, "max_position_embeddings", None)
+
+    @property
+    def tied(self) -> bool:
+        return bool(getattr(self._conf, "tie_word_embeddings", False))
+
+    def _build(self, conf: Any) -> nn.Module:
+        tf = transformers_module()
+        # fp32 parameters: the engines keep fp32 masters and cast for compute themselves.
+        # sdpa: torch's fused attention, on every device.
+        return tf.AutoModelForCausalLM.from_config(conf, dtype=torch.float32, attn_implementation="sdpa")
+
+    def build_meta(self, max_seq_len: int) -> nn.Module:
+        from scaletrain.models.spec import freeze_all_but
+
+        if self.max_positions is not None and max_seq_len > self.max_positions:
+            raise UserError(
+                f"data.seq_len={max_seq_len} exceeds the model's max_position_embeddings={self.max_positions}; "
+                f"accepted: data.seq_len <= {self.max_positions}"
+            )
+        with torch.device("meta"):
+            model = self._build(self._conf)
+        freeze_all_but(model, self.trainable)
+        return model
+
+    def blocks(self, model: nn.Module) -> nn.Module:
+        return decoder_layers(model)
+
+    def materialize(self, model: nn.Module, device: torch.device, seed: int) -> None:
+        model.to_empty(device=device)
+        if self.tied:
+            model.tie_weights()  # type: ignore[operator]  # to_empty gave the head its own storage
+        _init_buffers(model)
+        if self.path is not None:
+            _load_weights(model, Path(self.path).expanduser())
+        else:
+            _seeded_init(model, seed, float(getattr(self._conf, "initializer_range", 0.02)))
+
+    def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        logits = output if isinstance(output, torch.Tensor) else output.logits
+        return cross_entropy(logits, targets, self.loss_chunk_tokens)
+
+    def config(self) -> dict[str, Any]:
+        return {"source": "hf", "hf_config": json.loads(self.hf_config)}
+
+    def counts(self) -> Any:
+        from scaletrain.models.spec import _counts
+
+        return _counts(self)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        # As the built-in Llama's: 6 x matmul parameters plus attention scores and values.
+        c = self._conf
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return float(6 * self.counts().matmul + 12 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len)
+
+    def traced_block(self, seq_len: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        return _captured_block(self, seq_len), ()
+
+    def traced_head(self) -> nn.Module:
+        model = self._build(self._one_layer())
+        norm = _final_norm(model)
+        head = model.get_output_embeddings()  # type: ignore[operator]
+        return nn.Sequential(norm, head) if norm is not None else head
+
+    def _one_layer(self) -> Any:
+        conf = self._conf.__class__.from_dict(self._conf.to_dict())
+        conf.num_hidden_layers = 1
+        if getattr(conf, "layer_types", None):
+            conf.layer_types = conf.layer_types[:1]
+        return conf
+
+    def export_config(self, dtype: str, eos: int | None) -> dict[str, Any]:
+        """config.json for `ckpt export`: the model's own config, its causal-LM class, the
+        exported dtype; the tokenizer's end-of-document id where the config names none."""
+        tf = transformers_module()
+        conf = json.loads(self.hf_config)
+        torch_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
+        ids = {k: conf.get(k) if conf.get(k) is not None else eos for k in ("bos_token_id", "eos_token_id")}
+        return conf | ids | {"architectures": _causal_archs(tf, self._conf)[:1], "dtype": torch_dtype, "use_cache": True}
+
+    def check_tp(self, tp: int) -> None:
+        raise UserError(
+            f"parallel.tp={tp} is not offered for Hugging Face models (no tensor-parallel plan is checked for them); "
+            "accepted: parallel.tp=1 with fsdp or zero3, or the built-in model"
+        )
+
+    def apply_tp(self, model: nn.Module, mesh: Any, sequence_parallel: bool, loss_parallel: bool) -> None:
+        self.check_tp(mesh.size())
+
+    def check_pp(self, pp: int) -> None:
+        if pp > 1:
+            raise UserError(
+                f"parallel.pp={pp} is not offered for Hugging Face models (their forward cannot run one stage alone); "
+                "accepted: parallel.pp=1, or the built-in model"
+            )
+
+    def pipeline_stage(self, model: nn.Module, blocks: range, first: bool, last: bool) -> None:
+        self.check_pp(2)
+
+    def stage_costs(self, seq_len: int) -> tuple[float, float, float]:
+        c = self.counts()
+        per_block = (self.flops_per_token(seq_len) - 6 * c.output) / max(self.n_blocks, 1)
+        return 0.0, per_block, float(6 * (c.output or c.embedding))
+
+
+def decoder_layers(model: nn.Module) -> nn.Module:
+    """The ModuleList holding the model's decoder layers: the one whose children are the
+    classes the model declares unsplittable, else the longest ModuleList."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    for m in lists:
+        if all(_unwrapped(c).__class__.__name__ in names for c in m.children()):
+            return m
+    if not lists:
+        raise UserError(f"{type(model).__name__} has no list of repeated layers; accepted: decoder-only transformer models")
+    return max(lists, key=len)
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    return getattr(module, "_checkpoint_wrapped_module", module)
+
+
+def _final_norm(model: nn.Module) -> nn.Module | None:
+    """The base model's last norm (applied to the last layer's output before the head)."""
+    base = getattr(model, str(model.base_model_prefix), model)
+    norms = [
+        m for n, m in base.named_children() if "norm" in type(m).__name__.lower() or n in ("norm", "ln_f", "final_layernorm")
+    ]
+    return norms[-1] if norms else None
+
+
+def _init_buffers(model: nn.Module) -> None:
+    """Recompute the buffers to_empty left uninitialized (rotary inverse frequencies): each
+    module holding buffers but no parameters of its own goes through the model's
+    `_init_weights`, the architecture's own rule for them."""
+    for module in model.modules():
+        if any(True for _ in module.buffers(recurse=False)) and not any(True for _ in module.parameters(recurse=False)):
+            model._init_weights(module)  # type: ignore[operator]
+
+
+@torch.no_grad()
+def _seeded_init(model: nn.Module, seed: int, std: float) -> None:
+    owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
+    for name, param in model.named_parameters():
+        name = canonical_name(name)
+        owner = type(owners[id(param)]).__name__
+        if name.endswith("bias"):
+            full = torch.zeros(param.shape)
+        elif "Norm" in owner or "norm" in owner:
+            full = torch.ones(param.shape)
+        else:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(param_seed(seed, name))
+            full = torch.empty(param.shape).normal_(0.0, std, generator=gen)
+        copy_full(param, full)
+
+
+@torch.no_grad()
+def _load_weights(model: nn.Module, directory: Path) -> None:
+    """Each parameter from the directory's safetensors, one tensor at a time."""
+    from safetensors import safe_open
+
+    where = _weight_files(directory)
+    with _open_files(safe_open, directory, sorted(set(where.values()))) as files:
+        for name, param in model.named_parameters():
+            name = canonical_name(name)
+            if name not in where:
+                raise UserError(
+                    f"model.path {str(directory)!r} has no weight {name!r}; accepted: a directory saved by save_pretrained "
+                    f"for this architecture ({len(where)} tensors there, e.g. {next(iter(where))!r})"
+                )
+            full = files[where[name]].get_tensor(name)
+            if tuple(full.shape) != tuple(param.shape):
+                raise UserError(
+                    f"model.path: {name!r} has shape {tuple(full.shape)} there, the config makes {tuple(param.shape)}"
+                )
+            copy_full(param, full.to(param.dtype))
+
+
+def _weight_files(directory: Path) -> dict[str, str]:
+    """Tensor name -> file, from the index of a sharded save or the single file."""
+    index = directory / _SAFETENSORS_INDEX
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = directory / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return dict.fromkeys(f.keys(), single.name)
+    raise UserError(
+        f"model.path {str(directory)!r} holds no model.safetensors; accepted: safetensors weights (save_pretrained's default)"
+    )
+
+
+@contextmanager
+def _open_files(safe_open: Any, directory: Path, names: list[str]) -> Any:
+    handles = {n: safe_open(str(directory / n), framework="pt") for n in names}
+    try:
+        yield {n: h.__enter__() for n, h in handles.items()}
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+
+
+class _Stop(Exception):
+    pass
+
+
+class _CapturedCall(nn.Module):
+    """A decoder layer called with the other arguments its model passed it."""
+
+    def __init__(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        super().__init__()
+        self.layer = layer
+        self.args = args
+        self.kwargs = kwargs
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.layer(hidden, *self.args, **self.kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _captured_block(spec: HFSpec, seq_len: int) -> nn.Module:
+    """The first decoder layer of a one-layer copy, and what the model passes it for a
+    [1, seq_len] batch (run under the caller's FakeTensorMode: nothing is allocated)."""
+    model = spec._build(spec._one_layer())
+    layer = next(decoder_layers(model).children())
+    seen: list[Any] = []
+
+    def grab(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen[:] = [args[1:], kwargs]  # all but the hidden states
+        raise _Stop
+
+    handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        model(torch.zeros(1, seq_len, dtype=torch.long))
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return _CapturedCall(layer, *seen)
