@@ -26,6 +26,15 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraSection(Section):
+    r: int = Field(8, ge=1)  # rank of the adapters
+    alpha: int = Field(16, ge=1)  # the adapters' output is scaled by alpha / r (an int, as in peft)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # Names (suffixes) of the Linear modules to adapt. Empty: the built-in model's attention
+    # projections (wq, wk, wv, wo), or peft's default for a Hugging Face model_type.
+    target_modules: list[str] = Field(default_factory=list)
+
+
 class ModelConfig(Section):
     # builtin: scaletrain's own Llama, shaped by the preset and the fields below. hf: a
     # Hugging Face causal LM from a local directory (path) or an inline config (hf_config).
@@ -47,6 +56,8 @@ class ModelConfig(Section):
     # match are trained, every other one is frozen (no gradient, no optimizer state).
     # Empty: everything trains.
     trainable: list[str] = Field(default_factory=list)
+    # LoRA through peft: the base is frozen, adapters train (plus any model.trainable). None: off.
+    lora: LoraSection | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -182,11 +193,30 @@ class ParallelConfig(Section):
     offload_params: Offload = "none"  # ZeRO-3 (DeepSpeed); fsdp accepts cpu
     nvme_path: str | None = None  # required by nvme offload
     bucket_size: int = Field(50_000_000, ge=1)  # elements per communication bucket (DeepSpeed)
+    # DDP gradient compression through torch's communication hooks: fp16 / bf16 send half
+    # the bytes (bf16 needs NCCL); powersgd sends rank-`powersgd_rank` factors with error
+    # feedback (Vogels et al. 2019), after `powersgd_start_step` steps of plain all-reduce.
+    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    powersgd_rank: int = Field(1, ge=1)
+    powersgd_start_step: int = Field(1000, ge=2)  # torch's default warm-up
     # Extra DeepSpeed JSON merged into the generated one; a key we set is a conflict error.
     deepspeed_extra: dict[str, Any] = Field(default_factory=dict)
     # Written by scaletrain into the run's resolved config when strategy was auto: the
     # planner's reasons. Informational; ignored as input.
     auto_choice: str | None = None
+
+    @model_validator(mode="after")
+    def _compression_is_ddp(self) -> ParallelConfig:
+        if self.grad_compression != "none" and self.strategy != "ddp":
+            raise ValueError(
+                f"parallel.grad_compression={self.grad_compression} compresses DDP's gradient all-reduce; "
+                f"parallel.strategy={self.strategy} has none to compress; accepted: parallel.strategy=ddp, or grad_compression=none"
+            )
+        if self.grad_compression == "bf16" and self.backend == "gloo":
+            raise ValueError(
+                "parallel.grad_compression=bf16 needs NCCL (gloo reduces no bf16); accepted: fp16 or powersgd on gloo"
+            )
+        return self
 
     @field_validator("cp")
     @classmethod

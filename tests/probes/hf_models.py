@@ -4,7 +4,8 @@ Training: for each case (an architecture from a tiny inline config, an engine), 
 engine exactly as `train` does and run STEPS optimizer steps on one fixed global batch of
 GLOBAL_BATCH sequences, this rank taking its contiguous share (one process takes
 all of it, so a world-2 run and the one-process reference see the same global batch).
-Records the loss (averaged over ranks) and the global gradient norm of every step.
+Records the loss (averaged over ranks) and the global gradient norm of every step; for
+the LoRA cases also every parameter name and those whose full weights changed.
 
 Loading (--saved DIR, a directory written by save_pretrained): for each engine, build it
 with model.path=DIR and compare the engine's full weights with the directory's tensors.
@@ -40,20 +41,29 @@ ENGINES = {
     "fsdp": ["parallel.strategy=fsdp", "parallel.activation_checkpointing=true"],  # the decoder layers wrapped twice
     "zero3": ["parallel.strategy=zero3", Z3_PARTITION_ALL],
 }
-CASES = {f"{a}-{e}": (a, e) for a in ARCHS for e in ENGINES if not (a == "gpt2" and e == "ddp")}
+LORA = "model.lora={r: 4, alpha: 8}"  # default targets: q_proj, v_proj (peft's for llama); wq..wo (built-in)
+BUILTIN = [f"model.vocab_size={VOCAB}", "model.dim=32", "model.n_layers=2", "model.n_heads=2",
+           "model.n_kv_heads=1", "model.ffn_dim=48"]  # fmt: skip
+CASES = {f"{a}-{e}": (a, e, []) for a in ARCHS for e in ENGINES if not (a == "gpt2" and e == "ddp")} | {
+    "llama-lora-ddp": ("llama", "ddp", [LORA]),
+    "llama-lora-fsdp": ("llama", "fsdp", [LORA]),
+    "builtin-lora-zero3": ("builtin", "zero3", [LORA]),
+}
 
 
-def overrides(model: str, extra: list[str]) -> list[str]:
-    return ["model.source=hf", model, f"data.seq_len={SEQ}", "run.device=cpu", *extra]
+def overrides(model: list[str], extra: list[str]) -> list[str]:
+    return [*model, f"data.seq_len={SEQ}", "run.device=cpu", *extra]
 
 
-def inline(arch: dict) -> str:
-    return f"model.hf_config={json.dumps(arch)}"
+def inline(arch: dict) -> list[str]:
+    return ["model.source=hf", f"model.hf_config={json.dumps(arch)}"]
 
 
-def train_case(arch: str, engine_name: str, world) -> dict[str, list[float]]:
+def train_case(arch: str, engine_name: str, extra: list[str], world) -> dict[str, list]:
     share = GLOBAL_BATCH // world.world_size
-    engine, spec, cfg = build(overrides(inline(ARCHS[arch]), [*ENGINES[engine_name], f"train.micro_batch={share}"]), world)
+    model = BUILTIN if arch == "builtin" else inline(ARCHS[arch])
+    engine, spec, cfg = build(overrides(model, [*ENGINES[engine_name], *extra, f"train.micro_batch={share}"]), world)
+    before = {plain_name(k): v.clone() for k, v in engine.full_weights().items()} if extra else {}  # collective
     # One global batch, every step: the same on every rank and world size, and one the
     # model visibly learns (random tokens afresh each step would leave the loss flat).
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
@@ -65,15 +75,19 @@ def train_case(arch: str, engine_name: str, world) -> dict[str, list[float]]:
             dist.all_reduce(loss)
         losses.append(loss.item() / world.world_size)
         norms.append(float(engine.step(1e-2).grad_norm))
+    after = {plain_name(k): v for k, v in engine.full_weights().items()} if extra else {}
     del engine
     gc.collect()
-    return {"losses": losses, "grad_norms": norms}
+    changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    return {"losses": losses, "grad_norms": norms, "names": sorted(before), "changed": changed}
 
 
 def loaded_differences(saved: Path, strategy: str, world) -> list[str]:
     from safetensors.torch import load_file
 
-    engine, _, _ = build(overrides(f"model.path={saved}", [*ENGINES[strategy], "train.micro_batch=1"]), world)
+    engine, _, _ = build(
+        overrides(["model.source=hf", f"model.path={saved}"], [*ENGINES[strategy], "train.micro_batch=1"]), world
+    )
     got = {plain_name(k): v for k, v in engine.full_weights().items()}  # collective
     want = load_file(str(saved / "model.safetensors"))
     del engine
@@ -88,7 +102,7 @@ def main() -> None:
     ap.add_argument("--saved", default=None)
     args = ap.parse_args()
     world = init_distributed("cpu", "gloo")
-    results: dict = {name: train_case(arch, eng, world) for name, (arch, eng) in CASES.items()}
+    results: dict = {name: train_case(arch, eng, extra, world) for name, (arch, eng, extra) in CASES.items()}
     if args.saved:
         results["loaded"] = {s: loaded_differences(Path(args.saved), s, world) for s in ENGINES}
     if world.rank == 0:

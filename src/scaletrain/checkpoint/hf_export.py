@@ -28,6 +28,7 @@ import torch
 from scaletrain.checkpoint.formats import read_stamp
 from scaletrain.checkpoint.neutral import ParamLayout, WeightStream
 from scaletrain.errors import UserError
+from scaletrain.models.lora import LoraSpec, merge, merged_names
 from scaletrain.models.presets import ModelShape
 from scaletrain.models.spec import LlamaSpec, ModelSpec
 
@@ -86,16 +87,19 @@ class ExportTarget:
     rename: Callable[[str], str]
     config: Callable[[str, int | None], dict[str, Any]]
     tied: bool
+    lora: LoraSpec | None = None  # adapters to fold into their base weights
 
 
 def export_target(spec: ModelSpec, max_positions: int) -> ExportTarget:
     if isinstance(spec, LlamaSpec):
         shape = spec.shape
-        return ExportTarget(hf_name, lambda dtype, eos: hf_config(shape, max_positions, dtype, eos), shape.tie_embeddings)
+        return ExportTarget(
+            hf_name, lambda dtype, eos: hf_config(shape, max_positions, dtype, eos), shape.tie_embeddings, spec.lora
+        )
     from scaletrain.models.hf import HFSpec
 
     assert isinstance(spec, HFSpec)
-    return ExportTarget(lambda name: name, spec.export_config, spec.tied)
+    return ExportTarget(lambda name: name, spec.export_config, spec.tied, spec.lora)
 
 
 def export_hf(
@@ -120,15 +124,28 @@ def export_hf(
     with WeightStream(ckpt, layout) as weights:
         names = [n for n in layout.shapes if not (target.tied and n in layout.aliases)]
         if trainable_only:
+            if target.lora is not None:
+                raise UserError("--trainable-only of a LoRA run: its trained tensors are the adapters; accepted: --lora adapter")
             names = [n for n in names if layout.aliases.get(n, n) in weights.trained]
             if not names:
                 raise UserError(f"checkpoint {ckpt} holds no optimizer state, so no parameter is known to be trained")
-        shards = _plan_shards(names, layout, torch_dtype, max_shard_bytes)
+        # Each exported name -> the checkpoint tensor it is read from, and the LoRA pair
+        # folded into it (W + alpha/r * B @ A): the merged model has no adapters left.
+        sources = merged_names(names) if target.lora else {n: (n, None) for n in names}
+        shapes = {out: layout.shapes[src] for out, (src, _) in sources.items()}
+
+        def value(out: str) -> torch.Tensor:
+            src, pair = sources[out]
+            if pair is None or target.lora is None:
+                return weights.get(src)
+            return merge(weights.get(src), weights.get(pair[0]), weights.get(pair[1]), target.lora)
+
+        shards = _plan_shards(list(sources), shapes, torch_dtype, max_shard_bytes)
         weight_map: dict[str, str] = {}
         total = 0
         for i, shard in enumerate(shards):
             file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            total += _write_shard(tmp / file, shard, layout, weights, torch_dtype, st_dtype, target.rename)
+            total += _write_shard(tmp / file, shard, shapes, value, torch_dtype, st_dtype, target.rename)
             weight_map |= {target.rename(n): file for n in shard}
     index = {"metadata": {"total_size": total, "format": "pt"}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -143,12 +160,12 @@ def export_hf(
     return {"tensors": len(weight_map), "bytes": total, "files": len(shards), "engine": stamp["engine"]}
 
 
-def _plan_shards(names: list[str], layout: ParamLayout, dtype: torch.dtype, limit: int) -> list[list[str]]:
+def _plan_shards(names: list[str], shapes: dict[str, torch.Size], dtype: torch.dtype, limit: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
     itemsize = torch.empty((), dtype=dtype).element_size()
     for name in names:
-        nbytes = layout.shapes[name].numel() * itemsize
+        nbytes = shapes[name].numel() * itemsize
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
@@ -160,8 +177,8 @@ def _plan_shards(names: list[str], layout: ParamLayout, dtype: torch.dtype, limi
 def _write_shard(
     path: Path,
     names: list[str],
-    layout: ParamLayout,
-    weights: WeightStream,
+    shapes: dict[str, torch.Size],
+    value: Callable[[str], torch.Tensor],
     dtype: torch.dtype,
     st_dtype: str,
     rename: Callable[[str], str],
@@ -170,8 +187,8 @@ def _write_shard(
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name in names:
-        nbytes = layout.shapes[name].numel() * itemsize
-        header[rename(name)] = {"dtype": st_dtype, "shape": list(layout.shapes[name]), "data_offsets": [offset, offset + nbytes]}
+        nbytes = shapes[name].numel() * itemsize
+        header[rename(name)] = {"dtype": st_dtype, "shape": list(shapes[name]), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
@@ -179,7 +196,7 @@ def _write_shard(
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for name in names:  # one tensor in memory at a time
-            tensor = weights.get(name).to(dtype).contiguous()
+            tensor = value(name).to(dtype).contiguous()
             f.write(tensor.view(torch.uint8).numpy().data)  # the tensor's own bytes, no copy
             del tensor
     return offset

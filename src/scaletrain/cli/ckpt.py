@@ -48,6 +48,12 @@ def add_parser(sub: Any) -> None:
     e.add_argument("--format", choices=["hf"], default="hf")
     e.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default="bf16")
     e.add_argument("--trainable-only", action="store_true", help="only the parameters training updated")
+    e.add_argument(
+        "--lora",
+        choices=["merged", "adapter"],
+        default="merged",
+        help="a LoRA run: the base with the adapters folded in (merged), or the adapters alone in peft's format (adapter)",
+    )
     e.add_argument("--tokenizer", metavar="TOKENIZER.json", help="default: the run's own (from its prepared data)")
     e.add_argument("--max-shard-size", default="2GiB", help="bytes per safetensors file, e.g. 5GB or 500MiB")
     e.set_defaults(func=cmd_export)
@@ -146,6 +152,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     cfg = load_config([str(path / "config.yaml")])
     spec = saved_spec(saved["model"])
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
+    if args.lora == "adapter":
+        from scaletrain.checkpoint.lora_export import export_adapter
+
+        done = export_adapter(path, Path(args.out), layout, export_target(spec, cfg.data.seq_len), args.dtype)
+        print(
+            f"exported the LoRA adapters of {path} ({done['engine']}, step {saved['step']}) to {args.out}: {done['tensors']} tensors, {args.dtype}"
+        )
+        return 0
     tokenizer = Path(args.tokenizer) if args.tokenizer else _run_tokenizer(cfg)
     if tokenizer is not None and not tokenizer.is_file():
         raise UserError(f"--tokenizer {tokenizer}: no such file; accepted: a tokenizer.json")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from scaletrain import faults
 from scaletrain.config import Config
 from scaletrain.distributed import World
+from scaletrain.engines import compression
 from scaletrain.engines.base import ParamGroups
 from scaletrain.engines.checkpointing import apply_activation_checkpointing
 from scaletrain.engines.dcp_state import TorchEngineMixin
@@ -33,14 +36,28 @@ class DDPEngine(TorchEngineMixin):
         spec.materialize(model, world.device, cfg.train.seed)  # every rank holds the full model
         self.module = model
         self.distributed = world.distributed
+        self.rank, self.world_size = world.rank, world.world_size
+        self.powersgd: Any = None  # its error feedback is state: saved with each checkpoint
         if world.distributed:
             device_ids = [world.device] if world.device.type == "cuda" else None
             # Gradients as views into DDP's communication buckets: one copy of the gradients
             # instead of two (bucket + .grad), 4 bytes per parameter less in fp32.
-            self.model: nn.Module = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+            # PowerSGD keys its saved state by bucket index. DDP re-buckets once, after the first
+            # backward, by the order gradients arrived; a resumed run's first step would then
+            # use the first layout against state saved for the second (sizes differ: seen).
+            # DDP never re-buckets when it looks for unused parameters, so the layout is the
+            # same in every process; the search walks the autograd graph once per step.
+            self.model: nn.Module = DistributedDataParallel(
+                model,
+                device_ids=device_ids,
+                gradient_as_bucket_view=True,
+                find_unused_parameters=cfg.parallel.grad_compression == "powersgd",
+            )
             delay = faults.slowdown("comm")
             if delay:
                 self.model.register_comm_hook(delay, _slow_link_allreduce)
+            else:
+                self.powersgd = compression.register(self.model, cfg.parallel, world.backend or "")
         else:
             self.model = model
         self.device = world.device
@@ -48,6 +65,16 @@ class DDPEngine(TorchEngineMixin):
         self.clip_grad = cfg.train.clip_grad
         self.optimizer = build_adamw(param_groups(model), cfg.train, fused=world.device.type == "cuda")
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
+
+    def save(self, path: Path, background: bool = False) -> Future[Any] | None:
+        if self.powersgd is not None:
+            compression.save(self.powersgd, path, self.rank, self.world_size)
+        return super().save(path, background)
+
+    def load(self, path: Path) -> None:
+        super().load(path)
+        if self.powersgd is not None:
+            compression.load(self.powersgd, path, self.rank, self.world_size)
 
     def accumulate(self, boundary: bool) -> Any:
         # no_sync skips DDP's gradient all-reduce on non-boundary micro-batches; gradients

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from scaletrain.errors import UserError
+from scaletrain.models.lora import LoraSpec, lora_spec
 from scaletrain.models.presets import ModelShape, resolve_shape
 from scaletrain.models.spec import LlamaSpec, ModelSpec
 
@@ -16,10 +17,11 @@ def model_spec(cfg: Any, vocab_size: int | None) -> ModelSpec:
     m = cfg.model
     common: dict[str, Any] = {"loss_chunk_tokens": cfg.train.loss_chunk_tokens, "trainable": tuple(m.trainable)}
     if m.source == "builtin":
-        return LlamaSpec(resolve_shape(m, vocab_size), **common)
+        return LlamaSpec(resolve_shape(m, vocab_size), lora=lora_spec(m.lora, None), **common)
     from scaletrain.models.hf import HFSpec, load_config
 
     conf = load_config(m.path, m.hf_config, vocab_size)
+    common["lora"] = lora_spec(m.lora, conf["model_type"])
     if vocab_size is not None and conf["vocab_size"] < vocab_size:
         # A token id past the embedding table would fail at the first rare token, long after start-up.
         where = f"model.path {m.path!r}" if m.path else "model.hf_config"
@@ -33,11 +35,14 @@ def model_spec(cfg: Any, vocab_size: int | None) -> ModelSpec:
 def saved_spec(saved_model: dict[str, Any]) -> ModelSpec:
     """The spec a checkpoint's trainer.json "model" entry (spec.config()) describes. Its
     weights come from the checkpoint, so a Hugging Face model needs no directory."""
-    if saved_model.get("source") == "hf":
+    fields = dict(saved_model)
+    lora = fields.pop("lora", None)
+    adapters = LoraSpec(lora["r"], lora["alpha"], lora["dropout"], tuple(lora["target_modules"])) if lora else None
+    if fields.get("source") == "hf":
         from scaletrain.models.hf import HFSpec
 
-        return HFSpec(_canonical_json(saved_model["hf_config"]))
-    return LlamaSpec(ModelShape(**saved_model))
+        return HFSpec(_canonical_json(fields["hf_config"]), lora=adapters)
+    return LlamaSpec(ModelShape(**fields), lora=adapters)
 
 
 def _canonical_json(conf: dict[str, Any]) -> str:

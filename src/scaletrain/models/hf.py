@@ -38,6 +38,7 @@ from torch import nn
 
 from scaletrain.errors import UserError
 from scaletrain.models.llama import canonical_name, copy_full, param_seed
+from scaletrain.models.lora import LoraSpec, apply_lora, base_name, init_adapters, is_adapter, trainable_patterns
 from scaletrain.models.loss import cross_entropy
 
 # Keys of a config's dict that say nothing about the tensors: left out of what a resume
@@ -108,6 +109,7 @@ class HFSpec:
     name: str = "hf"
     loss_chunk_tokens: int = 0
     trainable: tuple[str, ...] = ()
+    lora: LoraSpec | None = None
 
     @cached_property
     def _conf(self) -> Any:
@@ -157,7 +159,9 @@ class HFSpec:
             )
         with torch.device("meta"):
             model = self._build(self._conf)
-        freeze_all_but(model, self.trainable)
+        if self.lora is not None:
+            apply_lora(model, self.lora)
+        freeze_all_but(model, trainable_patterns(self.trainable, self.lora))
         return model
 
     def blocks(self, model: nn.Module) -> nn.Module:
@@ -172,13 +176,15 @@ class HFSpec:
             _load_weights(model, Path(self.path).expanduser())
         else:
             _seeded_init(model, seed, float(getattr(self._conf, "initializer_range", 0.02)))
+        if self.lora is not None:
+            init_adapters(model, seed)
 
     def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         logits = output if isinstance(output, torch.Tensor) else output.logits
         return cross_entropy(logits, targets, self.loss_chunk_tokens)
 
     def config(self) -> dict[str, Any]:
-        return {"source": "hf", "hf_config": json.loads(self.hf_config)}
+        return {"source": "hf", "hf_config": json.loads(self.hf_config)} | ({"lora": self.lora.as_dict()} if self.lora else {})
 
     def counts(self) -> Any:
         from scaletrain.models.spec import _counts
@@ -217,7 +223,7 @@ class HFSpec:
         return conf | ids | {"architectures": _causal_archs(tf, self._conf)[:1], "dtype": torch_dtype, "use_cache": True}
 
     def check_tp(self, tp: int) -> None:
-        raise UserError(
+        raise UserError(  # also refused with model.lora
             f"parallel.tp={tp} is not offered for Hugging Face models (no tensor-parallel plan is checked for them); "
             "accepted: parallel.tp=1 with fsdp or zero3, or the built-in model"
         )
@@ -280,8 +286,10 @@ def _init_buffers(model: nn.Module) -> None:
 def _seeded_init(model: nn.Module, seed: int, std: float) -> None:
     owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
     for name, param in model.named_parameters():
-        name = canonical_name(name)
+        name = base_name(canonical_name(name))  # a LoRA base weight is seeded as without LoRA
         owner = type(owners[id(param)]).__name__
+        if is_adapter(name):
+            continue  # lora.init_adapters
         if name.endswith("bias"):
             full = torch.zeros(param.shape)
         elif "Norm" in owner or "norm" in owner:
@@ -301,7 +309,9 @@ def _load_weights(model: nn.Module, directory: Path) -> None:
     where = _weight_files(directory)
     with _open_files(safe_open, directory, sorted(set(where.values()))) as files:
         for name, param in model.named_parameters():
-            name = canonical_name(name)
+            name = base_name(canonical_name(name))
+            if is_adapter(name):
+                continue  # lora.init_adapters
             if name not in where:
                 raise UserError(
                     f"model.path {str(directory)!r} has no weight {name!r}; accepted: a directory saved by save_pretrained "

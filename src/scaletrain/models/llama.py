@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.lora import base_name, is_adapter
 from scaletrain.models.loss import cross_entropy
 from scaletrain.models.presets import ModelShape
 
@@ -178,7 +179,9 @@ class Llama(nn.Module):
         out_std = INIT_STD / math.sqrt(2 * self.shape.n_layers)
         # named_parameters yields a tied weight once, under tok_embeddings.weight.
         for name, param in self.named_parameters():
-            name = canonical_name(name)
+            name = base_name(canonical_name(name))  # a LoRA base weight is seeded as without LoRA
+            if is_adapter(name):
+                continue  # lora.init_adapters
             if name.endswith("norm.weight"):
                 full = torch.ones(param.shape, dtype=torch.float32)
             else:

@@ -29,6 +29,7 @@ from scaletrain.models.llama import (
     materialize,
     rope_tables,
 )
+from scaletrain.models.lora import LoraSpec, apply_lora, init_adapters, trainable_patterns
 from scaletrain.models.presets import ModelShape
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]  # (model output, targets) -> mean loss
@@ -132,6 +133,7 @@ class LlamaSpec:
     name: str = "llama"
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: the cross entropy in chunks (0: whole)
     trainable: tuple[str, ...] = ()  # model.trainable: glob patterns; the rest is frozen (empty: none)
+    lora: LoraSpec | None = None  # model.lora: peft adapters on a frozen base
 
     @property
     def vocab_size(self) -> int:
@@ -147,7 +149,9 @@ class LlamaSpec:
 
     def build_meta(self, max_seq_len: int) -> nn.Module:
         model = build_meta_model(self.shape, max_seq_len)
-        freeze_all_but(model, self.trainable)
+        if self.lora is not None:
+            apply_lora(model, self.lora)
+        freeze_all_but(model, trainable_patterns(self.trainable, self.lora))
         return model
 
     def blocks(self, model: nn.Module) -> nn.Module:
@@ -155,12 +159,14 @@ class LlamaSpec:
 
     def materialize(self, model: nn.Module, device: torch.device, seed: int) -> None:
         materialize(model, device, seed)  # type: ignore[arg-type]
+        if self.lora is not None:
+            init_adapters(model, seed)
 
     def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         return loss_fn(output, targets, self.loss_chunk_tokens)
 
     def config(self) -> dict[str, Any]:
-        return asdict(self.shape)
+        return asdict(self.shape) | ({"lora": self.lora.as_dict()} if self.lora else {})
 
     def counts(self) -> ModelCounts:
         return _counts(self)
@@ -181,12 +187,18 @@ class LlamaSpec:
         )
 
     def check_tp(self, tp: int) -> None:
+        if tp > 1 and self.lora is not None:
+            raise UserError(
+                f"parallel.tp={tp} does not combine with model.lora (the tp plan splits plain Linear layers); accepted: parallel.tp=1"
+            )
         llama_tp.check_tp(self.shape, tp)
 
     def apply_tp(self, model: nn.Module, mesh: Any, sequence_parallel: bool, loss_parallel: bool) -> None:
         llama_tp.apply_tp(model, mesh, sequence_parallel, loss_parallel)
 
     def check_pp(self, pp: int) -> None:
+        if pp > 1 and self.lora is not None:
+            raise UserError(f"parallel.pp={pp} does not combine with model.lora (not checked yet); accepted: parallel.pp=1")
         if pp > 1 and self.shape.tie_embeddings:
             raise UserError(
                 f"parallel.pp={pp} needs untied embeddings: this model shares its input embedding with its output head, "
