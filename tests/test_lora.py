@@ -16,7 +16,7 @@ from scaletrain.config import load_config
 from scaletrain.errors import UserError
 from scaletrain.models import model_spec, saved_spec
 
-from helpers import base_overrides, check, one_line_error, scaletrain, train
+from helpers import base_overrides, check, train
 
 # fp32 on both sides and the same weights: the merged weight W + (alpha/r) B A rounds once
 # per element (~1e-7 relative), and the implementations differ in summation order only
@@ -94,8 +94,12 @@ def test_lora_refusals_say_what_is_accepted():
         )
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(120)
-def test_an_adapter_export_of_a_run_without_lora_is_one_line(reference_run, tmp_path):
-    proc = scaletrain(["ckpt", "export", str(reference_run), str(tmp_path / "a"), "--lora", "adapter"])
-    one_line_error(proc, "was not trained with model.lora", "accepted: --lora merged")
+@pytest.mark.unit
+def test_an_adapter_export_of_a_run_without_lora_says_what_is_accepted(tmp_path):
+    from scaletrain.checkpoint.hf_export import export_target
+    from scaletrain.checkpoint.lora_export import export_adapter
+
+    plain = model_spec(load_config([], ["model.vocab_size=64"]), None)
+    with pytest.raises(UserError, match=r"was not trained with model.lora; accepted: --lora merged \(the default\)"):
+        export_adapter(tmp_path / "ckpt", tmp_path / "out", None, export_target(plain, 16))  # type: ignore[arg-type]
+    assert not (tmp_path / "out").exists()
