@@ -113,6 +113,9 @@ class TrainConfig(Section):
     # The cross entropy this many positions at a time (models/loss.py): the fp32 logits
     # and their fp32 gradient never exist whole. 0: all at once (plain torch).
     loss_chunk_tokens: int = Field(0, ge=0)
+    # torch.compile each block (inductor; a C++ compiler on CPU). ddp and fsdp; compiled at
+    # the first step (tens of seconds on a CPU), then reused by every block.
+    compile: bool = False
     lr: float = Field(3e-3, gt=0, le=10)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = Field(20, ge=0)
@@ -342,6 +345,21 @@ class Config(Section):
         problem = schedule_problem(par.pp_schedule, par.pp, self.train.grad_accum)
         if problem:
             raise ValueError(f"parallel.pp_schedule={par.pp_schedule}: {problem}")
+        return self
+
+    @model_validator(mode="after")
+    def _compile_where_checked(self) -> Config:
+        par = self.parallel
+        if self.train.compile and (par.strategy not in ("ddp", "fsdp") or par.tp > 1 or par.pp > 1):
+            where = (
+                f"parallel.strategy={par.strategy}"
+                if par.strategy not in ("ddp", "fsdp")
+                else f"parallel.tp={par.tp}, pp={par.pp}"
+            )
+            raise ValueError(
+                f"train.compile=true is offered with ddp and fsdp, without tp or pp (checked there), not with {where}; "
+                "accepted: train.compile=false, or parallel.strategy=ddp|fsdp with tp=pp=1"
+            )
         return self
 
     @model_validator(mode="after")

@@ -18,7 +18,7 @@ from scaletrain.config import Config
 from scaletrain.distributed import World
 from scaletrain.engines import compression
 from scaletrain.engines.base import ParamGroups
-from scaletrain.engines.checkpointing import apply_activation_checkpointing
+from scaletrain.engines.checkpointing import apply_activation_checkpointing, compile_blocks
 from scaletrain.engines.dcp_state import TorchEngineMixin
 from scaletrain.engines.precision import autocast_context, make_loss_scaler
 from scaletrain.models.spec import ModelSpec
@@ -33,6 +33,8 @@ class DDPEngine(TorchEngineMixin):
         model = spec.build_meta(cfg.data.seq_len)
         if cfg.parallel.activation_checkpointing:
             apply_activation_checkpointing(spec.blocks(model))
+        if cfg.train.compile:
+            compile_blocks(spec.blocks(model))
         spec.materialize(model, world.device, cfg.train.seed)  # every rank holds the full model
         self.module = model
         self.distributed = world.distributed

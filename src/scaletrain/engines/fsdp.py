@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from scaletrain.config import Config
 from scaletrain.distributed import World, ensure_process_group
 from scaletrain.engines.base import Mark, MicroBatch, ParamGroups, no_mark
-from scaletrain.engines.checkpointing import apply_activation_checkpointing
+from scaletrain.engines.checkpointing import apply_activation_checkpointing, compile_blocks
 from scaletrain.engines.dcp_state import TorchEngineMixin
 from scaletrain.engines.pipeline import MergedStages, Pipeline
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
@@ -189,6 +189,8 @@ def _shard_and_materialize(
         # Before fully_shard, so the recomputed forward re-gathers the block's parameters
         # through FSDP's hooks; state-dict names stay plain (tests check).
         apply_activation_checkpointing(blocks)
+    if cfg.train.compile:
+        compile_blocks(blocks)
     apply_fsdp(
         model,
         blocks,
