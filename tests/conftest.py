@@ -17,37 +17,12 @@ from helpers import SMALL_CORPUS, base_overrides, check, scaletrain, train
 
 TIERS = ("unit", "dist", "e2e")
 
-# `make test` hands whole files to two workers in collection order (pytest-xdist's
-# loadfile). Alphabetical order left long files for the end, where one worker finishes
-# them while the other has nothing left: the longest files go first (longest processing
-# time first), the short ones fill the gaps at the end. Roughly by their wall time here.
-LONGEST_FIRST = [
-    "test_train_equivalence.py",
-    "test_engine_deepspeed.py",
-    "test_plan_measure.py",
-    "test_pipeline_parallel.py",
-    "test_reshard.py",
-    "test_launch.py",
-    "test_hf_models.py",
-    "test_engine_fsdp.py",
-    "test_tensor_parallel.py",
-    "test_gradients.py",
-    "test_grad_compression.py",
-    "test_frozen.py",
-    "test_demo.py",
-    "test_cli.py",
-    "test_compile.py",
-    "test_lora.py",
-]
-
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         tiers = [t for t in TIERS if item.get_closest_marker(t)]
         if len(tiers) != 1:
             raise pytest.UsageError(f"{item.nodeid}: needs exactly one tier marker of {TIERS}, has {tiers}")
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
 
 
 def pytest_runtest_setup(item):

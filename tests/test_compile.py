@@ -13,6 +13,7 @@ from helpers import assert_same_training, base_overrides, check, train
 
 @pytest.mark.dist
 @pytest.mark.equivalence
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_compiled_fsdp_run_with_activation_checkpointing_trains_as_the_eager_one(small_dataset, reference_run, tmp_path):
     # fsdp with activation checkpointing at world 2: the compiled block is the checkpoint
