@@ -5,6 +5,7 @@ from the meta-device model, and refused in one line where they cannot go."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 
@@ -147,14 +148,8 @@ def test_a_saved_model_trains_by_path_with_its_own_tokenizer_and_exports_back(sm
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
-    with pytest.raises(UserError, match=re_escape(message)):
+    with pytest.raises(UserError, match=re.escape(message)):
         load_config([], overrides)
-
-
-def re_escape(text: str) -> str:
-    import re
-
-    return re.escape(text)
 
 
 def hf_config(**fields) -> list[str]:

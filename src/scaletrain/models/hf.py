@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import UserError
-from scaletrain.models.llama import canonical_name, copy_full, param_seed
+from scaletrain.models.llama import canonical_name, copy_full, name_generator
 from scaletrain.models.lora import LoraSpec, apply_lora, base_name, init_adapters, is_adapter, trainable_patterns
 from scaletrain.models.loss import cross_entropy
 
@@ -295,9 +295,7 @@ def _seeded_init(model: nn.Module, seed: int, std: float) -> None:
         elif "Norm" in owner or "norm" in owner:
             full = torch.ones(param.shape)
         else:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(param_seed(seed, name))
-            full = torch.empty(param.shape).normal_(0.0, std, generator=gen)
+            full = torch.empty(param.shape).normal_(0.0, std, generator=name_generator(seed, name))
         copy_full(param, full)
 
 
@@ -307,7 +305,8 @@ def _load_weights(model: nn.Module, directory: Path) -> None:
     from safetensors import safe_open
 
     where = _weight_files(directory)
-    with _open_files(safe_open, directory, sorted(set(where.values()))) as files:
+    with ExitStack() as stack:
+        files = {n: stack.enter_context(safe_open(str(directory / n), framework="pt")) for n in sorted(set(where.values()))}
         for name, param in model.named_parameters():
             name = base_name(canonical_name(name))
             if is_adapter(name):
@@ -339,16 +338,6 @@ def _weight_files(directory: Path) -> dict[str, str]:
     raise UserError(
         f"model.path {str(directory)!r} holds no model.safetensors; accepted: safetensors weights (save_pretrained's default)"
     )
-
-
-@contextmanager
-def _open_files(safe_open: Any, directory: Path, names: list[str]) -> Any:
-    handles = {n: safe_open(str(directory / n), framework="pt") for n in names}
-    try:
-        yield {n: h.__enter__() for n, h in handles.items()}
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
 
 
 class _Stop(Exception):

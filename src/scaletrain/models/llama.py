@@ -186,9 +186,7 @@ class Llama(nn.Module):
                 full = torch.ones(param.shape, dtype=torch.float32)
             else:
                 std = out_std if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
-                gen = torch.Generator(device="cpu")
-                gen.manual_seed(param_seed(seed, name))
-                full = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+                full = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=name_generator(seed, name))
             copy_full(param, full)
 
 
@@ -206,6 +204,14 @@ def keep_stage(model: Llama, blocks: range, first: bool, last: bool) -> None:
 
 def canonical_name(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+def name_generator(seed: int, name: str) -> torch.Generator:
+    """The CPU generator of one parameter: its values depend on the run seed and its name
+    only, never on the device, the visiting order or the sharding."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(param_seed(seed, name))
+    return gen
 
 
 def param_seed(seed: int, name: str) -> int:

@@ -94,17 +94,15 @@ def base_name(name: str) -> str:
 @torch.no_grad()
 def init_adapters(model: nn.Module, seed: int) -> None:
     """A kaiming-uniform (bound 1/sqrt(fan_in), peft's), B zero; each A from its own generator."""
-    from scaletrain.models.llama import canonical_name, copy_full, param_seed
+    from scaletrain.models.llama import canonical_name, copy_full, name_generator
 
     for name, param in model.named_parameters():
         name = canonical_name(name)
         if ".lora_B." in name:
             copy_full(param, torch.zeros(param.shape))
         elif ".lora_A." in name:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(param_seed(seed, name))
             bound = 1.0 / math.sqrt(param.shape[1])
-            copy_full(param, torch.empty(param.shape).uniform_(-bound, bound, generator=gen))
+            copy_full(param, torch.empty(param.shape).uniform_(-bound, bound, generator=name_generator(seed, name)))
 
 
 def merged_names(names: list[str]) -> dict[str, tuple[str, tuple[str, str] | None]]:
