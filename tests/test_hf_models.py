@@ -32,7 +32,7 @@ from helpers import (
 )
 
 sys.path.insert(0, str(PROBES))
-from hf_models import CASES, ENGINES, LLAMA  # noqa: E402
+from hf_models import CASES, DISTILL, ENGINES, LLAMA  # noqa: E402
 
 
 def save_llama(directory, vocab_size: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
@@ -51,8 +51,10 @@ def hf_probe(tmp_path_factory):
     saved = out / "saved"
     save_llama(saved, LLAMA["vocab_size"])
     (out / "w1").mkdir(), (out / "w2").mkdir()
-    check(run(probe_command("hf_models", ["--out", str(out / "w1")], nproc=1), timeout=300))
-    check(run(probe_command("hf_models", ["--out", str(out / "w2"), "--saved", str(saved)], nproc=2), timeout=300))
+    # The saved Llama also serves as the teacher of the distillation cases.
+    check(run(probe_command("hf_models", ["--out", str(out / "w1"), "--teacher", str(saved)], nproc=1), timeout=300))
+    w2 = ["--out", str(out / "w2"), "--saved", str(saved), "--teacher", str(saved)]
+    check(run(probe_command("hf_models", w2, nproc=2), timeout=300))
     return tuple(json.loads((out / w / "hf_models.json").read_text()) for w in ("w1", "w2"))
 
 
@@ -70,6 +72,28 @@ def test_hf_llama_and_gpt2_train_on_every_engine_as_in_one_process(hf_probe):
         np.testing.assert_allclose(got["grad_norms"], ref["grad_norms"], rtol=GRAD_NORM_RTOL, err_msg=case)
         assert all(b < a for a, b in zip(ref["losses"], ref["losses"][1:])), case  # it learns the repeated batch
     assert {a for a, _, _ in CASES.values()} >= {"llama", "gpt2"} and {e for _, e, _ in CASES.values()} == set(ENGINES)
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(600)
+def test_a_student_learns_a_frozen_sharded_teacher_on_every_engine_as_in_one_process(hf_probe):
+    one, two = hf_probe
+    for case in DISTILL:
+        ref, got = one[case], two[case]
+        np.testing.assert_allclose(got["grad_norms"][0], ref["grad_norms"][0], rtol=RTOL_FIRST_STEP, err_msg=case)
+        np.testing.assert_allclose(got["losses"], ref["losses"], rtol=LOSS_RTOL, err_msg=case)
+        np.testing.assert_allclose(got["grad_norms"], ref["grad_norms"], rtol=GRAD_NORM_RTOL, err_msg=case)
+        # The student's distance to the teacher falls (zero3 and ddp: the loss is T^2 x the KL alone).
+        assert ref["losses"][-1] < 0.7 * ref["losses"][0], case
+        for result in (ref, got):
+            # Never optimized: every teacher weight still equals the directory's, bit for bit.
+            assert result["teacher_differ"] == [] and result["teacher_names"] == 2 + 9 * LLAMA["num_hidden_layers"] + 1, case
+    # Sharded like the student where the engine shards (fsdp, zero3): rank 0 of 2 holds half.
+    assert two["distill-zero3"]["teacher_share"] == pytest.approx(0.5, abs=0.02)
+    assert two["distill-fsdp"]["teacher_share"] == pytest.approx(0.5, abs=0.02)
+    assert two["distill-ddp"]["teacher_share"] == 1.0 and one["distill-zero3"]["teacher_share"] == 1.0
+    assert {e for _, e, _ in DISTILL.values()} == set(ENGINES)
 
 
 @pytest.mark.dist

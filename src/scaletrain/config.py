@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -35,7 +35,10 @@ class LoraSection(Section):
     target_modules: list[str] = Field(default_factory=list)
 
 
-class ModelConfig(Section):
+class ModelSource(Section):
+    """Which model, and its shape: the trained model's fields, and a teacher's."""
+
+    where: ClassVar[str] = "model"  # the key path in messages
     # builtin: scaletrain's own Llama, shaped by the preset and the fields below. hf: a
     # Hugging Face causal LM from a local directory (path) or an inline config (hf_config).
     source: Literal["builtin", "hf"] = "builtin"
@@ -52,33 +55,50 @@ class ModelConfig(Section):
     tie_embeddings: bool | None = None
     rope_theta: float | None = Field(None, gt=0)
     norm_eps: float = Field(1e-5, gt=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSource:
+        at = self.where
+        shape = [k for k in _SHAPE_FIELDS if getattr(self, k) is not None]
+        if self.source == "builtin":
+            given = [k for k in ("path", "hf_config") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(
+                    f"{at}.{given[0]} is for Hugging Face models; accepted: {at}.source=hf with it, or no {at}.{given[0]}"
+                )
+        elif (self.path is None) == (self.hf_config is None):
+            raise ValueError(
+                f"{at}.source=hf needs exactly one of {at}.path (a local directory) or {at}.hf_config (an inline config)"
+            )
+        elif shape:
+            raise ValueError(
+                f"{at}.{shape[0]} shapes the built-in model; accepted: the field in {at}.hf_config, or {at}.source=builtin"
+            )
+        if self.hf_config is not None and "model_type" not in self.hf_config:
+            raise ValueError(f"{at}.hf_config has no model_type; accepted: e.g. {{model_type: llama, hidden_size: 64, ...}}")
+        return self
+
+
+class TeacherConfig(ModelSource):
+    """A frozen model the trained one (the student) learns from: never optimized, never
+    saved in checkpoints (it is rebuilt from this section on resume), sharded like the student.
+    The loss is kl_weight x T^2 x KL(teacher || student at temperature T) + (1 - kl_weight)
+    x the next-token cross entropy (Hinton et al.'s T^2 keeps the gradient scale as T grows)."""
+
+    where: ClassVar[str] = "model.teacher"
+    temperature: float = Field(1.0, gt=0)
+    kl_weight: float = Field(1.0, ge=0, le=1)
+
+
+class ModelConfig(ModelSource):
     # Glob patterns over parameter names ("layers.*.attention.*"): only the parameters they
     # match are trained, every other one is frozen (no gradient, no optimizer state).
     # Empty: everything trains.
     trainable: list[str] = Field(default_factory=list)
     # LoRA through peft: the base is frozen, adapters train (plus any model.trainable). None: off.
     lora: LoraSection | None = None
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ModelConfig:
-        shape = [k for k in _SHAPE_FIELDS if getattr(self, k) is not None]
-        if self.source == "builtin":
-            given = [k for k in ("path", "hf_config") if getattr(self, k) is not None]
-            if given:
-                raise ValueError(
-                    f"model.{given[0]} is for Hugging Face models; accepted: model.source=hf with it, or no model.{given[0]}"
-                )
-        elif (self.path is None) == (self.hf_config is None):
-            raise ValueError(
-                "model.source=hf needs exactly one of model.path (a local directory) or model.hf_config (an inline config)"
-            )
-        elif shape:
-            raise ValueError(
-                f"model.{shape[0]} shapes the built-in model; accepted: the field in model.hf_config, or model.source=builtin"
-            )
-        if self.hf_config is not None and "model_type" not in self.hf_config:
-            raise ValueError("model.hf_config has no model_type; accepted: e.g. {model_type: llama, hidden_size: 64, ...}")
-        return self
+    # Distillation: a frozen teacher whose output distribution the model learns. None: off.
+    teacher: TeacherConfig | None = None
 
 
 _SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "rope_theta")
@@ -365,12 +385,23 @@ class Config(Section):
     @model_validator(mode="after")
     def _tokenizer_from_model_dir(self) -> Config:
         # A Hugging Face model directory normally carries the tokenizer the model was trained
-        # with: the data is tokenized with it unless data.tokenizer names another.
-        m = self.model
-        if m.source == "hf" and m.path and self.data.tokenizer is None:
-            tok = Path(m.path).expanduser() / "tokenizer.json"
-            if tok.is_file():
-                self.data.tokenizer = str(tok)
+        # with: the data is tokenized with it unless data.tokenizer names another. A student
+        # shares its teacher's vocabulary, so the teacher's directory serves too.
+        for m in (self.model, self.model.teacher):
+            if m is not None and m.source == "hf" and m.path and self.data.tokenizer is None:
+                tok = Path(m.path).expanduser() / "tokenizer.json"
+                if tok.is_file():
+                    self.data.tokenizer = str(tok)
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_where_checked(self) -> Config:
+        par = self.parallel
+        if self.model.teacher is not None and (par.tp > 1 or par.pp > 1):
+            raise ValueError(
+                f"model.teacher runs beside data-parallel engines only, not with parallel.tp={par.tp}, pp={par.pp}; "
+                "accepted: parallel.tp=1 and parallel.pp=1 (ddp, fsdp, zero1-3)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -23,7 +23,7 @@ from scaletrain.distributed import World, all_hostnames, init_distributed, rank0
 from scaletrain.engines import build_engine
 from scaletrain.errors import UserError
 from scaletrain.guards import ReplicaCheck, Watchdog
-from scaletrain.models import ModelSpec, model_spec
+from scaletrain.models import ModelSpec, distill_spec, model_spec
 from scaletrain.nonfinite import NonfiniteGuard, nan_loss
 from scaletrain.optim import decay_groups, lr_at, scaled_lr
 from scaletrain.parallel import describe, dims_for
@@ -59,6 +59,7 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     data = PackedTokens(_prepared_data(cfg, world), cfg.data.seq_len, cfg.train.seed)
     spec: ModelSpec = model_spec(cfg, data.vocab_size)
     spec.build_meta(cfg.data.seq_len)  # a model.trainable pattern that matches nothing stops here
+    distill = distill_spec(cfg, spec)  # model.teacher, checked against the student
     cfg, notes = plan_run(cfg, world, spec)  # before any allocation; resolves strategy=auto
     dims = dims_for(cfg.parallel, world.world_size)
     if resume_from is not None:
@@ -68,7 +69,7 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     for line in notes:
         say(line)
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay))
+    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay), distill.teacher if distill else None)
     hosts = all_hostnames(world)
     metrics = MetricsLog(paths.metrics, enabled=main)
     step, position, tokens_seen = 0, 0, 0
@@ -125,7 +126,8 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
         while step < cfg.train.steps:
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.train, peak_lr)
-            loss_fn = nan_loss(spec.loss) if faults.fire_once("nan", step + 1) else spec.loss
+            loss_fn = distill.loss if distill else spec.loss
+            loss_fn = nan_loss(loss_fn) if faults.fire_once("nan", step + 1) else loss_fn
             loss_fn = faults.slowed(loss_fn, slow) if slow else loss_fn
             with telemetry.step(step + 1) as mark:
                 batch = batches.next_step()

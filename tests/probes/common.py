@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from scaletrain.config import Config, load_config
 from scaletrain.engines import Engine, build_engine
-from scaletrain.models import ModelSpec, model_spec
+from scaletrain.models import ModelSpec, distill_spec, model_spec
 from scaletrain.optim import decay_groups
 from scaletrain.parallel import dims_for
 
@@ -17,5 +17,7 @@ SMALL_MODEL = ["model.vocab_size=67", "model.dim=32", "model.n_layers=2", "model
 def build(overrides: list[str], world) -> tuple[Engine, ModelSpec, Config]:
     cfg = load_config([], overrides)
     spec = model_spec(cfg, None)
-    engine = build_engine(spec, world, dims_for(cfg.parallel, world.world_size), cfg, decay_groups(cfg.train.weight_decay))
+    distill = distill_spec(cfg, spec)
+    dims = dims_for(cfg.parallel, world.world_size)
+    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay), distill.teacher if distill else None)
     return engine, spec, cfg

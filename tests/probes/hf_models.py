@@ -10,6 +10,11 @@ the LoRA cases also every parameter name and those whose full weights changed.
 Loading (--saved DIR, a directory written by save_pretrained): for each engine, build it
 with model.path=DIR and compare the engine's full weights with the directory's tensors.
 
+Distillation (--teacher DIR, the same kind of directory): the DISTILL cases train the
+built-in student against the saved Llama as teacher, and record besides the teacher's
+names whose full weights differ from the directory's after training, and the share of the
+teacher's elements rank 0 holds.
+
 Rank 0 writes OUT/hf_models.json: {case: {"losses": [...], "grad_norms": [...]}, "loaded":
 {strategy: [names whose weights differ from the directory's]}}.
 """
@@ -26,6 +31,7 @@ import torch.distributed as dist
 
 from scaletrain.distributed import init_distributed, shutdown
 from scaletrain.engines.checkpointing import plain_name
+from scaletrain.models import distill_spec
 
 from common import Z3_PARTITION_ALL, build
 
@@ -49,6 +55,14 @@ CASES = {f"{a}-{e}": (a, e, []) for a in ARCHS for e in ENGINES if not (a == "gp
     "llama-lora-fsdp": ("llama", "fsdp", [LORA]),
     "builtin-lora-zero3": ("builtin", "zero3", [LORA]),
 }
+# Distillation: the built-in student learns the saved Hugging Face Llama (--teacher DIR);
+# pure KL at T=2 on zero3 and ddp, half KL half cross entropy on fsdp.
+TEACHER = ["model.teacher.source=hf", "model.teacher.temperature=2.0"]
+DISTILL = {
+    "distill-ddp": ("builtin", "ddp", TEACHER),
+    "distill-fsdp": ("builtin", "fsdp", [*TEACHER, "model.teacher.kl_weight=0.5"]),
+    "distill-zero3": ("builtin", "zero3", TEACHER),
+}
 
 
 def overrides(model: list[str], extra: list[str]) -> list[str]:
@@ -59,27 +73,53 @@ def inline(arch: dict) -> list[str]:
     return ["model.source=hf", f"model.hf_config={json.dumps(arch)}"]
 
 
-def train_case(arch: str, engine_name: str, extra: list[str], world) -> dict[str, list]:
+def train_case(arch: str, engine_name: str, extra: list[str], world, teacher_dir: str) -> dict[str, list]:
     share = GLOBAL_BATCH // world.world_size
     model = BUILTIN if arch == "builtin" else inline(ARCHS[arch])
     engine, spec, cfg = build(overrides(model, [*ENGINES[engine_name], *extra, f"train.micro_batch={share}"]), world)
-    before = {plain_name(k): v.clone() for k, v in engine.full_weights().items()} if extra else {}  # collective
+    distill = distill_spec(cfg, spec)
+    loss_fn = distill.loss if distill else spec.loss
+    lora = any(e.startswith("model.lora") for e in extra)
+    before = {plain_name(k): v.clone() for k, v in engine.full_weights().items()} if lora else {}  # collective
     # One global batch, every step: the same on every rank and world size, and one the
     # model visibly learns (random tokens afresh each step would leave the loss flat).
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     mine = tokens[world.rank * share : (world.rank + 1) * share]
     losses, norms = [], []
     for _ in range(STEPS):
-        loss = engine.forward_backward([(mine[:, :-1], mine[:, 1:])], spec.loss).detach().clone()
+        loss = engine.forward_backward([(mine[:, :-1], mine[:, 1:])], loss_fn).detach().clone()
         if world.world_size > 1:
             dist.all_reduce(loss)
         losses.append(loss.item() / world.world_size)
         norms.append(float(engine.step(1e-2).grad_norm))
-    after = {plain_name(k): v for k, v in engine.full_weights().items()} if extra else {}
+    after = {plain_name(k): v for k, v in engine.full_weights().items()} if lora else {}
+    teacher = teacher_state(engine.teacher, Path(teacher_dir)) if distill else {}  # collective
     del engine
     gc.collect()
     changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
-    return {"losses": losses, "grad_norms": norms, "names": sorted(before), "changed": changed}
+    return {"losses": losses, "grad_norms": norms, "names": sorted(before), "changed": changed} | teacher
+
+
+def teacher_state(teacher, directory: Path) -> dict:
+    """The teacher's names whose full weights differ from the directory's (bf16 there,
+    fp32 here: exact), and the share of its elements this rank holds."""
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import DTensor
+
+    module = getattr(teacher, "module", teacher)  # a DeepSpeed engine holds it as .module
+    params = dict(module.named_parameters())
+    if hasattr(next(iter(params.values())), "ds_tensor"):  # ZeRO-3 partitions
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        local = sum(p.ds_tensor.numel() for p in params.values())
+        with GatheredParameters(list(params.values())):
+            full = {n: p.detach().clone() for n, p in params.items()}
+    else:
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params.values())
+        full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in params.items()}
+    want = load_file(str(directory / "model.safetensors"))
+    differ = sorted(n for n in full if n not in want or not torch.equal(full[n], want[n].float()))
+    return {"teacher_differ": differ, "teacher_names": len(full), "teacher_share": local / sum(p.numel() for p in full.values())}
 
 
 def loaded_differences(saved: Path, strategy: str, world) -> list[str]:
@@ -100,9 +140,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--saved", default=None)
+    ap.add_argument("--teacher", required=True, help="a save_pretrained directory of the LLAMA config, vocabulary VOCAB")
     args = ap.parse_args()
     world = init_distributed("cpu", "gloo")
-    results: dict = {name: train_case(arch, eng, extra, world) for name, (arch, eng, extra) in CASES.items()}
+    cases = CASES | {name: (a, e, [*x, f"model.teacher.path={args.teacher}"]) for name, (a, e, x) in DISTILL.items()}
+    results: dict = {name: train_case(arch, eng, extra, world, args.teacher) for name, (arch, eng, extra) in cases.items()}
     if args.saved:
         results["loaded"] = {s: loaded_differences(Path(args.saved), s, world) for s in ENGINES}
     if world.rank == 0:

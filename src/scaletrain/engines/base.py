@@ -105,6 +105,9 @@ class AccumulationWindow:
 
     model: nn.Module
     device: torch.device
+    # A frozen teacher (engines/teacher.py): run first on each micro-batch, without
+    # gradients; the loss then takes (model output, teacher output).
+    teacher: Callable[[torch.Tensor], Any] | None = None
 
     def accumulate(self, boundary: bool) -> AbstractContextManager[Any]:
         raise NotImplementedError
@@ -122,13 +125,21 @@ class AccumulationWindow:
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
             with self.accumulate(boundary=i == n - 1):
                 with self.autocast():
-                    value = loss(self.model(inputs), targets)
+                    value = loss(self.model(inputs) if self.teacher is None else self._with_teacher(inputs), targets)
                 mark("forward")
                 # Mean over the window: every micro-batch holds the same number of tokens.
                 self.backward(value / n)
                 mark("backward")
             total += value.detach()
         return total / n
+
+    def _with_teacher(self, inputs: torch.Tensor) -> tuple[Any, Any]:
+        # The teacher first: its output is then the only thing of it alive during the
+        # student's forward, and (as a temporary of the caller) gone once the loss has it.
+        assert self.teacher is not None
+        with torch.no_grad():
+            taught = self.teacher(inputs)
+        return self.model(inputs), taught
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

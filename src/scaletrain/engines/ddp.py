@@ -21,6 +21,7 @@ from scaletrain.engines.base import ParamGroups
 from scaletrain.engines.checkpointing import apply_activation_checkpointing, compile_blocks
 from scaletrain.engines.dcp_state import TorchEngineMixin
 from scaletrain.engines.precision import autocast_context, make_loss_scaler
+from scaletrain.engines.teacher import replicated_teacher
 from scaletrain.models.spec import ModelSpec
 from scaletrain.optim import build_adamw
 from scaletrain.parallel import ParallelDims
@@ -29,7 +30,15 @@ from scaletrain.parallel import ParallelDims
 class DDPEngine(TorchEngineMixin):
     name = "ddp"
 
-    def __init__(self, spec: ModelSpec, world: World, dims: ParallelDims, cfg: Config, param_groups: ParamGroups):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        world: World,
+        dims: ParallelDims,
+        cfg: Config,
+        param_groups: ParamGroups,
+        teacher: ModelSpec | None = None,
+    ):
         model = spec.build_meta(cfg.data.seq_len)
         if cfg.parallel.activation_checkpointing:
             apply_activation_checkpointing(spec.blocks(model))
@@ -67,6 +76,8 @@ class DDPEngine(TorchEngineMixin):
         self.clip_grad = cfg.train.clip_grad
         self.optimizer = build_adamw(param_groups(model), cfg.train, fused=world.device.type == "cuda")
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
+        if teacher is not None:
+            self.teacher = replicated_teacher(teacher, cfg.data.seq_len, world.device, cfg.train.seed, cfg.precision)
 
     def save(self, path: Path, background: bool = False) -> Future[Any] | None:
         if self.powersgd is not None:

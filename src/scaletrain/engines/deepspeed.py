@@ -28,6 +28,7 @@ from scaletrain.distributed import World, ensure_process_group
 from scaletrain.engines.base import AccumulationWindow, ParamGroups, StepStats, set_lr
 from scaletrain.engines.checkpointing import apply_activation_checkpointing, plain_name
 from scaletrain.engines.deepspeed_config import build_deepspeed_config, to_json
+from scaletrain.engines.teacher import frozen_meta, replicated_teacher, teacher_seed
 from scaletrain.errors import UserError
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel import ParallelDims
@@ -39,7 +40,15 @@ TAG = DEEPSPEED_TAG
 class DeepSpeedEngine(AccumulationWindow):
     format = "deepspeed"
 
-    def __init__(self, spec: ModelSpec, world: World, dims: ParallelDims, cfg: Config, param_groups: ParamGroups):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        world: World,
+        dims: ParallelDims,
+        cfg: Config,
+        param_groups: ParamGroups,
+        teacher: ModelSpec | None = None,
+    ):
         self.name = cfg.parallel.strategy
         self.dp_size = dims.dp_size
         self.device = world.device
@@ -69,6 +78,15 @@ class DeepSpeedEngine(AccumulationWindow):
             model=model, model_parameters=param_groups(model), config=copy.deepcopy(self.ds_config)
         )
         self.model: nn.Module = self.ds  # forward through the engine: its hooks gather ZeRO-3 params
+        if teacher is not None and self.name != "zero3":
+            self.teacher = replicated_teacher(teacher, cfg.data.seq_len, world.device, cfg.train.seed, cfg.precision)
+        elif teacher is not None:
+            # ZeRO-3 partitions a model only inside an engine: one without an optimizer
+            # (DeepSpeed's inference-only path) partitions the teacher as the student, and
+            # its hooks gather each module for the forward. It casts to the 16-bit dtype itself.
+            frozen = frozen_meta(teacher, cfg.data.seq_len)
+            teacher.materialize(frozen, world.device, teacher_seed(cfg.train.seed))
+            self.teacher, *_ = deepspeed.initialize(model=frozen, config=_forward_only(self.ds_config))
 
     def accumulate(self, boundary: bool) -> Any:
         # We own the accumulation window, not DeepSpeed's micro-step counter: the flag makes
@@ -373,3 +391,11 @@ def _replay_cpu_adam_steps(optimizer: Any) -> None:
 def _saved_world_size(path: Path) -> int:
     # One optimizer-state file per data-parallel rank; ZeRO partitions are tied to that count.
     return len(list((path / TAG).glob("*zero_pp_rank_*_optim_states.pt")))
+
+
+def _forward_only(config: dict[str, Any]) -> dict[str, Any]:
+    """The run's DeepSpeed config for a frozen model: the same stage, precision and
+    parameter offload, nothing about optimizing it."""
+    out = {k: copy.deepcopy(v) for k, v in config.items() if k not in ("optimizer", "gradient_clipping")}
+    out["zero_optimization"].pop("offload_optimizer", None)
+    return out

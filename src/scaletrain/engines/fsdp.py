@@ -35,6 +35,7 @@ from scaletrain.engines.checkpointing import apply_activation_checkpointing, com
 from scaletrain.engines.dcp_state import TorchEngineMixin
 from scaletrain.engines.pipeline import MergedStages, Pipeline
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
+from scaletrain.engines.teacher import frozen_meta, teacher_seed
 from scaletrain.errors import UserError
 from scaletrain.models.spec import LossFn, ModelSpec
 from scaletrain.optim import build_adamw
@@ -45,7 +46,15 @@ from scaletrain.stages import SCHEDULES, check_stages, split_blocks, stage_ids
 class FSDPEngine(TorchEngineMixin):
     name = "fsdp"
 
-    def __init__(self, spec: ModelSpec, world: World, dims: ParallelDims, cfg: Config, param_groups: ParamGroups):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        world: World,
+        dims: ParallelDims,
+        cfg: Config,
+        param_groups: ParamGroups,
+        teacher: ModelSpec | None = None,
+    ):
         par = cfg.parallel
         ensure_process_group(world)  # fully_shard needs one even for a single rank
         offload = par.offload_params == "cpu"
@@ -102,6 +111,8 @@ class FSDPEngine(TorchEngineMixin):
         # _amp_foreach_non_finite_check_and_unscale_ all-reduces found_inf (max) over the
         # mesh, so every rank takes the same skip decision. ShardedGradScaler is for FSDP1.
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
+        if teacher is not None:
+            self.teacher = sharded_teacher(teacher, world, dims, cfg)
 
     def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn, mark: Mark = no_mark) -> torch.Tensor:
         if self.pipeline is not None:
@@ -208,6 +219,20 @@ def _shard_and_materialize(
     # them to the compute device for each all-gather.
     spec.materialize(model, torch.device("cpu") if offload else world.device, cfg.train.seed)
     _check_still_shared(model, tied)
+    return model
+
+
+def sharded_teacher(spec: ModelSpec, world: World, dims: ParallelDims, cfg: Config) -> nn.Module:
+    """The frozen teacher as FSDP units of its own (engines/teacher.py): each block, then
+    the rest (embedding, norm, head), all resharded after their forward, which is all they
+    run. Its shards stay fp32 like the student's; the forward gathers them in the compute
+    dtype (MixedPrecisionPolicy)."""
+    model = frozen_meta(spec, cfg.data.seq_len)
+    kwargs: dict[str, Any] = dict(mesh=dims.fsdp_mesh(world.device), mp_policy=_mp_policy(cfg.precision))
+    for block in spec.blocks(model).children():
+        fully_shard(block, reshard_after_forward=True, **kwargs)
+    fully_shard(model, reshard_after_forward=True, **kwargs)
+    spec.materialize(model, world.device, teacher_seed(cfg.train.seed))
     return model
 
 

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from scaletrain.errors import UserError
+from scaletrain.models.distill import Distill
 from scaletrain.models.lora import LoraSpec, lora_spec
 from scaletrain.models.presets import ModelShape, resolve_shape
 from scaletrain.models.spec import LlamaSpec, ModelSpec
@@ -15,16 +16,35 @@ from scaletrain.models.spec import LlamaSpec, ModelSpec
 def model_spec(cfg: Any, vocab_size: int | None) -> ModelSpec:
     """`cfg.model` as a spec; `vocab_size` is the tokenizer's (None before one exists)."""
     m = cfg.model
-    common: dict[str, Any] = {"loss_chunk_tokens": cfg.train.loss_chunk_tokens, "trainable": tuple(m.trainable)}
+    return _spec(m, vocab_size, cfg.train.loss_chunk_tokens, tuple(m.trainable), m.lora)
+
+
+def distill_spec(cfg: Any, student: ModelSpec) -> Distill | None:
+    """`cfg.model.teacher` beside the student `student`; None without a teacher."""
+    t = cfg.model.teacher
+    if t is None:
+        return None
+    teacher = _spec(t, student.vocab_size, 0, (), None)
+    if teacher.vocab_size != student.vocab_size:
+        # The KL compares the two distributions token by token over one vocabulary.
+        raise UserError(
+            f"model.teacher has a vocabulary of {teacher.vocab_size} tokens and the model {student.vocab_size}; accepted: "
+            "a teacher and a student over the same tokenizer and vocabulary size"
+        )
+    return Distill(teacher, t.temperature, t.kl_weight, student.loss)
+
+
+def _spec(m: Any, vocab_size: int | None, chunk: int, trainable: tuple[str, ...], lora: Any) -> ModelSpec:
+    common: dict[str, Any] = {"loss_chunk_tokens": chunk, "trainable": trainable}
     if m.source == "builtin":
-        return LlamaSpec(resolve_shape(m, vocab_size), lora=lora_spec(m.lora, None), **common)
+        return LlamaSpec(resolve_shape(m, vocab_size), lora=lora_spec(lora, None), **common)
     from scaletrain.models.hf import HFSpec, load_config
 
-    conf = load_config(m.path, m.hf_config, vocab_size)
-    common["lora"] = lora_spec(m.lora, conf["model_type"])
+    conf = load_config(m.path, m.hf_config, vocab_size, m.where)
+    common["lora"] = lora_spec(lora, conf["model_type"])
     if vocab_size is not None and conf["vocab_size"] < vocab_size:
         # A token id past the embedding table would fail at the first rare token, long after start-up.
-        where = f"model.path {m.path!r}" if m.path else "model.hf_config"
+        where = f"{m.where}.path {m.path!r}" if m.path else f"{m.where}.hf_config"
         raise UserError(
             f"{where} has vocab_size={conf['vocab_size']}, smaller than the data tokenizer's {vocab_size} tokens; accepted: "
             "the model's own tokenizer (data.tokenizer=<model dir>) or a model with a vocabulary at least that large"

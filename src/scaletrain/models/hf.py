@@ -39,7 +39,7 @@ from torch import nn
 from scaletrain.errors import UserError
 from scaletrain.models.llama import canonical_name, copy_full, name_generator
 from scaletrain.models.lora import LoraSpec, apply_lora, base_name, init_adapters, is_adapter, trainable_patterns
-from scaletrain.models.loss import cross_entropy
+from scaletrain.models.loss import cross_entropy, logits_of
 
 # Keys of a config's dict that say nothing about the tensors: left out of what a resume
 # compares and of what rebuilds the model.
@@ -62,21 +62,21 @@ def transformers_module() -> Any:
     return transformers
 
 
-def load_config(path: str | None, inline: dict[str, Any] | None, vocab_size: int | None) -> dict[str, Any]:
+def load_config(path: str | None, inline: dict[str, Any] | None, vocab_size: int | None, where: str = "model") -> dict[str, Any]:
     """The model's config as a plain dict: read from `path`/config.json, or the inline one
     with the data's vocabulary size where it names none. Checked by transformers."""
     tf = transformers_module()
     if path is not None:
         d = Path(path).expanduser()
         if not (d / "config.json").is_file():
-            raise UserError(f"model.path: {path!r} has no config.json; accepted: a local directory written by save_pretrained")
+            raise UserError(f"{where}.path: {path!r} has no config.json; accepted: a local directory written by save_pretrained")
         conf = tf.AutoConfig.from_pretrained(str(d), local_files_only=True)
     else:
         raw = dict(inline or {})
         model_type = raw.pop("model_type", None)
         if model_type not in tf.CONFIG_MAPPING:
             raise UserError(
-                f"model.hf_config.model_type {model_type!r} is unknown to transformers; accepted: e.g. llama, qwen2, gpt2, mistral"
+                f"{where}.hf_config.model_type {model_type!r} is unknown to transformers; accepted: e.g. llama, qwen2, gpt2, mistral"
             )
         if vocab_size is not None and "vocab_size" not in raw:
             raw["vocab_size"] = vocab_size
@@ -84,7 +84,7 @@ def load_config(path: str | None, inline: dict[str, Any] | None, vocab_size: int
             conf = tf.AutoConfig.for_model(model_type, **raw)
         except (TypeError, ValueError) as e:
             raise UserError(
-                f"model.hf_config: transformers refused it ({e}); accepted: the fields of a {model_type} config"
+                f"{where}.hf_config: transformers refused it ({e}); accepted: the fields of a {model_type} config"
             ) from None
     if not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in _causal_archs(tf, conf)):
         raise UserError(f"model_type {conf.model_type!r} has no causal language model class; accepted: decoder-only models")
@@ -180,8 +180,7 @@ class HFSpec:
             init_adapters(model, seed)
 
     def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
-        logits = output if isinstance(output, torch.Tensor) else output.logits
-        return cross_entropy(logits, targets, self.loss_chunk_tokens)
+        return cross_entropy(logits_of(output), targets, self.loss_chunk_tokens)
 
     def config(self) -> dict[str, Any]:
         return {"source": "hf", "hf_config": json.loads(self.hf_config)} | ({"lora": self.lora.as_dict()} if self.lora else {})

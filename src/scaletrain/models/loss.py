@@ -18,6 +18,11 @@ import torch
 import torch.nn.functional as F
 
 
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a model's output: the built-in model returns them, a Hugging Face one an object holding them."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
     """Mean next-token cross entropy over every position, in fp32 (bf16 logsumexp over a
     large vocabulary is too coarse); with `chunk_tokens` > 0, `chunk_tokens` positions at

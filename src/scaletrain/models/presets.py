@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.config import ModelConfig
+from scaletrain.config import ModelSource
 from scaletrain.errors import UserError
 
 
@@ -119,7 +119,7 @@ PRESETS: dict[str, dict] = {
 _SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "rope_theta", "norm_eps")
 
 
-def resolve_shape(cfg: ModelConfig, vocab_size: int | None = None) -> ModelShape:
+def resolve_shape(cfg: ModelSource, vocab_size: int | None = None) -> ModelShape:
     """The preset's shape with every field set in `cfg` overriding it, then checked.
 
     Vocabulary: `cfg.vocab_size` if set, else `vocab_size` (the tokenizer's), else the

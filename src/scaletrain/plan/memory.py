@@ -39,6 +39,7 @@ class Setup:
     sequence_parallel: bool = True  # with tp: norms and residual split over the sequence too
     pp: int = 1  # pipeline stages' ranks (fsdp): each holds its stages' blocks (plan/pipeline.py)
     pp_schedule: str = "1f1b"
+    teacher: ModelSpec | None = None  # model.teacher: a frozen model beside the trained one
 
     @property
     def label(self) -> str:
@@ -140,6 +141,13 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
 
     act, loss, recompute = _activations(model, s)
     buffers = engine_buffers(model, s) / s.tp
+    if s.teacher is not None:
+        teacher_weights, teacher_buffers = teacher_bytes(s.teacher, s)
+        params += teacher_weights
+        buffers += teacher_buffers
+        # The KL keeps the student's fp32 log-probabilities and the teacher's (its target)
+        # for backward, beside the cross entropy's own: two more fp32 logit-sized tensors.
+        loss += 2.0 * s.micro_batch * s.seq_len * model.vocab_size * 4.0
     # Gradients that persist between steps: DDP's bucket views (only with a DDP wrapper,
     # world > 1) and DeepSpeed's partitions. Otherwise zero_grad frees them every step.
     # (ZeRO-1 reduces full gradients through its bucket at the boundary and keeps none.)
@@ -163,6 +171,23 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
     phase = max(phases, key=lambda k: phases[k][0])
     peak, extra = phases[phase]
     return Memory(params, grads, optim, act, loss, buffers + extra, peak, phase, cpu)
+
+
+def teacher_bytes(teacher: ModelSpec, s: Setup) -> tuple[float, float]:
+    """(resident weights, gathered buffers) of a frozen teacher held as engines/teacher.py
+    holds it. Its forward runs under no_grad: it saves no activations, and what it makes
+    is freed block by block (a block's output at a time, small beside the weights)."""
+    c = teacher.counts()
+    compute = 4.0 if s.precision == "fp32" else 2.0
+    if s.strategy == "fsdp":
+        # fp32 shards; the unit running is gathered in the compute dtype (each block, then
+        # the rest: the larger of the two at a time, plus the block prefetched).
+        return 4.0 * c.total / s.dp, compute * max(c.total - teacher.n_blocks * c.block, 2 * c.block)
+    if s.strategy == "zero3":
+        # 16-bit partitions (DeepSpeed casts the frozen engine's module too), each module
+        # gathered for its forward.
+        return compute * c.total / s.dp, compute * c.largest
+    return compute * c.total, 0.0  # ddp, zero1, zero2: a full copy in the compute dtype
 
 
 def trainable_share(model: ModelSpec) -> float:

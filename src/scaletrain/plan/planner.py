@@ -12,6 +12,7 @@ from typing import Any
 
 from scaletrain.config import Config
 from scaletrain.errors import UserError
+from scaletrain.models.factory import distill_spec
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel import dims_for
 from scaletrain.plan.hardware import Device, GiB
@@ -106,6 +107,9 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
     )
     if dims.pp > 1:
         base = replace(base, reshard_after_forward=False)  # what the engine does under a pipeline
+    distill = distill_spec(cfg, model) if model is not None else None
+    if distill is not None:
+        base = replace(base, teacher=distill.teacher)
     if not all_strategies:
         return [base]
     plain: dict[str, Any] = dict(offload_optimizer="none", offload_params="none", reshard_after_forward=True, dp_replicate=1)
@@ -122,7 +126,7 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
     ]
     if nodes > 1 and world % nodes == 0:
         options.insert(5, replace(base, strategy="fsdp", **{**plain, "dp_replicate": nodes}))
-    if dims.tp == 1 and dims.pp == 1 and model is not None:
+    if dims.tp == 1 and dims.pp == 1 and model is not None and distill is None:  # a teacher: data parallel only
         fsdp = replace(base, strategy="fsdp", **plain)
         tps = _tp_sizes(model, world, nodes)
         options += [replace(fsdp, tp=tp, dp=fsdp.dp // tp, grad_accum=fsdp.grad_accum * tp, sequence_parallel=True) for tp in tps]
@@ -228,6 +232,8 @@ def step_time(
 ) -> float:
     tokens = s.micro_batch * s.seq_len * s.grad_accum
     flops = tokens * model.flops_per_token(s.seq_len) * (8 / 6 if s.activation_checkpointing else 1) / (s.tp * s.pp)
+    if s.teacher is not None:  # its forward only: a third of its training FLOPs
+        flops += tokens * s.teacher.flops_per_token(s.seq_len) / 3
     peak = device.peak_flops_32 if s.precision == "fp32" else device.peak_flops_16
     # A pipeline rank also idles for the bubble: busy (1 - bubble) of the step.
     compute = flops / (peak * device.assumed_mfu) / (1 - bubble(s))

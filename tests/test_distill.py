@@ -1,0 +1,101 @@
+"""Distillation (model.teacher): the loss, the planner's teacher memory, the refusals, and a
+killed run that resumes bit-exactly with the teacher rebuilt (it is in no checkpoint).
+Training on ddp, fsdp and zero3 against one process, the teacher bit for bit unchanged
+and sharded, is in tests/test_hf_models.py (it shares that module's probe runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scaletrain import checkpoint
+from scaletrain.checkpoint.formats import read_model_weights
+from scaletrain.config import load_config
+from scaletrain.errors import UserError
+from scaletrain.models import distill_spec, model_spec
+from scaletrain.models.distill import kl_to_teacher
+from scaletrain.plan.memory import Setup, estimate
+
+from helpers import assert_bit_exact, base_overrides, check, train
+
+TEACHER = ["model.teacher.preset=tiny", "model.teacher.n_layers=3"]
+
+
+@pytest.mark.unit
+def test_the_loss_is_the_temperature_scaled_kl_mixed_with_the_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g) * 3
+    targets = torch.randint(0, 11, (2, 5), generator=g)
+    # The definition in float64: sum_v p_t (log p_t - log p_s) at temperature T, mean over positions.
+    t = 2.0
+    p_t = F.softmax(teacher.double() / t, -1)
+    want_kl = (p_t * (p_t.log() - F.log_softmax(student.double() / t, -1))).sum(-1).mean()
+    # fp32 against float64 over 11 terms of size ~1: a few fp32 ulps.
+    torch.testing.assert_close(kl_to_teacher(student, teacher, t).double(), want_kl, rtol=1e-5, atol=1e-6)
+    assert kl_to_teacher(teacher, teacher, t).abs() < 1e-6  # no distance to itself
+
+    cfg = load_config([], ["model.vocab_size=11", *TEACHER, "model.teacher.temperature=2", "model.teacher.kl_weight=0.25"])
+    distill = distill_spec(cfg, model_spec(cfg, 11))
+    ce = F.cross_entropy(student.reshape(-1, 11), targets.reshape(-1))
+    got = distill.loss((student, teacher), targets)
+    torch.testing.assert_close(got, 0.25 * t * t * kl_to_teacher(student, teacher, t) + 0.75 * ce)
+    # Gradients reach the student's logits only.
+    s = student.clone().requires_grad_()
+    distill.loss((s, teacher), targets).backward()
+    assert s.grad is not None and s.grad.abs().sum() > 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([*TEACHER, "parallel.strategy=fsdp", "parallel.tp=2"], "model.teacher runs beside data-parallel engines only"),
+        (["model.teacher.source=hf"], "model.teacher.source=hf needs exactly one of model.teacher.path"),
+        (["model.teacher.path=/x"], "model.teacher.path is for Hugging Face models"),
+        (["model.teacher.kl_weight=2"], "model.teacher.kl_weight"),
+    ],
+)
+def test_a_teacher_that_cannot_work_is_refused_in_one_line(overrides, message):
+    with pytest.raises(UserError, match=message.replace(".", r"\.")) as e:
+        load_config([], overrides)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.unit
+def test_a_teacher_over_another_vocabulary_is_refused():
+    cfg = load_config([], ["model.vocab_size=100", *TEACHER, "model.teacher.vocab_size=120"])
+    with pytest.raises(UserError, match="model.teacher has a vocabulary of 120 tokens and the model 100"):
+        distill_spec(cfg, model_spec(cfg, 100))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("strategy, copies", [("ddp", 1.0), ("zero2", 1.0), ("fsdp", 0.25), ("zero3", 0.25)])
+def test_the_planner_counts_the_teacher_as_each_engine_holds_it(strategy, copies):
+    cfg = load_config([], ["model.preset=1b", "model.teacher.preset=8b", "precision=bf16"])
+    student = model_spec(cfg, None)
+    teacher = distill_spec(cfg, student).teacher
+    s = Setup(strategy=strategy, dp=4, micro_batch=1, seq_len=1024, precision="bf16")
+    alone, beside = estimate(student, s), estimate(student, Setup(**{**s.__dict__, "teacher": teacher}))
+    # 2 bytes (bf16) a parameter on ddp / zero1-2 / zero3, fp32 shards on fsdp; 1/dp where sharded.
+    per_param = 4.0 if strategy == "fsdp" else 2.0
+    assert beside.params - alone.params == pytest.approx(per_param * teacher.counts().total * copies)
+    assert beside.peak > alone.peak + per_param * teacher.counts().total * copies
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_killed_distillation_resumes_bit_exactly_and_its_checkpoints_hold_only_the_student(small_dataset, tmp_path):
+    args = lambda run: [*base_overrides(small_dataset, run, steps=6), "checkpoint.every=3", *TEACHER]  # noqa: E731
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    check(train(args(straight)))
+    proc = train(args(killed), env={"SCALETRAIN_KILL_AT": "step:4"})
+    assert proc.returncode == -9 and [s for s, _ in checkpoint.complete_checkpoints(killed / "checkpoints")] == [3], proc.stderr[
+        -2000:
+    ]
+    check(train(args(killed)))  # the teacher is rebuilt from the config: the same seeded weights
+    assert_bit_exact(killed, straight, 6)
+    student = model_spec(load_config([], args(straight)), 512).build_meta(64)  # the data's vocabulary (conftest.py)
+    assert set(read_model_weights(killed / "checkpoints" / "step_6")) == {
+        n for n, _ in student.named_parameters(remove_duplicate=False)
+    }
