@@ -84,8 +84,11 @@ def test_a_student_learns_a_frozen_sharded_teacher_on_every_engine_as_in_one_pro
         np.testing.assert_allclose(got["grad_norms"][0], ref["grad_norms"][0], rtol=RTOL_FIRST_STEP, err_msg=case)
         np.testing.assert_allclose(got["losses"], ref["losses"], rtol=LOSS_RTOL, err_msg=case)
         np.testing.assert_allclose(got["grad_norms"], ref["grad_norms"], rtol=GRAD_NORM_RTOL, err_msg=case)
-        # The student's distance to the teacher falls (zero3 and ddp: the loss is T^2 x the KL alone).
-        assert ref["losses"][-1] < 0.7 * ref["losses"][0], case
+        # The student's distance to the teacher falls: by over a third in 3 steps where the
+        # loss is T^2 x the KL alone (ddp, zero3; measured 0.0143 -> 0.0091), and the mixed
+        # loss with it (fsdp; 2.285 -> 2.017, the cross entropy dominating).
+        pure_kl = not any("kl_weight" in x for x in DISTILL[case][2])
+        assert ref["losses"][-1] < (0.7 if pure_kl else 1.0) * ref["losses"][0], case
         for result in (ref, got):
             # Never optimized: every teacher weight still equals the directory's, bit for bit.
             assert result["teacher_differ"] == [] and result["teacher_names"] == 2 + 9 * LLAMA["num_hidden_layers"] + 1, case
