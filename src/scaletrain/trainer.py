@@ -121,13 +121,13 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     replicas = ReplicaCheck(world, engine.name, cfg.guards.weight_hash_every, hosts, dims)
     watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=lambda line: print(line, file=sys.stderr, flush=True))
     started, start_step = time.perf_counter(), step
+    run_loss = distill.loss if distill else spec.loss  # with a teacher, the loss takes both outputs
     slow = faults.slowdown("compute")
     try:
         while step < cfg.train.steps:
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.train, peak_lr)
-            loss_fn = distill.loss if distill else spec.loss
-            loss_fn = nan_loss(loss_fn) if faults.fire_once("nan", step + 1) else loss_fn
+            loss_fn = nan_loss(run_loss) if faults.fire_once("nan", step + 1) else run_loss
             loss_fn = faults.slowed(loss_fn, slow) if slow else loss_fn
             with telemetry.step(step + 1) as mark:
                 batch = batches.next_step()
