@@ -11,12 +11,15 @@ contradicts our config is a clean error.
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import numpy as np
 import pytest
 
 from scaletrain.config import load_config
 from scaletrain.engines.deepspeed_config import build_deepspeed_config, merge_extra, to_json
+from scaletrain.engines.deepspeed_ops import clear_stale_locks
 from scaletrain.errors import UserError
 
 from helpers import (
@@ -154,6 +157,32 @@ def test_conflicting_extra_key_names_key_values_and_our_key(extra, dotted, ours,
 # ---------------------------------------------------------------- end to end, CLI
 
 LAUNCH_S = 240
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the holders of a lock are read from /proc")
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_held_one_kept(tmp_path, monkeypatch):
+    # A killed DeepSpeed op build leaves `<op>/lock`; every later build waits on it forever
+    # (a CI run hung so). A live build keeps its lock open, and that one must stay.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for op in ("fused_adam", "cpu_adam"):
+        (tmp_path / op).mkdir()
+        (tmp_path / op / "lock").touch()
+    held = os.open(tmp_path / "cpu_adam" / "lock", os.O_RDONLY)
+    try:
+        assert clear_stale_locks() == [(tmp_path / "fused_adam" / "lock").resolve()]
+        assert not (tmp_path / "fused_adam" / "lock").exists()
+        assert (tmp_path / "cpu_adam" / "lock").exists()
+    finally:
+        os.close(held)
+
+
+@pytest.mark.unit
+def test_a_virtual_environment_keeps_its_own_op_cache():
+    # The tests run from the project's .venv: its ops cache must be inside it, not the
+    # per-user one that other checkouts share.
+    assert sys.prefix != sys.base_prefix
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_extensions")
 
 
 @pytest.fixture(scope="module")

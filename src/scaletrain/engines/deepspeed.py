@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import sys
 import warnings
 from contextlib import nullcontext, redirect_stdout
 from pathlib import Path
@@ -28,6 +29,7 @@ from scaletrain.distributed import World, ensure_process_group
 from scaletrain.engines.base import AccumulationWindow, ParamGroups, StepStats, set_lr
 from scaletrain.engines.checkpointing import apply_activation_checkpointing, plain_name
 from scaletrain.engines.deepspeed_config import build_deepspeed_config, to_json
+from scaletrain.engines.deepspeed_ops import clear_stale_locks
 from scaletrain.engines.teacher import frozen_meta, replicated_teacher, teacher_seed
 from scaletrain.errors import UserError
 from scaletrain.models.spec import ModelSpec
@@ -335,6 +337,10 @@ def _import_deepspeed(device: torch.device) -> Any:
     # looks for CUDA. setdefault: an explicit DS_ACCELERATOR from the user wins.
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # A build killed earlier would make this run's build of an op wait forever.
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        for lock in clear_stale_locks():
+            print(f"scaletrain: removed {lock}, left by a DeepSpeed op build that was killed", file=sys.stderr)
     import deepspeed
 
     # Its INFO lines (config dumps, timers) would interleave with our progress output.

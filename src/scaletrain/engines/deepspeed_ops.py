@@ -3,8 +3,9 @@
 DeepSpeed JIT-compiles its C++ ops (the shared-memory comm op, FusedAdam, DeepSpeedCPUAdam)
 the first time a run needs them: minutes on a small machine, spent inside the first
 training run. `make setup` calls this once so runs start at full speed; the builds are
-cached under ~/.cache/torch_extensions. On a CUDA machine there is nothing to do here:
-the CUDA ops are built by DeepSpeed for the GPU it finds.
+cached in TORCH_EXTENSIONS_DIR (inside the virtual environment: see scaletrain/__init__.py).
+On a CUDA machine there is nothing to do here: the CUDA ops are built by DeepSpeed for the
+GPU it finds.
 """
 
 from __future__ import annotations
@@ -12,6 +13,31 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
+
+
+def clear_stale_locks() -> list[Path]:
+    """Remove build locks in TORCH_EXTENSIONS_DIR that no live process holds; return them.
+
+    torch's FileBaton creates `<op>/lock` with O_EXCL and keeps it open until the build ends,
+    then deletes it; a build killed in between leaves the file, and every later build of that
+    op sleeps on it forever. A lock that no process has open is therefore stale. (Linux: the
+    holders are read from /proc; elsewhere nothing is removed.)
+    """
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    locks = [p.resolve() for p in Path(root).glob("*/lock")] if root else []
+    if not locks or not Path("/proc/self/fd").is_dir():
+        return []
+    held = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            held.add(Path(os.readlink(fd)))
+        except OSError:  # the process or descriptor went away, or is not ours to read
+            continue
+    stale = [lock for lock in locks if lock not in held]
+    for lock in stale:
+        lock.unlink(missing_ok=True)
+    return stale
 
 
 def main() -> int:
@@ -21,6 +47,8 @@ def main() -> int:
         print("deepspeed ops: CUDA present, CPU ops not needed")
         return 0
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for lock in clear_stale_locks():
+        print(f"deepspeed ops: removed {lock}, left by a build that was killed")
     from deepspeed.ops.op_builder.cpu import (
         CPUAdamBuilder,
         FusedAdamBuilder,
