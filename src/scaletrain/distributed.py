@@ -50,11 +50,6 @@ class World:
 ALONE = World(0, 1, 0, torch.device("cpu"), None)
 
 
-def launcher_rank() -> int:
-    """Rank from the environment, usable before any process group exists (error printing)."""
-    return int(os.environ.get("RANK", "0"))
-
-
 def init_distributed(device_choice: str = "auto", backend_choice: str = "auto", timeout_s: float = 600) -> World:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

@@ -308,6 +308,12 @@ def _preempted(errors: str) -> bool:
     return bool(lines)
 
 
+def launcher_rank() -> int:
+    """Rank from the environment, usable before any process group exists (error printing).
+    Here, not in distributed.py: a bad config must not wait for torch's import to be told."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def report_preempted(message: str, rank: int) -> None:
     """A worker that stopped on a preemption signal, checkpoint saved (exit EXIT_PREEMPTED)."""
     directory = os.environ.get(ERROR_DIR_ENV)
