@@ -185,6 +185,20 @@ def test_a_virtual_environment_keeps_its_own_op_cache():
     assert os.environ["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_extensions")
 
 
+@pytest.mark.unit
+def test_deepspeed_import_leaves_torch_compile_as_it_was():
+    # Its Muon module is imported with torch.compile made a no-op (start-up cost, see
+    # engines/deepspeed.py); torch.compile itself must be torch's again afterwards.
+    import torch
+
+    from scaletrain.engines.deepspeed import _import_deepspeed
+
+    compile_ = torch.compile
+    _import_deepspeed(torch.device("cpu"))
+    assert torch.compile is compile_
+    assert "deepspeed.runtime.zero.muon.original_muon" in sys.modules
+
+
 @pytest.fixture(scope="module")
 def zero_runs(small_dataset, tmp_path_factory):
     """case -> its straight run (world 2, 10 steps, a checkpoint every 5), made on first use."""
