@@ -5,11 +5,12 @@
 #   make lint            ruff (lint + format check) and mypy over src/: part of make test
 #   make test-unit       the unit tier only (under a minute)
 #   make test-numerics   the equivalence tests again under torch's portable CPU kernels
+#   make test-slow       the tests too slow for make test's 15 minutes (compile, bf16 on CPU, planner cases)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint test-unit test-numerics setup clean
+.PHONY: demo test lint test-unit test-numerics test-slow setup clean
 
 setup: $(VENV)/.installed
 
@@ -30,8 +31,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(BIN)/scaletrain train
 
-# `slow` tests (minutes of compiling on 2 cores) are left to `make test-numerics`, which
-# runs every equivalence test; the 15-minute budget of `make test` has no room for them.
+# `slow` tests (a minute of compiling or of bf16 emulated on a CPU, 2 cores) are left to
+# `make test-slow` (and `make test-numerics` reruns those that compare numbers): the
+# 15-minute budget of `make test` has no room for them.
 # Most tests wait on subprocesses (imports, rendezvous, gloo): two at a time keep both
 # cores busy (one worker per test file, so a module's shared runs are made once). The
 # tests that judge timing run afterwards, alone.
@@ -51,6 +53,9 @@ test-unit: setup
 # tolerances must hold under all of them, not only under this machine's own.
 test-numerics: setup
 	ATEN_CPU_CAPABILITY=$(or $(CAPABILITY),default) $(BIN)/python -m pytest -q -m equivalence
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
 
 clean:
 	rm -rf $(VENV) runs data

@@ -353,10 +353,12 @@ def test_deepspeed_built_from_the_saved_json_runs_with_our_settings(fp16_zero2_r
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # 27-56 s under the suite's load (bf16 matmuls are emulated on CPUs without bf16 units)
 @pytest.mark.timeout(400)
 def test_bf16_trains(small_dataset, tmp_path):
     # bf16 over 12 steps; fp16 trains in the resume test above (ZeRO-2, a moving loss scale),
-    # and test_precision.py checks both precisions' forward and fp16 overflow on ZeRO-2 and 3.
+    # and test_precision.py checks both precisions' forward (bf16 compute, fp32 masters) and
+    # fp16 overflow on ZeRO-2 and 3 in every `make test`; this one runs in `make test-slow`.
     run = tmp_path / "run"
     check(
         train(
