@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 
-from helpers import SMALL_CORPUS, base_overrides, check, metric_rows, one_line_error, run_info, scaletrain, train
+from helpers import SMALL_CORPUS, base_overrides, check, metric_rows, one_line_error, run, run_info, scaletrain, train
 
 pytestmark = pytest.mark.e2e
 
@@ -208,3 +209,28 @@ def test_rank_0_crash_while_preparing_data_reaches_the_other_rank(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "scaletrain: error: rank 0 failed while preparing the data (NotADirectoryError" in proc.stderr
     assert "rank 0 (pid" in proc.stderr and "failed with exit code 1" in proc.stderr
+
+
+# The `scaletrain` process ends with os._exit (the interpreter's teardown of torch cost
+# 0.6 s per process), but only after what a normal exit does first: a thread that is not a
+# daemon finishes, atexit handlers run, the output is flushed, the exit code is kept.
+END_OF_PROCESS = """
+import atexit, sys, threading, time
+from pathlib import Path
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+threading.Thread(target=lambda: (time.sleep(0.5), (out / "thread").write_text("done"))).start()
+sys.argv = ["scaletrain", "train", "--print-config", "train.steps=7"]
+from scaletrain.cli import main
+main()
+raise SystemExit(5)  # not reached: main() ended the process with the command's own code
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_process_ends_after_threads_atexit_and_output(tmp_path):
+    proc = run([sys.executable, "-c", END_OF_PROCESS, str(tmp_path)], timeout=50)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "steps: 7" in proc.stdout
+    assert (tmp_path / "thread").read_text() == "done"
+    assert (tmp_path / "atexit").read_text() == "ran"
