@@ -292,6 +292,11 @@ class CheckpointConfig(Section):
     # Torch engines (ddp, fsdp): the loop waits only while the state is copied to CPU
     # memory; DCP writes it from a thread (saves.py). DeepSpeed always writes synchronously.
     async_save: bool = True
+    # Frozen parameters (model.trainable, LoRA's base): "save" writes them into every
+    # checkpoint like the rest; "reference" leaves them out and records where they come
+    # from (the base at model.path, or the seeded init), which a resume and an export
+    # rebuild and a resume checks is unchanged. A LoRA run's checkpoints shrink to its adapters.
+    frozen: Literal["save", "reference"] = "save"
 
 
 class TelemetryConfig(Section):

@@ -23,7 +23,11 @@ def decay_groups(weight_decay: float) -> Callable[[nn.Module], list[dict[str, An
         for p in model.parameters():
             if p.requires_grad:
                 (decay if p.ndim >= 2 else no_decay).append(p)
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # No empty group: where only matrices train (LoRA adapters, attention projections),
+        # torch's flattened optimizer state cannot be loaded back into an optimizer with an
+        # empty group (state_dict._unflatten_optim_state_dict indexes its first parameter).
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return [g for g in groups if g["params"]]
 
     return groups
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain import checkpoint
+from scaletrain.checkpoint.base import base_reference
 from scaletrain.checkpoint.manager import PendingSave
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.config import Config
@@ -120,6 +121,8 @@ class Saves:
             "engine_state": engine.extra_state(),
             "nonfinite": self.guard.counters(),
         }
+        if self.cfg.checkpoint.frozen == "reference":  # the frozen parameters are not in state/: where they come from
+            trainer_state["base"] = base_reference(self.cfg)
         files = {"config.yaml": self.cfg.to_yaml(), **engine.checkpoint_files()}
         background = background and self.cfg.checkpoint.async_save
         keep, root, main = self.cfg.checkpoint.keep, self.paths.checkpoints, self.world.is_main

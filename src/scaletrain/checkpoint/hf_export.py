@@ -111,8 +111,11 @@ def export_hf(
     trainable_only: bool = False,
     tokenizer: Path | None = None,
     max_shard_bytes: int = 2 << 30,
+    base: Callable[[], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
-    """Write the HF directory `out` (must not exist); returns a summary for the CLI."""
+    """Write the HF directory `out` (must not exist); returns a summary for the CLI.
+    `base` builds the base model's weights, for a checkpoint that left its frozen
+    parameters out (checkpoint/base.py); called once, only if such a tensor is exported."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype} is invalid; accepted: {', '.join(DTYPES)}")
     if out.exists():
@@ -133,12 +136,22 @@ def export_hf(
         # folded into it (W + alpha/r * B @ A): the merged model has no adapters left.
         sources = merged_names(names) if target.lora else {n: (n, None) for n in names}
         shapes = {out: layout.shapes[src] for out, (src, _) in sources.items()}
+        built: dict[str, torch.Tensor] = {}
+
+        def tensor(name: str) -> torch.Tensor:
+            if weights.holds(name):
+                return weights.get(name)
+            if base is None:
+                raise UserError(f"checkpoint {ckpt} holds no weights for {name}; accepted: a checkpoint of this model")
+            if not built:
+                built.update(base())
+            return built[layout.aliases.get(name, name)].float()
 
         def value(out: str) -> torch.Tensor:
             src, pair = sources[out]
             if pair is None or target.lora is None:
-                return weights.get(src)
-            return merge(weights.get(src), weights.get(pair[0]), weights.get(pair[1]), target.lora)
+                return tensor(src)
+            return merge(tensor(src), tensor(pair[0]), tensor(pair[1]), target.lora)
 
         shards = _plan_shards(list(sources), shapes, torch_dtype, max_shard_bytes)
         weight_map: dict[str, str] = {}

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from scaletrain.checkpoint.base import frozen_left_out
 from scaletrain.checkpoint.formats import DEEPSPEED_TAG, quiet_single_process, read_stamp
 from scaletrain.errors import UserError
 from scaletrain.models.llama import canonical_name
@@ -48,10 +49,13 @@ class ParamLayout:
     def __init__(self, model: nn.Module):
         self.shapes: dict[str, torch.Size] = {}
         self.aliases: dict[str, str] = {}  # a tied parameter's later name -> its first name
+        self.frozen: set[str] = set()  # no gradient (model.trainable, LoRA's base)
         first: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             name = canonical_name(name)
             self.shapes[name] = p.shape
+            if not p.requires_grad:
+                self.frozen.add(name)
             if id(p) in first:
                 self.aliases[name] = first[id(p)]
             else:
@@ -68,8 +72,11 @@ def read_state(ckpt: Path, layout: ParamLayout) -> State:
     else:
         raise UserError(f"checkpoint {ckpt} is in format {fmt!r}, which this version cannot read; accepted: dcp, deepspeed")
     for alias, first in layout.aliases.items():  # tied weights appear under every name, as in state_dict()
-        state["model"].setdefault(alias, state["model"][first])
+        if first in state["model"]:
+            state["model"].setdefault(alias, state["model"][first])
     missing = sorted(set(layout.shapes) - set(state["model"]))
+    if frozen_left_out(ckpt):  # checkpoint.frozen=reference: those come from the base, as the model is built
+        missing = [n for n in missing if n not in layout.frozen]
     if missing:
         raise UserError(f"checkpoint {ckpt} holds no weights for {', '.join(missing[:3])}; accepted: a checkpoint of this model")
     return state
@@ -152,6 +159,11 @@ class WeightStream:
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
+
+    def holds(self, name: str) -> bool:
+        """Whether the checkpoint has weights for `name` (not: a frozen parameter it left out)."""
+        name = self.layout.aliases.get(name, name)
+        return name in self._folders if self.format == "deepspeed" else f"model.{name}" in self._meta
 
     def get(self, name: str) -> torch.Tensor:
         """fp32 weights of parameter `name` (a tied alias gives its first name's tensor)."""

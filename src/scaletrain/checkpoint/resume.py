@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from scaletrain.checkpoint.base import check_base, saved_base
 from scaletrain.config import Config
 from scaletrain.errors import UserError
 
@@ -54,6 +55,9 @@ def check_config(path: Path, cfg: Config, saved_state: dict[str, Any], model: di
             now.get("model.trainable"),
             "its optimizer state holds exactly the parameters it trained",
         )
+    base = saved_base(saved_state)
+    if base is not None:  # its frozen parameters come from the base this run builds: the same one?
+        check_base(path, base, cfg)
     for key in _DATA_KEYS:
         if saved_cfg.get(key) != now.get(key):
             raise refuse(key, saved_cfg.get(key), now.get(key), "the data position would point elsewhere")

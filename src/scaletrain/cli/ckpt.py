@@ -141,6 +141,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from scaletrain.checkpoint.base import base_weights, check_base, saved_base
     from scaletrain.checkpoint.hf_export import export_hf, export_target
     from scaletrain.checkpoint.neutral import ParamLayout
     from scaletrain.config import load_config
@@ -160,6 +161,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"exported the LoRA adapters of {path} ({done['engine']}, step {saved['step']}) to {args.out}: {done['tensors']} tensors, {args.dtype}"
         )
         return 0
+    # A checkpoint without its frozen parameters: they come from its base, rebuilt on the CPU.
+    ref = saved_base(saved)
+    if ref is not None and not args.trainable_only:
+        check_base(path, ref, cfg)
     tokenizer = Path(args.tokenizer) if args.tokenizer else _run_tokenizer(cfg)
     if tokenizer is not None and not tokenizer.is_file():
         raise UserError(f"--tokenizer {tokenizer}: no such file; accepted: a tokenizer.json")
@@ -172,6 +177,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         trainable_only=args.trainable_only,
         tokenizer=tokenizer,
         max_shard_bytes=int(parse_size(args.max_shard_size, "--max-shard-size")),
+        base=(lambda: base_weights(cfg, spec)) if ref is not None else None,
     )
     print(
         f"exported {path} ({done['engine']}, step {saved['step']}) to {args.out}: {done['tensors']} tensors, "

@@ -15,6 +15,7 @@ from typing import Any, cast
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -35,12 +36,20 @@ NEUTRAL = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=Tr
 # then keyed exactly as the neutral state ("model.<fqn>", "optim.state.<fqn>.exp_avg"), so
 # checkpoint/neutral.py reads it without knowing the engine that wrote it.
 LOCAL = StateDictOptions(flatten_optimizer_state_dict=True)
+# The same without the frozen parameters (checkpoint.frozen=reference: checkpoint/base.py);
+# loading one leaves the frozen parameters as the model was built, from its base.
+TRAINED = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 
 
-def save_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, background: bool = False) -> Future[Any] | None:
+def save_dcp(
+    model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, background: bool = False, frozen: bool = True
+) -> Future[Any] | None:
     """Write now; or copy the state to CPU memory and write that from a thread (the future
-    completes once it is on disk)."""
+    completes once it is on disk). Without `frozen`, the frozen parameters are left out."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=LOCAL)
+    if not frozen:
+        left_out = frozen_keys(model)
+        model_sd = {k: v for k, v in model_sd.items() if k not in left_out}
     state = {"model": model_sd, "optim": optim_sd}
     with quiet_single_process():
         if not background:
@@ -55,6 +64,21 @@ def save_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, bac
         written = cast(Future, dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=stager))
         written.add_done_callback(lambda _: stager.close())  # its CPU copy is not needed any more
         return written
+
+
+def frozen_keys(model: nn.Module) -> set[str]:
+    """The state-dict keys of the frozen parameters. torch's ignore_frozen_params drops a
+    frozen parameter under its first name only; a tied alias (the output head of a frozen
+    tied embedding) is the same tensor under another key, found by its storage."""
+    every = get_model_state_dict(model, options=LOCAL)
+    frozen = every.keys() - get_model_state_dict(model, options=TRAINED).keys()
+    storages = {_storage(every[k]) for k in frozen} - {0}  # 0: an empty shard, shared by nothing
+    return frozen | {k for k, v in every.items() if _storage(v) in storages}
+
+
+def _storage(t: Any) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return int(local.untyped_storage().data_ptr()) if isinstance(local, torch.Tensor) else 0
 
 
 def make_stager(model_sd: dict[str, Any]) -> DefaultStager:
@@ -72,12 +96,19 @@ def make_stager(model_sd: dict[str, Any]) -> DefaultStager:
 
 
 def load_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """Each rank reads the byte ranges its shards overlap: any world size, ddp or fsdp."""
+    """Each rank reads the byte ranges its shards overlap: any world size, ddp or fsdp.
+    A checkpoint without the frozen parameters loads the rest over the model as built."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=LOCAL)
+    frozen = frozen_keys(model)
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    options = LOCAL
+    if frozen and not any(f"model.{k}" in saved for k in frozen):
+        options = TRAINED
+        model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     with quiet_single_process():
         dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=LOCAL)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
 
 
 class TorchEngineMixin(AccumulationWindow):
@@ -90,6 +121,7 @@ class TorchEngineMixin(AccumulationWindow):
     """
 
     format = "dcp"
+    save_frozen = True  # checkpoint.frozen: whether save() writes the frozen parameters
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
 
@@ -124,7 +156,7 @@ class TorchEngineMixin(AccumulationWindow):
         return StepStats(grad_norm.detach(), loss_scale, skipped)
 
     def save(self, path: Path, background: bool = False) -> Future[Any] | None:
-        return save_dcp(self.model, self.optimizer, path, background)
+        return save_dcp(self.model, self.optimizer, path, background, frozen=self.save_frozen)
 
     def load(self, path: Path) -> None:
         load_dcp(self.model, self.optimizer, path)
@@ -140,6 +172,9 @@ class TorchEngineMixin(AccumulationWindow):
         model_template, optim_template = get_state_dict(self.model, self.optimizer, options=LOCAL)
         template: dict[str, Any] = dict(model_template)
         model_sd: dict[str, Any] = {k: _like(template[k], v) for k, v in state["model"].items() if k in template}
+        # A state without the frozen parameters (checkpoint.frozen=reference; read_state
+        # let only those be missing): they stay as the model was built.
+        options = LOCAL if model_sd.keys() == template.keys() else TRAINED
         # Group settings a converted DeepSpeed checkpoint does not carry come from this
         # optimizer (the config's); torch also reads them to tell a tied weight's names apart.
         optim_sd: dict[str, Any] = {k: v for k, v in optim_template.items() if k.startswith("param_groups.")}
@@ -150,7 +185,7 @@ class TorchEngineMixin(AccumulationWindow):
             if key.startswith("state.") and isinstance(value, torch.Tensor) and value.dim() > 0:
                 value = _like(template[fqn], value)
             optim_sd[key] = value
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=LOCAL)
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
     def extra_state(self) -> dict[str, Any]:
         return {"loss_scaler": self.scaler.state_dict()} if self.scaler else {}

@@ -74,6 +74,7 @@ class DDPEngine(TorchEngineMixin):
         self.device = world.device
         self.precision = cfg.precision
         self.clip_grad = cfg.train.clip_grad
+        self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/base.py)
         self.optimizer = build_adamw(param_groups(model), cfg.train, fused=world.device.type == "cuda")
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
         if teacher is not None:

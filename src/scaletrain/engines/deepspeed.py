@@ -57,6 +57,7 @@ class DeepSpeedEngine(AccumulationWindow):
         self.dp_size = dims.dp_size
         self.device = world.device
         self.precision = cfg.precision
+        self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/base.py)
         # First, before anything slow: a conflicting deepspeed_extra key stops here.
         self.ds_config = build_deepspeed_config(cfg, dims.dp_size)
         self._config_json = to_json(self.ds_config)
@@ -127,7 +128,7 @@ class DeepSpeedEngine(AccumulationWindow):
         path.mkdir(parents=True, exist_ok=True)
         # Collective: each rank writes its own partition of optimizer state (and, for
         # ZeRO-3, of the parameters); the fp32 master weights live in those files.
-        self.ds.save_checkpoint(str(path), tag=TAG, save_latest=False)
+        self.ds.save_checkpoint(str(path), tag=TAG, save_latest=False, exclude_frozen_parameters=not self.save_frozen)
 
     def load(self, path: Path) -> None:
         saved = _saved_world_size(path)
@@ -143,7 +144,13 @@ class DeepSpeedEngine(AccumulationWindow):
             )
         # load_from_fp32_weights (DeepSpeed's default) restores the exact fp32 master
         # partitions, so the resumed run continues bit-exactly.
-        loaded, _ = self.ds.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+        # Not strict where parameters are frozen: a checkpoint may leave them out (checkpoint.
+        # frozen=reference), and they then stay as built, from the base. The trained ones
+        # come from the fp32 partitions in the optimizer state either way.
+        frozen = any(not p.requires_grad for p in self.module.parameters())
+        loaded, _ = self.ds.load_checkpoint(
+            str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False, load_module_strict=not frozen
+        )
         if loaded is None:
             raise UserError(f"checkpoint {path.parent}: DeepSpeed could not load state/{TAG}/ (see its warning above)")
         _replay_cpu_adam_steps(self.ds.basic_optimizer)
@@ -192,7 +199,8 @@ class DeepSpeedEngine(AccumulationWindow):
         # full value; ZeRO-3 gathers it, and re-partitions rank 0's on leaving the context.
         with GatheredParameters(list({id(p): p for p in params.values()}.values()), modifier_rank=0):
             for name, param in params.items():
-                param.data.copy_(state["model"][name].to(param.dtype))
+                if name in state["model"]:  # else frozen and left out of the checkpoint: as built
+                    param.data.copy_(state["model"][name].to(param.dtype))
         first = self._first_names()
         for name, param in params.items():
             if name not in first or not param.requires_grad:  # frozen: its value is set above

@@ -96,6 +96,7 @@ class FSDPEngine(TorchEngineMixin):
         self.fsdp: FSDPModule = model  # type: ignore[assignment]
         self.device = world.device
         self.clip_grad = cfg.train.clip_grad
+        self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/base.py)
         # AdamW sees the sharded DTensor parameters: optimizer state is sharded the same way.
         fused = world.device.type == "cuda" and not offload
         self.optimizer = build_adamw(param_groups(model), cfg.train, fused=fused)

@@ -303,7 +303,7 @@ def _load_weights(model: nn.Module, directory: Path) -> None:
     """Each parameter from the directory's safetensors, one tensor at a time."""
     from safetensors import safe_open
 
-    where = _weight_files(directory)
+    where = weight_files(directory)
     with ExitStack() as stack:
         files = {n: stack.enter_context(safe_open(str(directory / n), framework="pt")) for n in sorted(set(where.values()))}
         for name, param in model.named_parameters():
@@ -323,7 +323,7 @@ def _load_weights(model: nn.Module, directory: Path) -> None:
             copy_full(param, full.to(param.dtype))
 
 
-def _weight_files(directory: Path) -> dict[str, str]:
+def weight_files(directory: Path) -> dict[str, str]:
     """Tensor name -> file, from the index of a sharded save or the single file."""
     index = directory / _SAFETENSORS_INDEX
     if index.is_file():
