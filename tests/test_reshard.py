@@ -31,8 +31,7 @@ CHAIN = [
     ("fsdp", 3),  # DCP resharding 2 -> 3, uneven shards
     ("fsdp", 2),  # 3 -> 2: the layout change issue 9 reported wrong numbers for
     ("zero3", 3),  # fsdp -> ZeRO-3, uneven partitions (DeepSpeed's full setter overruns them)
-    ("zero3", 1),  # DeepSpeed 3 -> 1 (universal checkpoint)
-    ("zero2", 2),  # ZeRO-3 -> ZeRO-2, 1 -> 2
+    ("zero2", 2),  # ZeRO-3 -> ZeRO-2, 3 -> 2 (DeepSpeed's universal checkpoint)
     ("fsdp", 1),  # ZeRO-2 -> fsdp, 2 -> 1
 ]
 STEPS = 2 * len(CHAIN)

@@ -1,8 +1,9 @@
 """Probe: DeepSpeed's own engine built from a saved deepspeed_config.json, nothing of ours.
 
-Run under torchrun. `deepspeed.initialize(config=FILE)` on a plain model, then report the
-settings DeepSpeed itself runs with (stage, offload devices, the optimizer class it chose,
-clipping, batch sizes, precision, loss scaler) to OUT/rank<R>.json.
+Run under torchrun. For each FILE in turn, `deepspeed.initialize(config=FILE)` on a plain
+model, then report the settings DeepSpeed itself runs with (stage, offload devices, the
+optimizer class it chose, clipping, batch sizes, precision, loss scaler): OUT/rank<R>.json
+holds one entry per FILE. One launch for several files: a launch costs seconds of imports.
 """
 
 from __future__ import annotations
@@ -31,14 +32,20 @@ def device_of(offload) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("json")
+    ap.add_argument("json", nargs="+")
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
-    saved = json.loads(Path(args.json).read_text())
+    runs = [live_settings(path) for path in args.json]
+    (Path(args.out) / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(runs))
+    torch.distributed.destroy_process_group()
+
+
+def live_settings(path: str) -> dict:
+    saved = json.loads(Path(path).read_text())
     if saved["fp16"]["enabled"]:
         _allow_fp16_on_cpu()
     model = build_model(resolve_shape(load_config([], ["model.vocab_size=512"]).model), 16, seed=0)
-    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=args.json)
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=path)
     z = engine._config.zero_config
     live = {
         "stage": int(z.stage),
@@ -63,14 +70,13 @@ def main() -> None:
             "loss_scale_window": scaler["scale_window"],
             "hysteresis": scaler["delayed_shift"],
         }
-    (Path(args.out) / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(live))
-    # Both ranks drop the engine (ZeRO-3's hooks and partitions) and meet before either
-    # tears gloo down: once, in CI, rank 1 aborted at exit ("terminate called without an
-    # active exception") after rank 0 had destroyed its group first.
+    # Both ranks drop the engine (ZeRO-3's hooks and partitions) and meet before the next
+    # one or before either tears gloo down: once, in CI, rank 1 aborted at exit ("terminate
+    # called without an active exception") after rank 0 had destroyed its group first.
     del engine, optimizer, scheduler, model
     gc.collect()
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    return live
 
 
 if __name__ == "__main__":
