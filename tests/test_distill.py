@@ -46,6 +46,51 @@ def test_the_loss_is_the_temperature_scaled_kl_mixed_with_the_cross_entropy():
 
 
 @pytest.mark.unit
+def test_the_hidden_state_term_is_the_projected_students_squared_error_to_the_teacher():
+    # A 32-wide student, a 64-wide teacher: the student gains distill_proj (32 -> 64), trained
+    # even where model.trainable freezes the rest, and the loss adds hidden_weight x the mean
+    # squared error between its final norm's output, projected, and the teacher's.
+    overrides = ["model.vocab_size=11", "model.dim=32", "model.trainable=['norm.weight']", *TEACHER,
+                 "model.teacher.dim=64", "model.teacher.hidden_weight=0.5"]  # fmt: skip
+    cfg = load_config([], overrides)
+    spec = model_spec(cfg, 11)
+    distill = distill_spec(cfg, spec)
+    student, teacher = spec.build_meta(8), distill.teacher.build_meta(8)
+    spec.materialize(student, torch.device("cpu"), 0)
+    distill.teacher.materialize(teacher, torch.device("cpu"), 1)
+    assert student.distill_proj.weight.shape == (64, 32) and student.distill_proj.weight.requires_grad
+    assert spec.counts().total - spec.inner.counts().total == 64 * 32  # the planner counts it
+    assert spec.config()["distill_proj"] == [32, 64]
+    seen = {}  # each final norm's output, by a hook of this test's own
+    student.norm.register_forward_hook(lambda m, a, out: seen.__setitem__("student", out))
+    teacher.norm.register_forward_hook(lambda m, a, out: seen.__setitem__("teacher", out))
+    tokens = torch.randint(0, 11, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        taught = teacher(tokens[:, :-1])
+    output = student(tokens[:, :-1])
+    loss = distill.loss((output, taught), tokens[:, 1:])
+    projected = seen["student"] @ student.distill_proj.weight.T
+    want = 1.0 * kl_to_teacher(output, taught, 1.0) + 0.5 * ((projected - seen["teacher"]) ** 2).mean()
+    torch.testing.assert_close(loss, want)  # the same fp32 operations in another order: ulps
+    loss.backward()
+    assert student.distill_proj.weight.grad.abs().sum() > 0 and student.norm.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for n, p in student.named_parameters() if n not in ("distill_proj.weight", "norm.weight"))
+
+
+@pytest.mark.unit
+def test_a_resume_with_or_without_the_hidden_state_term_against_its_checkpoint_is_refused(tmp_path):
+    from scaletrain.checkpoint.resume import check_config
+
+    with_term = load_config([], ["model.vocab_size=11", *TEACHER, "model.teacher.hidden_weight=1"])
+    without = load_config([], ["model.vocab_size=11", *TEACHER])
+    for saved, now, had in ((with_term, without, "with"), (without, with_term, "without")):
+        (tmp_path / "config.yaml").write_text(saved.to_yaml())
+        state = {"model": model_spec(saved, 11).config()}
+        with pytest.raises(UserError, match=f"trained {had} model.teacher.hidden_weight"):
+            check_config(tmp_path, now, state, model_spec(now, 11).config(), "x")
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -83,11 +83,16 @@ class TeacherConfig(ModelSource):
     """A frozen model the trained one (the student) learns from: never optimized, never
     saved in checkpoints (it is rebuilt from this section on resume), sharded like the student.
     The loss is kl_weight x T^2 x KL(teacher || student at temperature T) + (1 - kl_weight)
-    x the next-token cross entropy (Hinton et al.'s T^2 keeps the gradient scale as T grows)."""
+    x the next-token cross entropy (Hinton et al.'s T^2 keeps the gradient scale as T grows),
+    + hidden_weight x the mean squared error between the student's final hidden states,
+    projected to the teacher's width by a trained linear map, and the teacher's."""
 
     where: ClassVar[str] = "model.teacher"
     temperature: float = Field(1.0, gt=0)
     kl_weight: float = Field(1.0, ge=0, le=1)
+    # 0: off. Else the student gains `distill_proj` (student width -> teacher width, no
+    # bias), trained and checkpointed with it, left out of Hugging Face exports.
+    hidden_weight: float = Field(0.0, ge=0)
 
 
 class ModelConfig(ModelSource):

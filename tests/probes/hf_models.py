@@ -56,12 +56,17 @@ CASES = {f"{a}-{e}": (a, e, []) for a in ARCHS for e in ENGINES if not (a == "gp
     "builtin-lora-zero3": ("builtin", "zero3", [LORA]),
 }
 # Distillation: the built-in student learns the saved Hugging Face Llama (--teacher DIR);
-# pure KL at T=2 on zero3 and ddp, half KL half cross entropy on fsdp.
+# pure KL at T=2 on zero3 and ddp, half KL half cross entropy on fsdp. The hidden cases add
+# the hidden-state term through the student's projection, 64 wide to the teacher's 32, on
+# the engines that shard it (FSDP2's root unit; ZeRO-3 gathering it inside a forward hook).
 TEACHER = ["model.teacher.source=hf", "model.teacher.temperature=2.0"]
+HIDDEN = [*TEACHER, "model.teacher.hidden_weight=1.0", "model.dim=64"]
 DISTILL = {
     "distill-ddp": ("builtin", "ddp", TEACHER),
     "distill-fsdp": ("builtin", "fsdp", [*TEACHER, "model.teacher.kl_weight=0.5"]),
     "distill-zero3": ("builtin", "zero3", TEACHER),
+    "distill-hidden-fsdp": ("builtin", "fsdp", HIDDEN),
+    "distill-hidden-zero3": ("builtin", "zero3", HIDDEN),
 }
 
 

@@ -36,6 +36,12 @@ def check_config(path: Path, cfg: Config, saved_state: dict[str, Any], model: di
         )
 
     saved_model = saved_state.get("model", {})
+    if ("distill_proj" in saved_model) != ("distill_proj" in model):  # the hidden-state term's projection
+        had = "with" if "distill_proj" in saved_model else "without"
+        raise UserError(
+            f"checkpoint {path} was trained {had} model.teacher.hidden_weight (its projection distill_proj is "
+            f"{'' if had == 'with' else 'not '}in the saved weights); accepted: the same setting to resume it, or a new run.dir"
+        )
     for key, old in saved_model.items():
         if model.get(key) != old:
             raise refuse(f"model.{key}", old, model.get(key), "the saved weights have its shape")

@@ -9,14 +9,18 @@ runs the teacher first, under no_grad, and the loss gets (student output, teache
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from scaletrain.errors import UserError
 from scaletrain.models.loss import logits_of
 from scaletrain.models.spec import LossFn, ModelSpec
+
+PROJECTION = "distill_proj"  # the student's trained map to the teacher's width (hidden_weight > 0)
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,8 @@ class Distill:
     temperature: float
     kl_weight: float  # the KL term's share; the rest is the student's own next-token loss
     student_loss: LossFn  # the student spec's cross entropy (chunked or not, as configured)
+    hidden_weight: float = 0.0  # the hidden-state term's weight, on top; 0: off
+    hidden: HiddenStates | None = None  # where the two forwards left their final hidden states
 
     def loss(self, output: tuple[Any, Any], targets: torch.Tensor) -> torch.Tensor:
         student, teacher = output
@@ -32,9 +38,110 @@ class Distill:
         # T^2 keeps the KL's gradient on the same scale as the cross entropy's whatever T
         # (the soft targets' gradients shrink as 1/T^2; Hinton et al. 2015).
         kl = kl_to_teacher(logits_of(student), logits_of(teacher), t) * (t * t)
-        if self.kl_weight == 1.0:
-            return kl
-        return self.kl_weight * kl + (1.0 - self.kl_weight) * self.student_loss(student, targets)
+        total = (
+            kl if self.kl_weight == 1.0 else self.kl_weight * kl + (1.0 - self.kl_weight) * self.student_loss(student, targets)
+        )
+        if self.hidden is not None:
+            total = total + self.hidden_weight * self.hidden.take_mse()
+        return total
+
+
+class HiddenStates:
+    """The final hidden states (what the output head reads) of the latest student and
+    teacher forwards, left here by forward hooks on each model's final norm: the student's
+    already projected to the teacher's width by its `distill_proj`, inside its forward, so
+    every engine gathers, shards and reduces that weight as any other of the student's."""
+
+    def __init__(self) -> None:
+        self.student: torch.Tensor | None = None
+        self.teacher: torch.Tensor | None = None
+
+    def attach_student(self, model: nn.Module) -> None:
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            self.student = getattr(model, PROJECTION)(output)
+
+        final_norm(model).register_forward_hook(hook)
+
+    def attach_teacher(self, model: nn.Module) -> None:
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            self.teacher = output
+
+        final_norm(model).register_forward_hook(hook)
+
+    def take_mse(self) -> torch.Tensor:
+        """Mean over positions and features of (projected student - teacher)^2, in fp32;
+        both are dropped here (each forward leaves new ones)."""
+        assert self.student is not None and self.teacher is not None, "both forwards run before the loss"
+        student, teacher = self.student, self.teacher
+        self.student = self.teacher = None
+        return F.mse_loss(student.float(), teacher.detach().float())
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm before the output head: the built-in Llama's `norm`, or the Hugging Face
+    base model's last norm."""
+    norm = getattr(model, "norm", None)
+    if isinstance(norm, nn.Module):
+        return norm
+    from scaletrain.models.hf import final_norm as hf_final_norm
+
+    found = hf_final_norm(model)
+    if found is None:
+        raise UserError(
+            f"model.teacher.hidden_weight needs the final norm of {type(model).__name__}, which was not found; "
+            "accepted: model.teacher.hidden_weight=0 for this model"
+        )
+    return found
+
+
+@dataclass(frozen=True)
+class WithProjection:
+    """The student spec plus `distill_proj`, a trained linear map (no bias) from its hidden
+    width to the teacher's, applied to its final hidden states inside its forward. The
+    projection trains whatever model.trainable freezes; it is in the student's checkpoints
+    and not in its Hugging Face export."""
+
+    inner: ModelSpec
+    teacher_hidden: int
+    hidden: HiddenStates = field(compare=False, hash=False, repr=False)
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the student's own
+        if name.startswith("__") or name == "inner":  # not yet set (copy, pickle)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def build_meta(self, max_seq_len: int) -> nn.Module:
+        model = self.inner.build_meta(max_seq_len)
+        with torch.device("meta"):
+            model.add_module(PROJECTION, nn.Linear(self.inner.hidden_size, self.teacher_hidden, bias=False))
+        self.hidden.attach_student(model)
+        return model
+
+    def config(self) -> dict[str, Any]:
+        return self.inner.config() | {PROJECTION: [self.inner.hidden_size, self.teacher_hidden]}
+
+    def counts(self) -> Any:
+        from scaletrain.models.spec import _counts
+
+        return _counts(self)  # the projection included: the planner counts its weights and state
+
+
+@dataclass(frozen=True)
+class Observed:
+    """The teacher spec, its final hidden states left in `hidden` by every forward."""
+
+    inner: ModelSpec
+    hidden: HiddenStates = field(compare=False, hash=False, repr=False)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def build_meta(self, max_seq_len: int) -> nn.Module:
+        model = self.inner.build_meta(max_seq_len)
+        self.hidden.attach_teacher(model)
+        return model
 
 
 def kl_to_teacher(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:

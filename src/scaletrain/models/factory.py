@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from scaletrain.errors import UserError
-from scaletrain.models.distill import Distill
+from scaletrain.models.distill import PROJECTION, Distill, HiddenStates, Observed, WithProjection, final_norm
 from scaletrain.models.lora import LoraSpec, lora_spec
 from scaletrain.models.presets import ModelShape, resolve_shape
 from scaletrain.models.spec import LlamaSpec, ModelSpec
@@ -16,11 +16,14 @@ from scaletrain.models.spec import LlamaSpec, ModelSpec
 def model_spec(cfg: Any, vocab_size: int | None) -> ModelSpec:
     """`cfg.model` as a spec; `vocab_size` is the tokenizer's (None before one exists)."""
     m = cfg.model
-    return _spec(m, vocab_size, cfg.train.loss_chunk_tokens, tuple(m.trainable), m.lora)
+    spec = _spec(m, vocab_size, cfg.train.loss_chunk_tokens, tuple(m.trainable), m.lora)
+    if m.teacher is not None and m.teacher.hidden_weight > 0:  # + the projection to the teacher's width
+        return WithProjection(spec, _spec(m.teacher, vocab_size, 0, (), None).hidden_size, HiddenStates())
+    return spec
 
 
 def distill_spec(cfg: Any, student: ModelSpec) -> Distill | None:
-    """`cfg.model.teacher` beside the student `student`; None without a teacher."""
+    """`cfg.model.teacher` beside the student `student` (model_spec's); None without a teacher."""
     t = cfg.model.teacher
     if t is None:
         return None
@@ -30,6 +33,11 @@ def distill_spec(cfg: Any, student: ModelSpec) -> Distill | None:
         raise UserError(
             f"model.teacher has a vocabulary of {teacher.vocab_size} tokens and the model {student.vocab_size}; accepted: "
             "a teacher and a student over the same tokenizer and vocabulary size"
+        )
+    if isinstance(student, WithProjection):  # the hidden-state term: both forwards leave theirs
+        final_norm(teacher.build_meta(1))  # a model without one stops here, in one line
+        return Distill(
+            Observed(teacher, student.hidden), t.temperature, t.kl_weight, student.loss, t.hidden_weight, student.hidden
         )
     return Distill(teacher, t.temperature, t.kl_weight, student.loss)
 
@@ -56,6 +64,7 @@ def saved_spec(saved_model: dict[str, Any]) -> ModelSpec:
     """The spec a checkpoint's trainer.json "model" entry (spec.config()) describes. Its
     weights come from the checkpoint, so a Hugging Face model needs no directory."""
     fields = dict(saved_model)
+    fields.pop(PROJECTION, None)  # distillation's projection: the student's own model has none
     lora = fields.pop("lora", None)
     adapters = LoraSpec(lora["r"], lora["alpha"], lora["dropout"], tuple(lora["target_modules"])) if lora else None
     if fields.get("source") == "hf":

@@ -172,10 +172,11 @@ class HFSpec:
         if self.tied:
             model.tie_weights()  # type: ignore[operator]  # to_empty gave the head its own storage
         _init_buffers(model)
+        std = float(getattr(self._conf, "initializer_range", 0.02))
         if self.path is not None:
-            _load_weights(model, Path(self.path).expanduser())
+            _load_weights(model, Path(self.path).expanduser(), seed, std)
         else:
-            _seeded_init(model, seed, float(getattr(self._conf, "initializer_range", 0.02)))
+            _seeded_init(model, seed, std)
         if self.lora is not None:
             init_adapters(model, seed)
 
@@ -201,7 +202,7 @@ class HFSpec:
 
     def traced_head(self) -> nn.Module:
         model = self._build(self._one_layer())
-        norm = _final_norm(model)
+        norm = final_norm(model)
         head = model.get_output_embeddings()  # type: ignore[operator]
         return nn.Sequential(norm, head) if norm is not None else head
 
@@ -263,7 +264,7 @@ def _unwrapped(module: nn.Module) -> nn.Module:
     return getattr(module, "_checkpoint_wrapped_module", module)
 
 
-def _final_norm(model: nn.Module) -> nn.Module | None:
+def final_norm(model: nn.Module) -> nn.Module | None:
     """The base model's last norm (applied to the last layer's output before the head)."""
     base = getattr(model, str(model.base_model_prefix), model)
     norms = [
@@ -299,9 +300,11 @@ def _seeded_init(model: nn.Module, seed: int, std: float) -> None:
 
 
 @torch.no_grad()
-def _load_weights(model: nn.Module, directory: Path) -> None:
+def _load_weights(model: nn.Module, directory: Path, seed: int, std: float) -> None:
     """Each parameter from the directory's safetensors, one tensor at a time."""
     from safetensors import safe_open
+
+    from scaletrain.models.distill import PROJECTION
 
     where = weight_files(directory)
     with ExitStack() as stack:
@@ -310,6 +313,9 @@ def _load_weights(model: nn.Module, directory: Path) -> None:
             name = base_name(canonical_name(name))
             if is_adapter(name):
                 continue  # lora.init_adapters
+            if name.startswith(PROJECTION + "."):  # distillation's projection is not the model's: seeded
+                copy_full(param, torch.empty(param.shape).normal_(0.0, std, generator=name_generator(seed, name)))
+                continue
             if name not in where:
                 raise UserError(
                     f"model.path {str(directory)!r} has no weight {name!r}; accepted: a directory saved by save_pretrained "

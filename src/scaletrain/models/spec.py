@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Any, Protocol
 
@@ -123,6 +123,14 @@ class ModelSpec(Protocol):
     def stage_costs(self, seq_len: int) -> tuple[float, float, float]:
         """Training FLOPs per token of (the embedding, one block, the final norm and head):
         what the pipeline split and the planner balance stages by."""
+
+
+def with_fields(spec: Any, **changes: Any) -> Any:
+    """`dataclasses.replace` for a spec, through a wrapper (models/distill.py) to the spec it wraps."""
+    inner = getattr(spec, "inner", None)
+    if inner is not None:
+        return replace(spec, inner=with_fields(inner, **changes))
+    return replace(spec, **changes)
 
 
 @dataclass(frozen=True)

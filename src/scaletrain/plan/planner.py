@@ -13,7 +13,7 @@ from typing import Any
 from scaletrain.config import Config
 from scaletrain.errors import UserError
 from scaletrain.models.factory import distill_spec
-from scaletrain.models.spec import ModelSpec
+from scaletrain.models.spec import ModelSpec, with_fields
 from scaletrain.parallel import dims_for
 from scaletrain.plan.hardware import Device, GiB
 from scaletrain.plan.memory import Memory, Setup, estimate, trainable_share
@@ -304,7 +304,7 @@ def _what_chunking_buys(model: ModelSpec, chosen: Candidate) -> list[str]:
     m = chosen.memory
     if model.loss_chunk_tokens or chosen.setup.tp > 1 or m.loss < 0.1 * m.peak or not is_dataclass(model):
         return []
-    chunked = estimate(replace(model, loss_chunk_tokens=LOSS_CHUNK), chosen.setup)
+    chunked = estimate(with_fields(model, loss_chunk_tokens=LOSS_CHUNK), chosen.setup)
     return [
         f"the loss holds {fmt(m.loss)} of the {fmt(m.peak)} peak (fp32 log-probabilities, gradient and temporary of "
         f"the logits); train.loss_chunk_tokens={LOSS_CHUNK} would hold {fmt(chunked.loss)} (peak {fmt(chunked.peak)})"
