@@ -94,6 +94,7 @@ def default_config_overrides(data_dir, run_dir) -> list[str]:
 # launcher. Two nodes on loopback: tests/test_cluster.py (the sbatch script's c10d
 # rendezvous); the --node-rank/--master-addr command is checked above.
 @pytest.mark.dist
+@pytest.mark.slow  # 19 s under the suite's load; every multi-rank test launches this way (fsdp: test_engine_fsdp.py)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["fsdp"])
 def test_launch_nproc_2_runs_the_default_config(data_dir, tmp_path, strategy):

@@ -27,9 +27,8 @@ GLOBAL_BATCH = 6
 SHAPE = ["model.vocab_size=515", "model.ffn_dim=200"]
 # (strategy, world size) of each link of 2 steps, and what the move into it exercises.
 CHAIN = [
-    ("fsdp", 2),
-    ("fsdp", 3),  # DCP resharding 2 -> 3, uneven shards
-    ("fsdp", 2),  # 3 -> 2: the layout change issue 9 reported wrong numbers for
+    ("fsdp", 3),  # uneven shards
+    ("fsdp", 2),  # DCP resharding 3 -> 2: the layout change issue 9 reported wrong numbers for
     ("zero3", 3),  # fsdp -> ZeRO-3, uneven partitions (DeepSpeed's full setter overruns them)
     ("zero2", 2),  # ZeRO-3 -> ZeRO-2, 3 -> 2 (DeepSpeed's universal checkpoint)
     ("fsdp", 1),  # ZeRO-2 -> fsdp, 2 -> 1
