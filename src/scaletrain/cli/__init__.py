@@ -202,15 +202,17 @@ def main(argv: list[str] | None = None) -> int:
 def _end_process(code: int) -> None:
     """Exit without the interpreter's teardown of torch's modules: 0.6 s or more of one core
     per process after the work is done, paid by every rank, the agent and each CLI call.
-    Before that, what a normal exit does first: wait for the threads that are not daemons,
-    run the atexit handlers (logging, W&B, multiprocessing, torch's), flush the streams."""
+    Before that, what a normal exit does first, in its order: threading's own shutdown (the
+    callbacks registered with it, such as concurrent.futures telling its pool workers to
+    stop, then a join of every thread that is not a daemon), the atexit handlers (logging,
+    W&B, multiprocessing, torch's), the streams flushed. A bare join of the threads hung
+    forever where a ThreadPoolExecutor existed (torch.compile's): its workers leave only
+    once that callback has run."""
     import atexit
     import os
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
