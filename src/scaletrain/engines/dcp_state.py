@@ -72,13 +72,17 @@ def frozen_keys(model: nn.Module) -> set[str]:
     tied embedding) is the same tensor under another key, found by its storage."""
     every = get_model_state_dict(model, options=LOCAL)
     frozen = every.keys() - get_model_state_dict(model, options=TRAINED).keys()
-    storages = {_storage(every[k]) for k in frozen} - {0}  # 0: an empty shard, shared by nothing
-    return frozen | {k for k, v in every.items() if _storage(v) in storages}
+    places = {_place(every[k]) for k in frozen} - {None}
+    return frozen | {k for k, v in every.items() if _place(v) in places}
 
 
-def _storage(t: Any) -> int:
+def _place(t: Any) -> tuple[int, tuple[int, ...]] | None:
+    """Where this rank's part of a tensor lives (address and shape): equal for a tied weight's
+    two names. None for an empty shard, which shares nothing."""
     local = t.to_local() if isinstance(t, DTensor) else t
-    return int(local.untyped_storage().data_ptr()) if isinstance(local, torch.Tensor) else 0
+    if not isinstance(local, torch.Tensor) or local.numel() == 0:
+        return None
+    return int(local.data_ptr()), tuple(local.shape)
 
 
 def make_stager(model_sd: dict[str, Any]) -> DefaultStager:
