@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
 
     add_diagnose_parser(sub)
     add_compare_parser(sub)
+    from scaletrain.cli.bench import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 
