@@ -105,8 +105,13 @@ class DDPLoop:
     def __init__(self, spec: Any, cfg: Config, device: torch.device, world_size: int):
         model = spec.build_meta(cfg.data.seq_len)
         spec.materialize(model, device, cfg.train.seed)
-        self.model = wrap_ddp(model, device, world_size)
+        autocast = torch.autocast(device.type, dtype=LOW[cfg.precision]) if cfg.precision in LOW else nullcontext()
+        self.setup(wrap_ddp(model, device, world_size), spec, cfg, device, autocast)
+
+    def setup(self, model: nn.Module, spec: Any, cfg: Config, device: torch.device, autocast: Any) -> None:
+        """AdamW (fused on CUDA, as scaletrain), fp16's GradScaler, the model's own loss."""
         t = cfg.train
+        self.model, self.autocast, self.loss, self.clip = model, autocast, spec.loss, t.clip_grad
         self.opt = torch.optim.AdamW(
             adamw_groups(model, t.weight_decay),
             lr=t.lr,
@@ -114,9 +119,7 @@ class DDPLoop:
             eps=t.adam_eps,
             fused=device.type == "cuda" or None,
         )
-        self.autocast = torch.autocast(device.type, dtype=LOW[cfg.precision]) if cfg.precision in LOW else nullcontext()
         self.scaler = torch.amp.GradScaler(device.type, init_scale=t.loss_scale_init) if cfg.precision == "fp16" else None
-        self.loss, self.clip = spec.loss, t.clip_grad
 
     def sync(self, last: bool) -> Any:
         return nullcontext() if last or not isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model.no_sync()
@@ -162,18 +165,7 @@ class FSDPLoop(DDPLoop):
             fully_shard(block, mp_policy=policy or MixedPrecisionPolicy())
         fully_shard(model, mp_policy=policy or MixedPrecisionPolicy())
         spec.materialize(model, device, cfg.train.seed)
-        self.model = model
-        t = cfg.train
-        self.opt = torch.optim.AdamW(
-            adamw_groups(model, t.weight_decay),
-            lr=t.lr,
-            betas=(t.adam_beta1, t.adam_beta2),
-            eps=t.adam_eps,
-            fused=device.type == "cuda" or None,
-        )
-        self.autocast = nullcontext()  # the policy casts
-        self.scaler = torch.amp.GradScaler(device.type, init_scale=t.loss_scale_init) if cfg.precision == "fp16" else None
-        self.loss, self.clip = spec.loss, t.clip_grad
+        self.setup(model, spec, cfg, device, nullcontext())  # no autocast: the policy casts
 
     def sync(self, last: bool) -> Any:
         self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
