@@ -48,7 +48,7 @@ def test_save_load_round_trip_restores_state_and_rng(tmp_path):
     opt.step()
     torch.manual_seed(7)
     path = checkpoint.step_dir(tmp_path, 1)
-    from scaletrain.engines.dcp_state import load_dcp, save_dcp
+    from scaletrain.engines.torch_engine import load_dcp, save_dcp
 
     checkpoint.save_checkpoint(
         path,

@@ -34,7 +34,7 @@ def test_a_compiled_fsdp_run_with_activation_checkpointing_trains_as_the_eager_o
 def test_every_block_is_compiled_in_place_under_its_own_name():
     # What keeps the equivalence test above from passing by construction: compile_blocks
     # really compiles each block (a no-op would train exactly as eager), in place.
-    from scaletrain.engines.checkpointing import apply_activation_checkpointing, compile_blocks
+    from scaletrain.engines.block_wrappers import apply_activation_checkpointing, compile_blocks
     from scaletrain.models import model_spec
 
     spec = model_spec(load_config([], ["model.vocab_size=64"]), None)

@@ -148,7 +148,7 @@ def test_a_frozen_base_run_without_its_base_in_checkpoints_resumes_and_exports(s
 def test_a_resume_refuses_a_base_that_changed(tmp_path):
     from safetensors.torch import save_file
 
-    from scaletrain.checkpoint.base import base_reference, check_base
+    from scaletrain.checkpoint.frozen_base import base_reference, check_base
 
     base = tmp_path / "base"
     base.mkdir()

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from scaletrain.checkpoint.hf_export import export_hf, export_target, hf_name
 from scaletrain.checkpoint.neutral import ParamLayout
-from scaletrain.engines.dcp_state import save_dcp
+from scaletrain.engines.torch_engine import save_dcp
 from scaletrain.models.llama import build_model
 from scaletrain.models.presets import ModelShape
 from scaletrain.models.spec import LlamaSpec

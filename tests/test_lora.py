@@ -52,7 +52,7 @@ def test_merged_export_and_peft_adapter_give_the_adapted_model_logits(small_data
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from scaletrain.checkpoint.hf_export import hf_name
-    from scaletrain.models.lora import base_name, is_adapter
+    from scaletrain.models.params import base_name, is_adapter
 
     run_dir = tmp_path / "run"
     model = ["model.source=hf", f"model.hf_config={json.dumps(LLAMA)}"] if source == "hf" else []  # else the tiny preset

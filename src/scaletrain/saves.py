@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain import checkpoint
-from scaletrain.checkpoint.base import base_reference
+from scaletrain.checkpoint.frozen_base import base_reference
 from scaletrain.checkpoint.manager import PendingSave
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.config import Config

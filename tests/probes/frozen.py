@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from scaletrain import checkpoint
-from scaletrain.checkpoint.base import base_reference
+from scaletrain.checkpoint.frozen_base import base_reference
 from scaletrain.checkpoint.neutral import ParamLayout, read_state
 from scaletrain.checkpoint.restore import first_difference, restore
 from scaletrain.distributed import init_distributed, shutdown
-from scaletrain.engines.checkpointing import plain_name
+from scaletrain.engines.block_wrappers import plain_name
 from scaletrain.parallel import dims_for
 
 from common import SMALL_MODEL, build

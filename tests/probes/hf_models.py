@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.distributed import init_distributed, shutdown
-from scaletrain.engines.checkpointing import plain_name
+from scaletrain.engines.block_wrappers import plain_name
 from scaletrain.models import distill_spec
 
 from common import Z3_PARTITION_ALL, build

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from scaletrain.data import RankBatches
 from scaletrain.distributed import init_distributed, shutdown
-from scaletrain.engines.checkpointing import plain_name
+from scaletrain.engines.block_wrappers import plain_name
 from scaletrain.parallel import dims_for
 from scaletrain.stages import SCHEDULES
 

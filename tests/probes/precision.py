@@ -19,7 +19,7 @@ import torch
 
 from scaletrain.distributed import init_distributed, shutdown
 from scaletrain.models import build_model, loss_fn
-from scaletrain.models.llama import canonical_name
+from scaletrain.models.params import canonical_name
 
 from common import SMALL_MODEL, Z3_PARTITION_ALL, build
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from scaletrain.errors import UserError
-from scaletrain.models.llama import canonical_name
+from scaletrain.models.params import canonical_name
 
 # What each strategy's native save writes. Engines of one format load each other's state
 # (DCP reshards between ddp and fsdp); across formats, conversion is a separate step.

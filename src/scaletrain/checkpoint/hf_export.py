@@ -115,7 +115,7 @@ def export_hf(
 ) -> dict[str, Any]:
     """Write the HF directory `out` (must not exist); returns a summary for the CLI.
     `base` builds the base model's weights, for a checkpoint that left its frozen
-    parameters out (checkpoint/base.py); called once, only if such a tensor is exported."""
+    parameters out (checkpoint/frozen_base.py); called once, only if such a tensor is exported."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype} is invalid; accepted: {', '.join(DTYPES)}")
     if out.exists():

@@ -18,7 +18,7 @@ from scaletrain.checkpoint.formats import read_stamp
 from scaletrain.checkpoint.hf_export import DTYPES, ExportTarget
 from scaletrain.checkpoint.neutral import ParamLayout, WeightStream
 from scaletrain.errors import UserError
-from scaletrain.models.lora import is_adapter
+from scaletrain.models.params import is_adapter
 
 
 def export_adapter(ckpt: Path, out: Path, layout: ParamLayout, target: ExportTarget, dtype: str = "fp32") -> dict[str, Any]:

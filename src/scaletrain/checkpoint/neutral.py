@@ -6,7 +6,7 @@ tensors on CPU, plain parameter names. Any engine loads it (Engine.load_state_di
 is how a checkpoint moves to another world size or another engine when the engine cannot
 load it natively, and how every such move is verified (checkpoint/restore.py).
 
-* dcp: the torch engines save exactly these keys (engines/dcp_state.py), so the tensors are
+* dcp: the torch engines save exactly these keys (engines/torch_engine.py), so the tensors are
   allocated from DCP's metadata and DCP fills them, one process, no process group.
 * deepspeed: DeepSpeed's own universal-checkpoint converter (`ds_to_universal`) merges every
   rank's flat partitions into one folder per parameter ({fp32, exp_avg, exp_avg_sq}.pt);
@@ -34,10 +34,10 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from scaletrain.checkpoint.base import frozen_left_out
 from scaletrain.checkpoint.formats import DEEPSPEED_TAG, quiet_single_process, read_stamp
+from scaletrain.checkpoint.frozen_base import frozen_left_out
 from scaletrain.errors import UserError
-from scaletrain.models.llama import canonical_name
+from scaletrain.models.params import canonical_name
 
 State = dict[str, dict[str, Any]]
 

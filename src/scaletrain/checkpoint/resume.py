@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from scaletrain.checkpoint.base import check_base, saved_base
+from scaletrain.checkpoint.frozen_base import check_base, saved_base
 from scaletrain.config import Config
 from scaletrain.errors import UserError
 

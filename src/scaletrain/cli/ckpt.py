@@ -141,7 +141,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from scaletrain.checkpoint.base import base_weights, check_base, saved_base
+    from scaletrain.checkpoint.frozen_base import base_weights, check_base, saved_base
     from scaletrain.checkpoint.hf_export import export_hf, export_target
     from scaletrain.checkpoint.neutral import ParamLayout
     from scaletrain.config import load_config

@@ -71,7 +71,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from scaletrain.diagnose import compare
-    from scaletrain.diagnose.compare import check_runs, print_comparison
+    from scaletrain.diagnose.comparison import check_runs, print_comparison
 
     check_runs(args.runs)
     rows = compare(args.runs)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from scaletrain.diagnose import Finding, Run, gib, median_of, pct
+from scaletrain.diagnose.run import Finding, Run, gib, median_of, pct
 
 # Exposed communication (what overlap did not hide) above a quarter of the step: the
 # devices then wait on the network one second in four, which batching or another layout
@@ -186,25 +186,14 @@ def ac_saving(run: Run) -> tuple[float, float, float] | None:
     """(share of the peak saved, peak without, peak with) activation checkpointing, per the
     planner, for a run that had it off; None when it was on or the config is unknown."""
     from scaletrain.config import STRATEGIES
+    from scaletrain.parallel import dims_for
     from scaletrain.plan import Setup, estimate, planning_spec
 
     cfg = run.config
     if cfg is None or cfg.parallel.activation_checkpointing or run.engine not in STRATEGIES:
         return None
-    p = cfg.parallel
-    dp = (run.info.get("parallel") or {}).get("dp_size") or run.info.get("world_size") or 1
-    setup = Setup(
-        strategy=run.engine,
-        dp=int(dp),
-        micro_batch=cfg.train.micro_batch,
-        seq_len=cfg.data.seq_len,
-        precision=cfg.precision,
-        offload_optimizer=p.offload_optimizer,
-        offload_params=p.offload_params,
-        reshard_after_forward=p.reshard_after_forward,
-        dp_replicate=p.dp_replicate,
-        bucket_size=p.bucket_size,
-    )
+    world = int(run.info.get("world_size") or 1)
+    setup = Setup.from_config(cfg, dims_for(cfg.parallel, world))
     model = planning_spec(cfg)
     before = estimate(model, setup).peak
     after = estimate(model, replace(setup, activation_checkpointing=True)).peak

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scaletrain.diagnose import Finding, GiB, Run, load_run
+from scaletrain.diagnose.run import Finding, GiB, Run, load_run
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -18,10 +18,10 @@ from scaletrain.config import Config
 from scaletrain.distributed import World
 from scaletrain.engines import compression
 from scaletrain.engines.base import ParamGroups
-from scaletrain.engines.checkpointing import apply_activation_checkpointing, compile_blocks
-from scaletrain.engines.dcp_state import TorchEngineMixin
+from scaletrain.engines.block_wrappers import apply_activation_checkpointing, compile_blocks
 from scaletrain.engines.precision import autocast_context, make_loss_scaler
 from scaletrain.engines.teacher import replicated_teacher
+from scaletrain.engines.torch_engine import TorchEngineMixin
 from scaletrain.models.spec import ModelSpec
 from scaletrain.optim import build_adamw
 from scaletrain.parallel import ParallelDims
@@ -74,7 +74,7 @@ class DDPEngine(TorchEngineMixin):
         self.device = world.device
         self.precision = cfg.precision
         self.clip_grad = cfg.train.clip_grad
-        self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/base.py)
+        self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/frozen_base.py)
         self.optimizer = build_adamw(param_groups(model), cfg.train, fused=world.device.type == "cuda")
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
         if teacher is not None:

@@ -29,7 +29,7 @@ from scaletrain.checkpoint.formats import DEEPSPEED_TAG
 from scaletrain.config import Config
 from scaletrain.distributed import World, ensure_process_group
 from scaletrain.engines.base import AccumulationWindow, ParamGroups, StepStats, set_lr
-from scaletrain.engines.checkpointing import apply_activation_checkpointing, plain_name
+from scaletrain.engines.block_wrappers import apply_activation_checkpointing, plain_name
 from scaletrain.engines.deepspeed_config import build_deepspeed_config, to_json
 from scaletrain.engines.deepspeed_ops import clear_stale_locks
 from scaletrain.engines.teacher import frozen_meta, replicated_teacher, teacher_seed
@@ -57,7 +57,7 @@ class DeepSpeedEngine(AccumulationWindow):
         self.dp_size = dims.dp_size
         self.device = world.device
         self.precision = cfg.precision
-        self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/base.py)
+        self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/frozen_base.py)
         # First, before anything slow: a conflicting deepspeed_extra key stops here.
         self.ds_config = build_deepspeed_config(cfg, dims.dp_size)
         self._config_json = to_json(self.ds_config)

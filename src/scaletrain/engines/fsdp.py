@@ -31,11 +31,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 from scaletrain.config import Config
 from scaletrain.distributed import World, ensure_process_group
 from scaletrain.engines.base import Mark, MicroBatch, ParamGroups, no_mark
-from scaletrain.engines.checkpointing import apply_activation_checkpointing, compile_blocks
-from scaletrain.engines.dcp_state import TorchEngineMixin
+from scaletrain.engines.block_wrappers import apply_activation_checkpointing, compile_blocks
 from scaletrain.engines.pipeline import MergedStages, Pipeline
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
 from scaletrain.engines.teacher import frozen_meta, teacher_seed
+from scaletrain.engines.torch_engine import TorchEngineMixin
 from scaletrain.errors import UserError
 from scaletrain.models.spec import LossFn, ModelSpec
 from scaletrain.optim import build_adamw
@@ -96,7 +96,7 @@ class FSDPEngine(TorchEngineMixin):
         self.fsdp: FSDPModule = model  # type: ignore[assignment]
         self.device = world.device
         self.clip_grad = cfg.train.clip_grad
-        self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/base.py)
+        self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/frozen_base.py)
         # AdamW sees the sharded DTensor parameters: optimizer state is sharded the same way.
         fused = world.device.type == "cuda" and not offload
         self.optimizer = build_adamw(param_groups(model), cfg.train, fused=fused)

@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.errors import UserError
+from scaletrain.models.counts import ModelCounts, counts_of
+from scaletrain.models.hf import final_norm as hf_final_norm
 from scaletrain.models.loss import logits_of
+from scaletrain.models.params import PROJECTION
 from scaletrain.models.spec import LossFn, ModelSpec
-
-PROJECTION = "distill_proj"  # the student's trained map to the teacher's width (hidden_weight > 0)
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,6 @@ def final_norm(model: nn.Module) -> nn.Module:
     norm = getattr(model, "norm", None)
     if isinstance(norm, nn.Module):
         return norm
-    from scaletrain.models.hf import final_norm as hf_final_norm
-
     found = hf_final_norm(model)
     if found is None:
         raise UserError(
@@ -120,10 +119,8 @@ class WithProjection:
     def config(self) -> dict[str, Any]:
         return self.inner.config() | {PROJECTION: [self.inner.hidden_size, self.teacher_hidden]}
 
-    def counts(self) -> Any:
-        from scaletrain.models.spec import _counts
-
-        return _counts(self)  # the projection included: the planner counts its weights and state
+    def counts(self) -> ModelCounts:
+        return counts_of(self)  # the projection included: the planner counts its weights and state
 
 
 @dataclass(frozen=True)

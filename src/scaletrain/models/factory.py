@@ -7,8 +7,10 @@ import json
 from typing import Any
 
 from scaletrain.errors import UserError
-from scaletrain.models.distill import PROJECTION, Distill, HiddenStates, Observed, WithProjection, final_norm
+from scaletrain.models.distill import Distill, HiddenStates, Observed, WithProjection, final_norm
+from scaletrain.models.hf import HFSpec, load_config
 from scaletrain.models.lora import LoraSpec, lora_spec
+from scaletrain.models.params import PROJECTION
 from scaletrain.models.presets import ModelShape, resolve_shape
 from scaletrain.models.spec import LlamaSpec, ModelSpec
 
@@ -46,8 +48,6 @@ def _spec(m: Any, vocab_size: int | None, chunk: int, trainable: tuple[str, ...]
     common: dict[str, Any] = {"loss_chunk_tokens": chunk, "trainable": trainable}
     if m.source == "builtin":
         return LlamaSpec(resolve_shape(m, vocab_size), lora=lora_spec(lora, None), **common)
-    from scaletrain.models.hf import HFSpec, load_config
-
     conf = load_config(m.path, m.hf_config, vocab_size, m.where)
     common["lora"] = lora_spec(lora, conf["model_type"])
     if vocab_size is not None and conf["vocab_size"] < vocab_size:
@@ -68,8 +68,6 @@ def saved_spec(saved_model: dict[str, Any]) -> ModelSpec:
     lora = fields.pop("lora", None)
     adapters = LoraSpec(lora["r"], lora["alpha"], lora["dropout"], tuple(lora["target_modules"])) if lora else None
     if fields.get("source") == "hf":
-        from scaletrain.models.hf import HFSpec
-
         return HFSpec(_canonical_json(fields["hf_config"]), lora=adapters)
     return LlamaSpec(ModelShape(**fields), lora=adapters)
 

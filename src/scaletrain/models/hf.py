@@ -37,9 +37,18 @@ import torch
 from torch import nn
 
 from scaletrain.errors import UserError
-from scaletrain.models.llama import canonical_name, copy_full, name_generator
-from scaletrain.models.lora import LoraSpec, apply_lora, base_name, init_adapters, is_adapter, trainable_patterns
+from scaletrain.models.counts import ModelCounts, counts_of
+from scaletrain.models.lora import LoraSpec, apply_lora, init_adapters, trainable_patterns
 from scaletrain.models.loss import cross_entropy, logits_of
+from scaletrain.models.params import (
+    PROJECTION,
+    base_name,
+    canonical_name,
+    copy_full,
+    freeze_all_but,
+    is_adapter,
+    name_generator,
+)
 
 # Keys of a config's dict that say nothing about the tensors: left out of what a resume
 # compares and of what rebuilds the model.
@@ -150,8 +159,6 @@ class HFSpec:
         return tf.AutoModelForCausalLM.from_config(conf, dtype=torch.float32, attn_implementation="sdpa")
 
     def build_meta(self, max_seq_len: int) -> nn.Module:
-        from scaletrain.models.spec import freeze_all_but
-
         if self.max_positions is not None and max_seq_len > self.max_positions:
             raise UserError(
                 f"data.seq_len={max_seq_len} exceeds the model's max_position_embeddings={self.max_positions}; "
@@ -186,10 +193,8 @@ class HFSpec:
     def config(self) -> dict[str, Any]:
         return {"source": "hf", "hf_config": json.loads(self.hf_config)} | ({"lora": self.lora.as_dict()} if self.lora else {})
 
-    def counts(self) -> Any:
-        from scaletrain.models.spec import _counts
-
-        return _counts(self)
+    def counts(self) -> ModelCounts:
+        return counts_of(self)
 
     def flops_per_token(self, seq_len: int) -> float:
         # As the built-in Llama's: 6 x matmul parameters plus attention scores and values.
@@ -303,8 +308,6 @@ def _seeded_init(model: nn.Module, seed: int, std: float) -> None:
 def _load_weights(model: nn.Module, directory: Path, seed: int, std: float) -> None:
     """Each parameter from the directory's safetensors, one tensor at a time."""
     from safetensors import safe_open
-
-    from scaletrain.models.distill import PROJECTION
 
     where = weight_files(directory)
     with ExitStack() as stack:

@@ -8,21 +8,16 @@ costs nothing until an engine has sharded it. Initialization is a pure function 
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.models.lora import base_name, is_adapter
 from scaletrain.models.loss import cross_entropy
+from scaletrain.models.params import base_name, canonical_name, copy_full, is_adapter, name_generator
 from scaletrain.models.presets import ModelShape
 
 INIT_STD = 0.02
-
-# Wrappers that engines insert into parameter names (activation checkpointing, FSDP1,
-# torch.compile); dropped so that a wrapped model initializes exactly like a bare one.
-_WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
 
 
 class RMSNorm(nn.Module):
@@ -200,39 +195,6 @@ def keep_stage(model: Llama, blocks: range, first: bool, last: bool) -> None:
         model.tok_embeddings = None
     if not last:
         model.norm = model.output = None
-
-
-def canonical_name(name: str) -> str:
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
-
-
-def name_generator(seed: int, name: str) -> torch.Generator:
-    """The CPU generator of one parameter: its values depend on the run seed and its name
-    only, never on the device, the visiting order or the sharding."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(param_seed(seed, name))
-    return gen
-
-
-def param_seed(seed: int, name: str) -> int:
-    # torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so the run seed
-    # cannot sit in the high bits; it becomes the CRC's starting value instead. For one name,
-    # that map is a bijection, so distinct seeds below 2**32 always give distinct streams.
-    return zlib.crc32(name.encode(), zlib.crc32((seed & 0xFFFF_FFFF).to_bytes(4, "little")))
-
-
-def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full-size CPU tensor into `param`, which may be a sharded DTensor (FSDP2)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        # Every rank generated the same full tensor, so each keeps its own shard:
-        # src_data_rank=None means no communication.
-        local_device = param.to_local().device
-        sharded = distribute_tensor(full.to(local_device), param.device_mesh, param.placements, src_data_rank=None)
-        param.to_local().copy_(sharded.to_local())
-    else:
-        param.copy_(full)
 
 
 def build_meta_model(shape: ModelShape, max_seq_len: int) -> Llama:

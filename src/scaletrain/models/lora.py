@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from scaletrain.errors import UserError
+from scaletrain.models.params import base_name, canonical_name, copy_full, is_adapter, name_generator
 
-ADAPTER_PARTS = (".lora_A.", ".lora_B.")
 BUILTIN_TARGETS = ("wq", "wk", "wv", "wo")  # the built-in model's attention projections
 
 
@@ -82,20 +82,9 @@ def trainable_patterns(trainable: tuple[str, ...], lora: LoraSpec | None) -> tup
     return (*trainable, "*.lora_A.*", "*.lora_B.*") if lora is not None and trainable else trainable
 
 
-def is_adapter(name: str) -> bool:
-    return any(part in name for part in ADAPTER_PARTS)
-
-
-def base_name(name: str) -> str:
-    """A parameter's name in the model without LoRA."""
-    return name.replace(".base_layer.", ".")
-
-
 @torch.no_grad()
 def init_adapters(model: nn.Module, seed: int) -> None:
     """A kaiming-uniform (bound 1/sqrt(fan_in), peft's), B zero; each A from its own generator."""
-    from scaletrain.models.llama import canonical_name, copy_full, name_generator
-
     for name, param in model.named_parameters():
         name = canonical_name(name)
         if ".lora_B." in name:

@@ -9,10 +9,8 @@ one follows the same protocol.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from functools import lru_cache
 from typing import Any, Protocol
 
 import torch
@@ -20,6 +18,7 @@ from torch import nn
 
 from scaletrain.errors import UserError
 from scaletrain.models import llama_tp
+from scaletrain.models.counts import ModelCounts, counts_of
 from scaletrain.models.llama import (
     RMSNorm,
     TransformerBlock,
@@ -30,27 +29,10 @@ from scaletrain.models.llama import (
     rope_tables,
 )
 from scaletrain.models.lora import LoraSpec, apply_lora, init_adapters, trainable_patterns
+from scaletrain.models.params import freeze_all_but
 from scaletrain.models.presets import ModelShape
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]  # (model output, targets) -> mean loss
-
-
-@dataclass(frozen=True)
-class ModelCounts:
-    """Parameter counts of a model, from its meta-device instance."""
-
-    total: int  # distinct parameters (a tied weight once)
-    embedding: int  # token embedding tables
-    output: int  # an untied output head (0 when tied to the embedding)
-    non_embedding: int  # total - embedding - output: the blocks and norms
-    matmul: int  # parameters multiplied per token: every Linear weight, a tied head included
-    block: int  # parameters of one repeated block
-    numels: tuple[int, ...]  # each distinct parameter tensor's elements
-    trainable: int = 0  # of total, those that train (model.trainable; all when it is empty)
-
-    @property
-    def largest(self) -> int:
-        return max(self.numels)
 
 
 class ModelSpec(Protocol):
@@ -177,7 +159,7 @@ class LlamaSpec:
         return asdict(self.shape) | ({"lora": self.lora.as_dict()} if self.lora else {})
 
     def counts(self) -> ModelCounts:
-        return _counts(self)
+        return counts_of(self)
 
     def flops_per_token(self, seq_len: int) -> float:
         # 6 x the parameters used in a matmul (PaLM / Chinchilla), plus attention scores and
@@ -222,61 +204,6 @@ class LlamaSpec:
         s = self.shape
         block = 6 * self.counts().block + 12 * s.n_heads * s.head_dim * seq_len
         return 0.0, float(block), float(6 * s.dim * s.vocab_size)
-
-
-def freeze_all_but(model: nn.Module, patterns: tuple[str, ...]) -> None:
-    """Turn requires_grad off for every parameter no pattern matches (none: all train).
-    A weight shared under several names (a tied head) trains if any of its names match.
-    A pattern that matches nothing is a one-line UserError naming some real names."""
-    if not patterns:
-        return
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    every = [n for group in names.values() for n in group]
-    unmatched = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n in every)]
-    if unmatched:
-        raise UserError(
-            f"model.trainable pattern {unmatched[0]!r} matches no parameter; accepted: glob patterns over names such as "
-            f"{', '.join(repr(n) for n in (every[0], every[1], every[-1]))} (e.g. 'layers.*.attention.*')"
-        )
-    for p in model.parameters():
-        p.requires_grad_(any(fnmatch.fnmatchcase(n, pat) for n in names[id(p)] for pat in patterns))
-
-
-@lru_cache(maxsize=64)
-def _counts(spec: ModelSpec) -> ModelCounts:
-    model = spec.build_meta(max_seq_len=1)
-    distinct = {id(p): p for p in model.parameters()}  # parameters() already yields a tied weight once
-    total = sum(p.numel() for p in distinct.values())
-    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    embedding = sum(distinct[i].numel() for i in embedding_ids)
-    # Every 2-D weight outside an embedding table multiplies activations: nn.Linear, and
-    # the same under other names (GPT-2's Conv1D); a tied head counts again here.
-    linear_weights = [
-        w
-        for m in model.modules()
-        if isinstance(w := getattr(m, "weight", None), torch.Tensor) and w.dim() == 2
-        if not isinstance(m, nn.Embedding)
-    ]
-    output = _output_head(model)
-    untied_output = output.weight.numel() if output is not None and id(output.weight) not in embedding_ids else 0
-    return ModelCounts(
-        total=total,
-        embedding=embedding,
-        output=untied_output,
-        non_embedding=total - embedding - untied_output,
-        matmul=sum(w.numel() for w in linear_weights),
-        block=sum(p.numel() for p in next(spec.blocks(model).children()).parameters()),
-        numels=tuple(p.numel() for p in distinct.values()),
-        trainable=sum(p.numel() for p in distinct.values() if p.requires_grad),
-    )
-
-
-def _output_head(model: nn.Module) -> nn.Linear | None:
-    """The last Linear the model defines: its output projection."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    return linears[-1] if linears else None
 
 
 def count_params(shape: ModelShape) -> dict[str, int]:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from scaletrain.config import Config
 from scaletrain.models import PRESETS, ModelSpec, model_spec
-from scaletrain.plan.memory import Memory, Setup, estimate
+from scaletrain.plan.memory import Memory, estimate
 from scaletrain.plan.planner import Candidate, Plan, make_plan
+from scaletrain.plan.setup import Setup
 
 
 def planning_spec(cfg: Config) -> ModelSpec:

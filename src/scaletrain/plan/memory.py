@@ -17,48 +17,7 @@ import torch
 from scaletrain.models.spec import ModelSpec
 from scaletrain.plan.activations import block_activations, head_activations
 from scaletrain.plan.pipeline import gathered_stage_bytes, in_flight, rank_share
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What the memory depends on: one strategy at one data-parallel size."""
-
-    strategy: str  # ddp | fsdp | zero1 | zero2 | zero3
-    dp: int  # data-parallel ranks sharing the model states
-    micro_batch: int
-    seq_len: int
-    precision: str  # fp32 | bf16 | fp16
-    activation_checkpointing: bool = False
-    offload_optimizer: str = "none"  # none | cpu | nvme
-    offload_params: str = "none"
-    reshard_after_forward: bool = True
-    dp_replicate: int = 1  # fsdp hybrid: states shard over dp / dp_replicate
-    bucket_size: int = 50_000_000  # DeepSpeed bucket elements
-    grad_accum: int = 1  # micro-batches per optimizer step (time and traffic, not memory)
-    tp: int = 1  # tensor parallel (fsdp): every block, the embedding and the head split tp ways
-    sequence_parallel: bool = True  # with tp: norms and residual split over the sequence too
-    pp: int = 1  # pipeline stages' ranks (fsdp): each holds its stages' blocks (plan/pipeline.py)
-    pp_schedule: str = "1f1b"
-    teacher: ModelSpec | None = None  # model.teacher: a frozen model beside the trained one
-
-    @property
-    def label(self) -> str:
-        parts = [self.strategy]
-        if self.offload_optimizer != "none":
-            parts.append(f"optim->{self.offload_optimizer}")
-        if self.offload_params != "none":
-            parts.append(f"params->{self.offload_params}")
-        if self.strategy == "fsdp" and not self.reshard_after_forward and self.pp == 1:  # a pipeline always is
-            parts.append("shard-grad-op")
-        if self.dp_replicate > 1:
-            parts.append(f"hybrid {self.dp_replicate}x{self.dp // self.dp_replicate}")
-        if self.tp > 1:
-            parts.append(f"tp {self.tp}" + ("" if self.sequence_parallel else " (no SP)"))
-        if self.pp > 1:
-            parts.append(f"pp {self.pp} ({self.pp_schedule})")
-        if self.activation_checkpointing:
-            parts.append("AC")
-        return " + ".join(parts)
+from scaletrain.plan.setup import Setup
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 from scaletrain.errors import UserError
 from scaletrain.models.spec import ModelSpec
+from scaletrain.plan.setup import Setup
 from scaletrain.stages import SCHEDULES, ideal_bubble, schedule_problem, split_blocks, stage_ids
-
-if TYPE_CHECKING:
-    from scaletrain.plan.memory import Setup
 
 # The schedules the planner weighs: the plain one and the interleaved one (half the
 # bubble for more activations in flight). The zero-bubble ones need a measured split of

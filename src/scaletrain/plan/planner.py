@@ -16,8 +16,9 @@ from scaletrain.models.factory import distill_spec
 from scaletrain.models.spec import ModelSpec, with_fields
 from scaletrain.parallel import dims_for
 from scaletrain.plan.hardware import Device, GiB
-from scaletrain.plan.memory import Memory, Setup, estimate, trainable_share
+from scaletrain.plan.memory import Memory, estimate, trainable_share
 from scaletrain.plan.pipeline import bubble, pp_comm_bytes_per_step, pp_options, rank_share, why_pp
+from scaletrain.plan.setup import Setup
 from scaletrain.stages import SCHEDULES
 
 OVERLAP = 0.8  # share of the compute time that can hide gradient / parameter traffic
@@ -87,26 +88,7 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
     allows, with `model` also fsdp x tensor parallel layouts."""
     p = cfg.parallel
     dims = dims_for(p, world)  # the one validation of the layout
-    base = Setup(
-        grad_accum=cfg.train.grad_accum,
-        strategy=p.strategy,
-        dp=dims.dp_size,
-        micro_batch=cfg.train.micro_batch,
-        seq_len=cfg.data.seq_len,
-        precision=cfg.precision,
-        activation_checkpointing=p.activation_checkpointing,
-        offload_optimizer=p.offload_optimizer,
-        offload_params=p.offload_params,
-        reshard_after_forward=p.reshard_after_forward,
-        dp_replicate=p.dp_replicate,
-        bucket_size=p.bucket_size,
-        tp=dims.tp,
-        sequence_parallel=p.sequence_parallel,
-        pp=dims.pp,
-        pp_schedule=p.pp_schedule,
-    )
-    if dims.pp > 1:
-        base = replace(base, reshard_after_forward=False)  # what the engine does under a pipeline
+    base = Setup.from_config(cfg, dims)
     distill = distill_spec(cfg, model) if model is not None else None
     if distill is not None:
         base = replace(base, teacher=distill.teacher)

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from scaletrain.diagnose import Run, gib, load_run, median_of
+from scaletrain.diagnose.run import Run, gib, load_run, median_of
 from scaletrain.errors import UserError
 
 

@@ -36,7 +36,7 @@ NEUTRAL = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=Tr
 # then keyed exactly as the neutral state ("model.<fqn>", "optim.state.<fqn>.exp_avg"), so
 # checkpoint/neutral.py reads it without knowing the engine that wrote it.
 LOCAL = StateDictOptions(flatten_optimizer_state_dict=True)
-# The same without the frozen parameters (checkpoint.frozen=reference: checkpoint/base.py);
+# The same without the frozen parameters (checkpoint.frozen=reference: checkpoint/frozen_base.py);
 # loading one leaves the frozen parameters as the model was built, from its base.
 TRAINED = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 

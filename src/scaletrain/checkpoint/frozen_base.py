@@ -81,7 +81,7 @@ def _describe(ref: dict[str, Any]) -> str:
 def base_weights(cfg: Config, spec: Any) -> dict[str, torch.Tensor]:
     """The base's parameters by canonical name, built on the CPU exactly as a run starts
     (one full fp32 copy in memory)."""
-    from scaletrain.models.llama import canonical_name
+    from scaletrain.models.params import canonical_name
 
     if getattr(spec, "path", None) is None and cfg.model.source == "hf" and cfg.model.path:
         spec = replace(spec, path=cfg.model.path)  # a checkpoint's spec has no directory: its weights are saved

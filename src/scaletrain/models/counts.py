@@ -1,0 +1,65 @@
+"""Parameter counts of any model spec, from its meta-device build: exact for every family
+without a formula per family (the planner, FLOPs per token and run banners use them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """Parameter counts of a model, from its meta-device instance."""
+
+    total: int  # distinct parameters (a tied weight once)
+    embedding: int  # token embedding tables
+    output: int  # an untied output head (0 when tied to the embedding)
+    non_embedding: int  # total - embedding - output: the blocks and norms
+    matmul: int  # parameters multiplied per token: every Linear weight, a tied head included
+    block: int  # parameters of one repeated block
+    numels: tuple[int, ...]  # each distinct parameter tensor's elements
+    trainable: int = 0  # of total, those that train (model.trainable; all when it is empty)
+
+    @property
+    def largest(self) -> int:
+        return max(self.numels)
+
+
+@lru_cache(maxsize=64)
+def counts_of(spec: Any) -> ModelCounts:
+    """`spec`: a ModelSpec (built on the meta device, its blocks found through it)."""
+    model = spec.build_meta(max_seq_len=1)
+    distinct = {id(p): p for p in model.parameters()}  # parameters() already yields a tied weight once
+    total = sum(p.numel() for p in distinct.values())
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    embedding = sum(distinct[i].numel() for i in embedding_ids)
+    # Every 2-D weight outside an embedding table multiplies activations: nn.Linear, and
+    # the same under other names (GPT-2's Conv1D); a tied head counts again here.
+    linear_weights = [
+        w
+        for m in model.modules()
+        if isinstance(w := getattr(m, "weight", None), torch.Tensor) and w.dim() == 2
+        if not isinstance(m, nn.Embedding)
+    ]
+    output = _output_head(model)
+    untied_output = output.weight.numel() if output is not None and id(output.weight) not in embedding_ids else 0
+    return ModelCounts(
+        total=total,
+        embedding=embedding,
+        output=untied_output,
+        non_embedding=total - embedding - untied_output,
+        matmul=sum(w.numel() for w in linear_weights),
+        block=sum(p.numel() for p in next(spec.blocks(model).children()).parameters()),
+        numels=tuple(p.numel() for p in distinct.values()),
+        trainable=sum(p.numel() for p in distinct.values() if p.requires_grad),
+    )
+
+
+def _output_head(model: nn.Module) -> nn.Linear | None:
+    """The last Linear the model defines: its output projection."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return linears[-1] if linears else None

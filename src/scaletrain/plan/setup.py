@@ -1,0 +1,76 @@
+"""What a plan estimates: one strategy at one layout, with the settings memory and time depend on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scaletrain.config import Config
+from scaletrain.models.spec import ModelSpec
+from scaletrain.parallel import ParallelDims
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the memory depends on: one strategy at one data-parallel size."""
+
+    strategy: str  # ddp | fsdp | zero1 | zero2 | zero3
+    dp: int  # data-parallel ranks sharing the model states
+    micro_batch: int
+    seq_len: int
+    precision: str  # fp32 | bf16 | fp16
+    activation_checkpointing: bool = False
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_params: str = "none"
+    reshard_after_forward: bool = True
+    dp_replicate: int = 1  # fsdp hybrid: states shard over dp / dp_replicate
+    bucket_size: int = 50_000_000  # DeepSpeed bucket elements
+    grad_accum: int = 1  # micro-batches per optimizer step (time and traffic, not memory)
+    tp: int = 1  # tensor parallel (fsdp): every block, the embedding and the head split tp ways
+    sequence_parallel: bool = True  # with tp: norms and residual split over the sequence too
+    pp: int = 1  # pipeline stages' ranks (fsdp): each holds its stages' blocks (plan/pipeline.py)
+    pp_schedule: str = "1f1b"
+    teacher: ModelSpec | None = None  # model.teacher: a frozen model beside the trained one
+
+    @property
+    def label(self) -> str:
+        parts = [self.strategy]
+        if self.offload_optimizer != "none":
+            parts.append(f"optim->{self.offload_optimizer}")
+        if self.offload_params != "none":
+            parts.append(f"params->{self.offload_params}")
+        if self.strategy == "fsdp" and not self.reshard_after_forward and self.pp == 1:  # a pipeline always is
+            parts.append("shard-grad-op")
+        if self.dp_replicate > 1:
+            parts.append(f"hybrid {self.dp_replicate}x{self.dp // self.dp_replicate}")
+        if self.tp > 1:
+            parts.append(f"tp {self.tp}" + ("" if self.sequence_parallel else " (no SP)"))
+        if self.pp > 1:
+            parts.append(f"pp {self.pp} ({self.pp_schedule})")
+        if self.activation_checkpointing:
+            parts.append("AC")
+        return " + ".join(parts)
+
+    @classmethod
+    def from_config(cls, cfg: Config, dims: ParallelDims, teacher: ModelSpec | None = None) -> Setup:
+        """The setup a config runs on the layout `dims` (what train, plan and diagnose estimate)."""
+        p = cfg.parallel
+        return cls(
+            strategy=p.strategy,
+            dp=dims.dp_size,
+            micro_batch=cfg.train.micro_batch,
+            seq_len=cfg.data.seq_len,
+            precision=cfg.precision,
+            activation_checkpointing=p.activation_checkpointing,
+            offload_optimizer=p.offload_optimizer,
+            offload_params=p.offload_params,
+            # Under a pipeline FSDP keeps each stage gathered for the step (engines/fsdp.py).
+            reshard_after_forward=p.reshard_after_forward and dims.pp == 1,
+            dp_replicate=p.dp_replicate,
+            bucket_size=p.bucket_size,
+            grad_accum=cfg.train.grad_accum,
+            tp=dims.tp,
+            sequence_parallel=p.sequence_parallel,
+            pp=dims.pp,
+            pp_schedule=p.pp_schedule,
+            teacher=teacher,
+        )
