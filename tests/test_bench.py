@@ -11,9 +11,12 @@ import pytest
 
 from scaletrain.bench import Bench, Run
 from scaletrain.bench.report import loss_gaps, summarize, write_docs
-from scaletrain.bench.runner import check_request
+from scaletrain.bench.runner import PEERS, check_request
+from scaletrain.bench.telemetry_overhead import per_step_cost
+from scaletrain.cli import main
 from scaletrain.config import load_config
 from scaletrain.errors import UserError
+from scaletrain.strategies import STRATEGIES
 
 from helpers import base_overrides, check, one_line_error, scaletrain
 
@@ -97,6 +100,88 @@ def test_what_the_raw_loops_cannot_mirror_is_refused_up_front(overrides, strateg
     with pytest.raises(UserError) as e:
         check_request(load_config([], overrides), strategies, 2, 3)
     assert fragment in str(e.value)
+
+
+@pytest.mark.unit
+def test_the_peers_are_benchmarked_on_strategies_of_the_table():
+    assert PEERS and set(PEERS) <= set(STRATEGIES)
+
+
+def bench_cli(capsys, *args: str) -> tuple[int, list[str], str]:
+    """`scaletrain bench ARGS` in this process: (exit code, stdout lines, stderr)."""
+    code = main(["bench", *args])
+    out = capsys.readouterr()
+    return code, out.out.splitlines(), out.err
+
+
+@pytest.mark.unit
+def test_the_loops_suite_is_the_default_and_runs_in_alternating_order(capsys, tmp_path):
+    code, lines, _ = bench_cli(capsys, "--strategies", "ddp,zero2", "--rounds", "2", "--out", str(tmp_path), "--dry-run")
+    assert code == 0
+    # scaletrain's runs end with their run.dir=, the raw loop's with their result file.
+    assert [line.split()[-1].removeprefix("run.dir=").removeprefix(f"{tmp_path}/") for line in lines] == [
+        "ddp/scaletrain-r1",
+        "ddp/raw-r1/result.json",
+        "ddp/raw-r2/result.json",
+        "ddp/scaletrain-r2",
+        "zero2/scaletrain-r1",
+        "zero2/raw-r1/result.json",
+        "zero2/raw-r2/result.json",
+        "zero2/scaletrain-r2",
+    ]
+    assert all("--nproc-per-node=2" in line for line in lines)  # the default
+    assert "-m scaletrain.bench.raw" in lines[1]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("nproc, runner", [("1", "-m scaletrain train "), ("2", "-m scaletrain launch --nproc 2 ")])
+def test_the_checkpoint_suite_runs_the_same_config_sync_then_async(capsys, tmp_path, nproc, runner):
+    args = ["--suite", "checkpoint", "--nproc", nproc, "--out", str(tmp_path), "train.steps=20", "--dry-run"]
+    code, lines, _ = bench_cli(capsys, *args)
+    assert code == 0 and len(lines) == 2
+    for line, mode in zip(lines, ("false", "true")):
+        assert runner in line and "model.preset=small" in line and "train.steps=20" in line
+        assert line.endswith(f"run.dir={tmp_path / f'async_{mode}'} checkpoint.async_save={mode} train.resume=never")
+    assert lines[0].split("run.dir=")[0] == lines[1].split("run.dir=")[0]  # the same config in both modes
+
+
+@pytest.mark.unit
+def test_the_telemetry_suite_alternates_defaults_and_all_off(capsys, tmp_path):
+    code, lines, _ = bench_cli(
+        capsys, "--suite", "telemetry", "--rounds", "2", "--steps", "40", "--out", str(tmp_path), "--dry-run"
+    )
+    assert code == 0 and len(lines) == 4
+    off = "telemetry.comm_sample_every=0 guards.weight_hash_every=0 guards.hang_timeout_s=0"
+    assert [off in line for line in lines] == [True, False, True, False]
+    assert all("-m scaletrain launch --nproc 2 " in line and "train.steps=40" in line for line in lines)  # --nproc's default
+    assert [line.split("run.dir=")[1].split()[0] for line in lines] == [
+        str(tmp_path / run) for run in ("off0", "defaults0", "off1", "defaults1")
+    ]
+
+
+@pytest.mark.unit
+def test_the_recorder_cost_is_timed_in_process():
+    assert 0 < per_step_cost(1000) < 1e-3  # seconds a step: microseconds in fact
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (
+            ["--suite", "checkpoint", "--peers", "--steps", "5"],
+            ["--steps, --peers: not an option of --suite checkpoint", "accepted: --nproc, --out"],
+        ),
+        (["--suite", "telemetry", "--strategies", "ddp"], ["--strategies: not an option of --suite telemetry"]),
+        (["--suite", "checkpoint", "checkpoint.every=20"], ["checkpoint.every=20, train.steps=30: fewer than 2 saves"]),
+        (["--suite", "telemetry", "--steps", "15"], ["train.steps=15 gives fewer than 2 intervals", "at least 20"]),
+        (["--suite", "telemetry", "train.nope=1"], ["unknown config key train.nope"]),
+    ],
+)
+def test_a_suite_refuses_what_it_cannot_run_in_one_line(capsys, args, fragments):
+    code, lines, err = bench_cli(capsys, *args, "--dry-run")
+    assert code == 2 and not lines and err.count("\n") == 1 and err.startswith("scaletrain: error:")
+    assert all(f in err for f in fragments), err
 
 
 @pytest.mark.e2e

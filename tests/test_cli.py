@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from scaletrain.cli import main
+
 from helpers import SMALL_CORPUS, base_overrides, check, metric_rows, one_line_error, run, run_info, scaletrain, train
 
 pytestmark = pytest.mark.e2e
@@ -179,6 +181,50 @@ def test_plan_of_a_named_strategy_emits_that_strategy(tmp_path):
     assert plan["chosen_strategy"] == "zero2" and plan["reasons"][0].startswith("zero2 as configured")
     assert len(plan["candidates"]) > 1  # the others, for comparison
     assert json.loads(out.read_text())["zero_optimization"]["stage"] == 2
+
+
+# Strategies DeepSpeed does not run are written as the DeepSpeed strategy that partitions
+# the same states: fsdp (parameters, gradients, optimizer) as ZeRO-3, ddp (nothing) as stage 0.
+@pytest.mark.parametrize("strategy, stage", [("ddp", 0), ("fsdp", 3), ("zero1", 1)])
+def test_plan_emits_the_deepspeed_counterpart_of_the_chosen_strategy(tmp_path, capsys, strategy, stage):
+    out = tmp_path / "ds.json"
+    args = ["plan", "model.preset=tiny", f"parallel.strategy={strategy}", "--gpus-per-node", "2", "--json"]
+    assert main([*args, "--emit-deepspeed", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["chosen_strategy"] == strategy
+    assert json.loads(out.read_text())["zero_optimization"]["stage"] == stage
+
+
+# `scaletrain --help` and a bad command line are answered before torch is imported (0.1 s,
+# not 1 s and more): the command modules import light modules only; what a command runs,
+# its `run` imports.
+BEFORE_TORCH = """
+import sys
+from scaletrain.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:  # --help
+    code = e.code
+if "torch" in sys.modules:
+    print("torch was imported", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize(
+    "args, code",
+    [
+        (["--help"], 0),
+        (["train", "model.nope=1"], 2),
+        (["launch", "--nproc", "2", "train.steps=zero"], 2),
+        (["plan", "--measure", "parallel.strategy=auto"], 2),
+        (["bench", "--strategies", "ddp,zero9"], 2),
+        (["bench", "--suite", "checkpoint", "--peers"], 2),
+    ],
+    ids=["help", "train", "launch", "plan-measure", "bench", "bench-suite"],
+)
+def test_help_and_bad_input_are_answered_before_torch_is_imported(args, code):
+    proc = run([sys.executable, "-c", BEFORE_TORCH, *args], timeout=60)
+    assert proc.returncode == code and "torch was imported" not in proc.stderr, proc.stderr[-2000:]
 
 
 # Rank 0 alone tokenizes; the others wait on the store, not in a collective.

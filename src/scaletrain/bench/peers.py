@@ -37,6 +37,7 @@ from scaletrain.config import Config, load_config
 from scaletrain.data import PackedTokens, resolve_dataset_dir
 from scaletrain.models import model_spec
 from scaletrain.optim import lr_at
+from scaletrain.strategies import strategy
 
 
 class Windows(torch.utils.data.Dataset):
@@ -80,7 +81,7 @@ def hf_trainer(cfg: Config, model: Any, examples: Windows, out: Path, cuda: bool
 
     t = cfg.train
     ds = None
-    if cfg.parallel.strategy != "ddp":
+    if strategy(cfg.parallel.strategy).deepspeed_json:  # HF Trainer drives it through DeepSpeed
         from scaletrain.engines.deepspeed_config import build_deepspeed_config
 
         ds = build_deepspeed_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))

@@ -42,6 +42,7 @@ from scaletrain.config import Config, load_config
 from scaletrain.data import PackedTokens, RankBatches, resolve_dataset_dir
 from scaletrain.models import model_spec
 from scaletrain.optim import lr_at
+from scaletrain.strategies import strategy
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
     data = PackedTokens(resolve_dataset_dir(cfg.data)[0], cfg.data.seq_len, cfg.train.seed)
     batches = RankBatches(data, cfg.train.micro_batch, cfg.train.grad_accum, rank, world_size)
     spec = model_spec(cfg, data.vocab_size)
-    loop = {"ddp": DDPLoop, "fsdp": FSDPLoop}.get(cfg.parallel.strategy, DeepSpeedLoop)(spec, cfg, device, world_size)
+    loop = LOOPS[strategy(cfg.parallel.strategy).engine](spec, cfg, device, world_size)
 
     intervals, losses, window = [], [], []
     since = time.perf_counter()
@@ -203,5 +204,19 @@ class DeepSpeedLoop:
         return total
 
 
+# One loop per engine (the table row's `engine`: the module of scaletrain.engines that runs the strategy).
+LOOPS: dict[str, type[DDPLoop] | type[DeepSpeedLoop]] = {"ddp": DDPLoop, "fsdp": FSDPLoop, "deepspeed": DeepSpeedLoop}
+
+
+def end_process(code: int) -> None:
+    """Exit as scaletrain's own processes do (cli._end_process), without the interpreter's
+    teardown of torch: there, at times, a thread of the destroyed process group is still
+    joinable and the rank aborts ("terminate called without an active exception") after
+    its work was done and written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    end_process(main(sys.argv[1:]))

@@ -3,6 +3,7 @@ ratios, the machine, and the same as a table in docs/benchmarks.md with a plot."
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 from datetime import date
@@ -94,8 +95,6 @@ def _cpuinfo() -> list[str]:
 
 
 def _affinity() -> set[int]:
-    import os
-
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 

@@ -14,19 +14,26 @@ logging interval (warm-up) is left out of every figure.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import Config
+from scaletrain.config import Config, ModelConfig
 from scaletrain.errors import UserError
+from scaletrain.strategies import STRATEGIES
 
-# The engines each peer drives (HF Trainer: DDP and DeepSpeed; Accelerate: its DDP).
+# The strategies each peer is benchmarked on (HF Trainer: DDP and, through DeepSpeed JSON,
+# ZeRO-2; Accelerate: its DDP). Bench data, keyed by strategy name: which runs this bench
+# makes, not what a strategy can do. Every key is a row of scaletrain.strategies
+# (tests/test_bench.py checks it against STRATEGIES).
 PEERS = {"ddp": ("scaletrain-hf", "hf-trainer", "accelerate"), "zero2": ("scaletrain-hf", "hf-trainer")}
 # Where each variant's loop lives: scaletrain itself, or a module of this package.
 MODULES = {"raw": "scaletrain.bench.raw", "hf-trainer": "scaletrain.bench.peers", "accelerate": "scaletrain.bench.peers"}
+Say = Callable[[str], None]  # where progress lines go
 
 
 @dataclass
@@ -76,10 +83,19 @@ def variants(strategy: str, peers: bool) -> list[str]:
     return ["scaletrain", "raw"] + (list(PEERS.get(strategy, ())) if peers else [])
 
 
+def schedule(strategies: list[str], rounds: int, peers: bool) -> list[tuple[str, int, str]]:
+    """(strategy, round, variant) in the order they run: per engine and round the variants
+    back to back, in alternating order (A B, then B A, ...): drift weighs on both alike."""
+    order = []
+    for strategy in strategies:
+        names = variants(strategy, peers)
+        for r in range(rounds):
+            order += [(strategy, r, name) for name in (names if r % 2 == 0 else names[::-1])]
+    return order
+
+
 def check_request(cfg: Config, strategies: list[str], nproc: int, rounds: int) -> None:
     """What the raw loops cannot mirror, said before anything runs."""
-    from scaletrain.config import STRATEGIES
-
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad or not strategies:
         raise UserError(f"--strategies {','.join(strategies)}: unknown {bad or 'none given'}; accepted: {','.join(STRATEGIES)}")
@@ -111,25 +127,27 @@ def check_request(cfg: Config, strategies: list[str], nproc: int, rounds: int) -
         )
 
 
-def run_bench(cfg: Config, strategies: list[str], nproc: int, rounds: int, peers: bool, out: Path, say: Any) -> Bench:
+def run_bench(cfg: Config, strategies: list[str], nproc: int, rounds: int, peers: bool, out: Path, say: Say) -> Bench:
     from scaletrain.data import PackedTokens, ensure_prepared
 
     check_request(cfg, strategies, nproc, rounds)
     data = PackedTokens(ensure_prepared(cfg.data), cfg.data.seq_len, cfg.train.seed)  # once, before any timed run
     bench = Bench(strategies, nproc, rounds, peers, out, data.vocab_size)
     tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum * nproc * cfg.data.seq_len
-    for strategy in strategies:
-        names = variants(strategy, peers)
-        configs = {name: _config_for(cfg, strategy, name, data, out) for name in names}
-        for r in range(rounds):
-            order = names if r % 2 == 0 else names[::-1]  # A B, B A, ...: drift weighs on both alike
-            for name in order:
-                say(f"bench: {strategy} {name} round {r + 1}/{rounds}")
-                result = _launch(name, configs[name], nproc, out / strategy / f"{name}-r{r + 1}")
-                bench.runs.append(
-                    Run(name, strategy, r, result["intervals"], result["losses"], result["peak_bytes"], tokens_per_step)
-                )
+    configs = {(s, name): _config_for(cfg, s, name, data, out) for s in strategies for name in variants(s, peers)}
+    for strategy, r, name in schedule(strategies, rounds, peers):
+        say(f"bench: {strategy} {name} round {r + 1}/{rounds}")
+        result = _launch(name, configs[strategy, name], nproc, run_path(out, strategy, name, r))
+        bench.runs.append(Run(name, strategy, r, result["intervals"], result["losses"], result["peak_bytes"], tokens_per_step))
     return bench
+
+
+def config_path(out: Path, strategy: str, variant: str) -> Path:
+    return out / strategy / f"{variant}.yaml"
+
+
+def run_path(out: Path, strategy: str, variant: str, r: int) -> Path:
+    return out / strategy / f"{variant}-r{r + 1}"
 
 
 def _config_for(cfg: Config, strategy: str, variant: str, data: Any, out: Path) -> Path:
@@ -140,7 +158,7 @@ def _config_for(cfg: Config, strategy: str, variant: str, data: Any, out: Path) 
     resolved.data.paths = [str(data.dir)]  # the prepared tokens: no run re-reads the corpus
     if variant != "scaletrain" and variant != "raw":
         resolved.model = hf_model_of(cfg, data)
-    path = out / strategy / f"{variant}.yaml"
+    path = config_path(out, strategy, variant)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(resolved.to_yaml())
     return path
@@ -148,8 +166,7 @@ def _config_for(cfg: Config, strategy: str, variant: str, data: Any, out: Path) 
 
 def hf_model_of(cfg: Config, data: Any) -> Any:
     """The Hugging Face Llama of the built-in model's exact shape (HF export's mapping)."""
-    from scaletrain.checkpoint.hf_export import hf_config
-    from scaletrain.config import ModelConfig
+    from scaletrain.checkpoint.hf_export import hf_config  # torch
     from scaletrain.models import resolve_shape
 
     if cfg.model.source != "builtin":
@@ -158,25 +175,34 @@ def hf_model_of(cfg: Config, data: Any) -> Any:
     return ModelConfig(source="hf", hf_config=hf_config(shape, cfg.data.seq_len, "fp32", data.eos_id))
 
 
-def _launch(variant: str, config: Path, nproc: int, run_dir: Path) -> dict[str, Any]:
-    """One torchrun job; its result as a dict (bench/raw.py's format)."""
-    import shutil
-
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    result = run_dir / "result.json"
+def command(variant: str, config: Path, nproc: int, run_dir: Path) -> list[str]:
+    """The torchrun job of one run: `scaletrain train`, or the variant's loop (MODULES)
+    writing its result.json into the run directory."""
     if variant in ("scaletrain", "scaletrain-hf"):
         args = ["-m", "scaletrain", "train", str(config), f"run.dir={run_dir}"]
     else:
-        args = ["-m", MODULES[variant], *([variant] if variant in ("hf-trainer", "accelerate") else []), str(config), str(result)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone", *args]
-    log = run_dir / "output.log"
+        which = [variant] if variant in ("hf-trainer", "accelerate") else []
+        args = ["-m", MODULES[variant], *which, str(config), str(run_dir / "result.json")]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone", *args]
+
+
+def _launch(variant: str, config: Path, nproc: int, run_dir: Path) -> dict[str, Any]:
+    """One torchrun job; its result as a dict (bench/raw.py's format)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    run_logged(command(variant, config, nproc, run_dir), run_dir / "output.log", f"the {variant} run")
+    return read_scaletrain_run(run_dir) if variant.startswith("scaletrain") else json.loads((run_dir / "result.json").read_text())
+
+
+def run_logged(cmd: list[str], log: Path, what: str) -> None:
+    """Run `cmd` with its output into `log`; a failure ends the bench in one line: the
+    last line it wrote, and where the rest is."""
+    log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as sink:
         code = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT).returncode
     if code != 0:
         tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:] or ["(no output)"]
-        raise UserError(f"bench: the {variant} run failed (exit {code}): {tail[0].strip()[:300]}; its output: {log}")
-    return read_scaletrain_run(run_dir) if variant.startswith("scaletrain") else json.loads(result.read_text())
+        raise UserError(f"bench: {what} failed (exit {code}): {tail[0].strip()[:300]}; its output: {log}")
 
 
 def read_scaletrain_run(run_dir: Path) -> dict[str, Any]:

@@ -1,32 +1,26 @@
 """`scaletrain ckpt inspect | verify | convert | export`: checkpoints as files, in one process.
 
 CKPT is a checkpoints/step_<N> directory, or a run directory (its newest whole checkpoint).
+What each action does is ckpt_actions.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
-from typing import Any
 
-from scaletrain.errors import UserError
-
-STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+from scaletrain.strategies import STRATEGIES
 
 
-def add_parser(sub: Any) -> None:
-    c = sub.add_parser("ckpt", help="inspect, verify, convert or export checkpoints")
+def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
+    c = sub.add_parser(name, help="inspect, verify, convert or export checkpoints")
     actions = c.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
 
     i = actions.add_parser("inspect", help="step, world size, engine, format, sizes and config of a checkpoint")
     i.add_argument("ckpt", metavar="CKPT")
     i.add_argument("--json", action="store_true", help="machine-readable output")
-    i.set_defaults(func=cmd_inspect)
 
     v = actions.add_parser("verify", help="every file present, with the size and checksum recorded at save time")
     v.add_argument("ckpt", metavar="CKPT")
-    v.set_defaults(func=cmd_verify)
 
     cv = actions.add_parser(
         "convert",
@@ -40,7 +34,6 @@ def add_parser(sub: Any) -> None:
     cv.add_argument(
         "overrides", nargs="*", metavar="key=value", help="config changes for the target, e.g. parallel.offload_optimizer=cpu"
     )
-    cv.set_defaults(func=cmd_convert)
 
     e = actions.add_parser("export", help="write Hugging Face safetensors + config.json + tokenizer")
     e.add_argument("ckpt", metavar="CKPT")
@@ -56,144 +49,10 @@ def add_parser(sub: Any) -> None:
     )
     e.add_argument("--tokenizer", metavar="TOKENIZER.json", help="default: the run's own (from its prepared data)")
     e.add_argument("--max-shard-size", default="2GiB", help="bytes per safetensors file, e.g. 5GB or 500MiB")
-    e.set_defaults(func=cmd_export)
+    return c
 
 
-def resolve(arg: str) -> Path:
-    """A step directory as given, or a run directory's newest whole checkpoint."""
-    from scaletrain import checkpoint  # torch.distributed.checkpoint: imported only when used
-    from scaletrain.distributed import ALONE
+def run(args: argparse.Namespace) -> int:
+    from scaletrain.cli.ckpt_actions import ACTIONS  # torch.distributed.checkpoint, the engines (convert), safetensors
 
-    path = Path(arg)
-    if (path / "trainer.json").is_file():
-        if not checkpoint.is_complete(path):
-            raise UserError(f"checkpoint {path} is incomplete (no {checkpoint.MARKER} marker); accepted: a complete one")
-        return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    found = checkpoint.latest_valid(root, ALONE, lambda line: print(line))
-    if found is None:
-        raise UserError(f"{arg}: no checkpoint found; accepted: a checkpoints/step_<N> directory or a run directory holding one")
-    return found
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    from scaletrain import checkpoint  # torch.distributed.checkpoint: imported only when used
-    from scaletrain.distributed import ALONE
-
-    path = resolve(args.ckpt)
-    saved = json.loads((path / "trainer.json").read_text())
-    files = [f for f in path.rglob("*") if f.is_file()]
-    info = {
-        "path": str(path),
-        "step": saved["step"],
-        "engine": saved.get("engine"),
-        "format": saved.get("format"),
-        "world_size": saved.get("world_size"),
-        "parallel": saved.get("parallel"),
-        "data_position": saved.get("data_position"),
-        "tokens_seen": saved.get("tokens_seen"),
-        "model": saved.get("model"),
-        "files": len(files),
-        "bytes": sum(f.stat().st_size for f in files),
-        "whole": checkpoint.find_problem(path, ALONE, checksums=False) or "yes (sizes; `ckpt verify` checks contents)",
-        "engine_state": saved.get("engine_state"),
-    }
-    if args.json:
-        print(json.dumps(info, indent=1))
-        return 0
-    for key, value in info.items():
-        shown = json.dumps(value) if isinstance(value, dict) else value
-        print(f"{key:14} {shown}")
-    config = path / "config.yaml"
-    if config.is_file():
-        print("config (config.yaml):")
-        print("  " + config.read_text().strip().replace("\n", "\n  "))
-    return 0
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    from scaletrain import checkpoint  # torch.distributed.checkpoint: imported only when used
-    from scaletrain.distributed import ALONE
-
-    path = resolve(args.ckpt)
-    problem = checkpoint.find_problem(path, ALONE)
-    if problem:
-        raise UserError(f"checkpoint {path} is damaged: {problem}")
-    marker = json.loads((path / checkpoint.MARKER).read_text())
-    files = marker.get("files")
-    if files is None:
-        print(f"{path}: complete, but written without a manifest: sizes and checksums cannot be checked")
-        return 0
-    total = sum(size for size, _ in files.values())
-    print(f"{path}: ok, {len(files)} files, {total:,} bytes, sizes and CRC-32 checksums as saved")
-    return 0
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    from scaletrain.convert import convert
-
-    src = resolve(args.src)
-    dst = Path(args.dst)
-    note = convert(src, dst, args.to, args.overrides)
-    print(note)
-    print(f"resume it with train.resume={dst} (at any world size), or put it under <run.dir>/checkpoints/")
-    return 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from scaletrain.checkpoint.frozen_base import base_weights, check_base, saved_base
-    from scaletrain.checkpoint.hf_export import export_hf, export_target
-    from scaletrain.checkpoint.neutral import ParamLayout
-    from scaletrain.config import load_config
-    from scaletrain.models import saved_spec
-    from scaletrain.plan.hardware import parse_size
-
-    path = resolve(args.ckpt)
-    saved = json.loads((path / "trainer.json").read_text())
-    cfg = load_config([str(path / "config.yaml")])
-    spec = saved_spec(saved["model"])
-    layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
-    if args.lora == "adapter":
-        from scaletrain.checkpoint.lora_export import export_adapter
-
-        done = export_adapter(path, Path(args.out), layout, export_target(spec, cfg.data.seq_len), args.dtype)
-        print(
-            f"exported the LoRA adapters of {path} ({done['engine']}, step {saved['step']}) to {args.out}: {done['tensors']} tensors, {args.dtype}"
-        )
-        return 0
-    # A checkpoint without its frozen parameters: they come from its base, rebuilt on the CPU.
-    ref = saved_base(saved)
-    if ref is not None and not args.trainable_only:
-        check_base(path, ref, cfg)
-    tokenizer = Path(args.tokenizer) if args.tokenizer else _run_tokenizer(cfg)
-    if tokenizer is not None and not tokenizer.is_file():
-        raise UserError(f"--tokenizer {tokenizer}: no such file; accepted: a tokenizer.json")
-    done = export_hf(
-        path,
-        Path(args.out),
-        layout,
-        export_target(spec, max_positions=cfg.data.seq_len),
-        dtype=args.dtype,
-        trainable_only=args.trainable_only,
-        tokenizer=tokenizer,
-        max_shard_bytes=int(parse_size(args.max_shard_size, "--max-shard-size")),
-        base=(lambda: base_weights(cfg, spec)) if ref is not None else None,
-    )
-    print(
-        f"exported {path} ({done['engine']}, step {saved['step']}) to {args.out}: {done['tensors']} tensors, "
-        f"{done['bytes']:,} bytes in {done['files']} safetensors file(s), {args.dtype}"
-        + ("" if tokenizer else "; no tokenizer (the run's data is gone: pass --tokenizer)")
-    )
-    return 0
-
-
-def _run_tokenizer(cfg: Any) -> Path | None:
-    """The tokenizer.json of the run's prepared data, if that is still on disk."""
-    from scaletrain.data import resolve_dataset_dir
-    from scaletrain.data.prepare import TOKENIZER_FILE
-
-    try:
-        found = resolve_dataset_dir(cfg.data)[0] / TOKENIZER_FILE
-    except UserError:
-        return None
-    return found if found.is_file() else None
+    return ACTIONS[args.ckpt_command](args)

@@ -6,6 +6,7 @@ import argparse
 import os
 import shlex
 
+from scaletrain.cluster import ClusterJob, pytorchjob_yaml, sbatch_script, submit, write_atomically
 from scaletrain.errors import UserError
 
 CLUSTER_ONLY = ("submit", "job_name", "gpus_per_node", "partition", "account", "time", "image", "pvc")
@@ -40,9 +41,7 @@ def check_cluster_args(args: argparse.Namespace) -> None:
         raise UserError("--submit does not go with --dry-run; accepted: one of them")
 
 
-def cmd_cluster(args: argparse.Namespace) -> int:
-    from scaletrain.cluster import ClusterJob, pytorchjob_yaml, sbatch_script, submit, write_atomically
-
+def write_cluster_file(args: argparse.Namespace) -> int:
     job = ClusterJob(
         nproc=args.nproc,
         nnodes=args.nnodes,

@@ -1,0 +1,84 @@
+"""`scaletrain launch`: `train` on N processes per node under torchrun's agent (in this
+process) or DeepSpeed's launcher; with --slurm / --k8s, the cluster's job file instead
+(cluster.py)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from scaletrain.cli.cluster import check_cluster_args, write_cluster_file
+from scaletrain.config import load_config, split_args
+from scaletrain.launch import LaunchOptions, exec_launcher, launch_command, run_torchrun
+from scaletrain.parallel import dims_for
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
+    la = sub.add_parser(
+        name,
+        help="launch `train` on N processes per node via torchrun or the deepspeed launcher",
+        description="Launch `scaletrain train` under torchrun (default) or DeepSpeed's launcher. "
+        "Multi-node: run the same command on every node with its --node-rank, or give a --hostfile.",
+    )
+    la.add_argument("--nproc", type=int, required=True, help="processes (GPUs) per node")
+    la.add_argument("--nnodes", type=int, default=1, help="number of nodes")
+    la.add_argument("--node-rank", type=int, help="this node's rank, 0..nnodes-1")
+    la.add_argument("--master-addr", help="address of node 0")
+    la.add_argument("--master-port", type=int, help="port on node 0 (default 29500)")
+    la.add_argument("--hostfile", help="'hostname slots=N' per line (DeepSpeed/MPI format)")
+    la.add_argument("--launcher", choices=["torchrun", "deepspeed"], default="torchrun")
+    la.add_argument(
+        "--max-restarts", type=int, default=0, help="restart all workers after a failure up to N times; each resumes by itself"
+    )
+    la.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="torchrun's c10d rendezvous: the same command on every node")
+    la.add_argument("--rdzv-id", help="rendezvous id, the same on every node (default scaletrain)")
+    la.add_argument("--dry-run", action="store_true", help="print the launcher command (or the --slurm/--k8s file) and exit")
+    cl = la.add_argument_group("clusters (docs/clusters.md)")
+    cl.add_argument("--slurm", metavar="OUT.sbatch", help="write an sbatch script for --nnodes nodes instead of launching")
+    cl.add_argument("--k8s", metavar="OUT.yaml", help="write a Kubeflow PyTorchJob manifest instead of launching")
+    cl.add_argument("--submit", action="store_true", help="then submit it (sbatch, or kubectl create -f)")
+    cl.add_argument("--job-name", help="job name (default scaletrain)")
+    cl.add_argument("--gpus-per-node", type=int, help="GPUs to request per node (default: none)")
+    cl.add_argument("--partition", help="Slurm partition")
+    cl.add_argument("--account", help="Slurm account")
+    cl.add_argument("--time", help="Slurm time limit, e.g. 24:00:00")
+    cl.add_argument("--image", help="--k8s: container image with scaletrain installed (required)")
+    cl.add_argument("--pvc", help="--k8s: PersistentVolumeClaim mounted as the working directory (run.dir, data.dir)")
+    la.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+    return la
+
+
+def run(args: argparse.Namespace) -> int:
+    check_cluster_args(args)
+    # One clear error here, not one per rank after N processes have started.
+    cfg = load_config(*split_args(args.args))
+    if not args.k8s:  # a pod's data is in its image or volume, not necessarily here
+        from scaletrain.data import resolve_dataset_dir  # numpy: only when the data is looked for
+
+        resolve_dataset_dir(cfg.data)
+    if args.hostfile is None and args.nproc >= 1 and args.nnodes >= 1:
+        dims_for(cfg.parallel, args.nproc * args.nnodes)  # the layout fits the world it will get
+    if args.slurm or args.k8s:
+        return write_cluster_file(args)
+    cmd = launch_command(
+        LaunchOptions(
+            nproc=args.nproc,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            hostfile=args.hostfile,
+            launcher=args.launcher,
+            max_restarts=args.max_restarts,
+            train_args=tuple(args.args),
+            rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id or "scaletrain",
+        )
+    )
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    if args.launcher == "torchrun":
+        return run_torchrun(cmd)
+    exec_launcher(cmd)
+    return 0  # not reached: exec replaced this process

@@ -1,0 +1,106 @@
+"""`scaletrain plan --measure`: the configured strategy's predicted peak memory against the
+one measured over 3 real steps of its engine, at this process world (plan.py checks first
+what it cannot measure)."""
+
+from __future__ import annotations
+
+import gc
+import json
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from scaletrain.cli.console import console
+from scaletrain.config import Config
+from scaletrain.distributed import init_distributed, shutdown
+from scaletrain.engines import build_engine
+from scaletrain.models import ModelSpec
+from scaletrain.optim import decay_groups, lr_at
+from scaletrain.parallel import dims_for
+from scaletrain.plan import planning_spec
+from scaletrain.plan.hardware import gpu, this_cpu
+from scaletrain.plan.planner import evaluate, setups_for
+from scaletrain.plan.report import print_measurement
+
+# MemTracker's categories, folded into the planner's components.
+_COMPONENTS = {
+    "PARAM": "params",
+    "GRAD": "grads",
+    "OPT": "optimizer",
+    "ACT": "activations+loss",
+    "TEMP": "activations+loss",
+    "BUFFER": "buffers",
+    "OTH": "buffers",
+}
+
+
+def measure(cfg: Config, as_json: bool) -> int:
+    """Plan the configured strategy for this process world, then measure it for real."""
+    shown = console()
+    world = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+    try:
+        model = planning_spec(cfg)
+        device = (
+            this_cpu()
+            if world.device.type == "cpu"
+            else gpu(None, f"{torch.cuda.get_device_properties(world.device).total_memory}B")
+        )
+        setup = setups_for(cfg, world.world_size, 1, False)[0]
+        predicted = evaluate(model, setup, cfg, device, 1, device.memory, None).memory.as_dict()
+        measured = measure_peak(cfg, world, model)
+        if world.is_main:
+            if as_json:
+                print(
+                    json.dumps({"strategy": setup.label, "world": world.world_size, "predicted": predicted, "measured": measured})
+                )
+            else:
+                shown.print(f"[bold]{setup.label}[/] at world {world.world_size} on {world.device.type}", highlight=False)
+                print_measurement(shown, predicted, measured)
+    finally:
+        gc.collect()
+        shutdown(world)
+    return 0
+
+
+def measure_peak(cfg: Config, world: Any, model: ModelSpec, steps: int = 3) -> dict[str, float]:
+    """Bytes at this rank's peak, by component, plus 'peak' (and 'cuda_max_allocated' on GPU).
+
+    Every allocation from before the model is built to the end of the last step is tracked
+    by torch's MemTracker (a dispatch-mode tensor tracker that also sorts tensors into
+    params, grads, optimizer state, activations and temporaries), so buffers DeepSpeed or
+    FSDP allocate at set-up count too. Tokens are random: memory does not depend on them.
+    """
+    if world.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(world.device)
+    tracker = MemTracker()
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    dims = dims_for(cfg.parallel, world.world_size)
+    with tracker:
+        engine = build_engine(model, world, dims, cfg, decay_groups(cfg.train.weight_decay))
+        for step in range(steps):
+            tracker.reset_mod_stats()  # MemTracker tracks one iteration's module stats at a time
+            batches = [_random_batch(cfg, model, generator) for _ in range(cfg.train.grad_accum)]
+            engine.forward_backward(batches, model.loss)  # the trainer's own unit of work
+            engine.step(lr_at(step, cfg.train))
+        del engine
+    snapshot = tracker.get_tracker_snapshot("peak")
+    out: dict[str, float] = {}
+    for device, by_kind in snapshot.items():
+        if torch.device(device).type != world.device.type:
+            continue
+        for kind, nbytes in by_kind.items():
+            name = str(kind).split(".")[-1]
+            if name == "Total":
+                out["peak"] = float(nbytes)
+            else:
+                key = _COMPONENTS.get(name, "buffers")
+                out[key] = out.get(key, 0.0) + float(nbytes)
+    if world.device.type == "cuda":
+        out["cuda_max_allocated"] = float(torch.cuda.max_memory_allocated(world.device))
+    return out
+
+
+def _random_batch(cfg: Config, model: ModelSpec, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, model.vocab_size, (cfg.train.micro_batch, cfg.data.seq_len + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]

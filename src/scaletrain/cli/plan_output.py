@@ -1,0 +1,74 @@
+"""`scaletrain plan`'s output: the plan as a table or JSON, and as DeepSpeed JSON for
+Hugging Face Trainer (--emit-deepspeed). Imported by plan.py once the config is good."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from scaletrain.cli.console import console
+from scaletrain.config import Config
+from scaletrain.engines.deepspeed_config import build_deepspeed_config
+from scaletrain.errors import UserError
+from scaletrain.parallel import dims_for
+from scaletrain.plan import Setup, make_plan, planning_spec
+from scaletrain.plan.hardware import gpu, parse_size, this_cpu
+from scaletrain.plan.report import print_plan
+from scaletrain.strategies import TABLE
+
+
+def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
+    model = planning_spec(cfg)
+    device = this_cpu() if (opts.gpu or "").lower() == "cpu" else gpu(opts.gpu, opts.gpu_memory)
+    cpu_per_node = parse_size(opts.cpu_memory, "--cpu-memory") if opts.cpu_memory else None
+    for name, value in (("--gpus-per-node", opts.gpus_per_node), ("--nodes", opts.nodes)):
+        if value < 1:
+            raise UserError(f"{name} {value} is invalid; accepted: 1 or more")
+    world = opts.gpus_per_node * opts.nodes
+    # A strategy the user named is planned as asked (the others beside it); otherwise, as
+    # with strategy auto, the planner chooses.
+    named = "strategy" in cfg.parallel.model_fields_set and cfg.parallel.strategy != "auto"
+    all_strategies = cfg.parallel.strategy == "auto" or not opts.configured_only
+    plan = make_plan(cfg, model, world, opts.nodes, device, cpu_per_node, opts.headroom, all_strategies, as_configured=named)
+    if opts.emit_deepspeed:
+        path = emit_deepspeed(cfg, plan.chosen.setup, world, Path(opts.emit_deepspeed))
+        plan.notes.append(f"DeepSpeed JSON ({plan.chosen.setup.label}) for Hugging Face Trainer written to {path}")
+    if opts.json:
+        print(json.dumps(plan.as_dict(), indent=1))
+    else:
+        print_plan(console(), plan, model, f"plan for model {cfg.model.preset}")
+    return 0
+
+
+def emit_deepspeed(cfg: Config, setup: Setup, world: int, path: Path) -> Path:
+    """A plan as DeepSpeed JSON in the form HF Trainer accepts: values the Trainer owns
+    (batch sizes, optimizer hyper-parameters, clipping, precision switches) are "auto", so
+    they come from TrainingArguments and cannot disagree with them. A strategy DeepSpeed
+    does not run is written as its DeepSpeed counterpart, the row taking DeepSpeed JSON that
+    partitions the same states (fsdp: ZeRO-3); one partitioning nothing (ddp) as stage 0."""
+    chosen = TABLE[setup.strategy]
+    counterpart = next(s for s in TABLE.values() if s.deepspeed_json and s.partitions == max(1, chosen.partitions))
+    par = cfg.parallel.model_copy(
+        update=dict(
+            strategy=counterpart.name,
+            offload_optimizer=setup.offload_optimizer,
+            offload_params=setup.offload_params,
+            dp_replicate=1,
+            deepspeed_extra={},
+        )
+    )
+    ds = build_deepspeed_config(cfg.model_copy(update={"parallel": par}), dims_for(par, world).dp_size)
+    if chosen.partitions == 0:
+        ds["zero_optimization"]["stage"] = 0
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+        if key in ds:
+            ds[key] = "auto"
+    for section in ("fp16", "bf16"):
+        if section in ds:
+            ds[section]["enabled"] = "auto"
+    if "optimizer" in ds:
+        ds["optimizer"]["params"] = {k: "auto" for k in ds["optimizer"].get("params", {})}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(ds, indent=2) + "\n")
+    return path
