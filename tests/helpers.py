@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from scaletrain.checkpoint import read_model_weights
+from scaletrain.checkpoint import TrainerState, read_model_weights
 from scaletrain.telemetry import read_metrics
 
 TESTS = Path(__file__).resolve().parent
@@ -166,6 +166,14 @@ def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
 
 
 # ---------------------------------------------------------------------------- run directories
+
+
+def trainer_state(**fields: Any) -> TrainerState:
+    """A checkpoint's TrainerState for tests that write or check one by hand: a DDP run at
+    world 1 with these fields changed."""
+    parallel = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "dp_size": 1}
+    base = dict(step=1, data_position=0, tokens_seen=0, world_size=1, parallel=parallel, format="dcp", engine="ddp")
+    return TrainerState(**{**base, "model": {}, "data_fingerprint": "x", **fields})
 
 
 def base_overrides(data_dir: Path, run_dir: Path, steps: int = 10) -> list[str]:

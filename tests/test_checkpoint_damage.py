@@ -15,7 +15,7 @@ from scaletrain import checkpoint
 from scaletrain.checkpoint.restore import first_difference
 from scaletrain.distributed import ALONE
 
-from helpers import assert_bit_exact, base_overrides, check, copy_until, run_info, train
+from helpers import assert_bit_exact, base_overrides, check, copy_until, run_info, train, trainer_state
 
 
 def save(root, step):
@@ -24,7 +24,7 @@ def save(root, step):
         torch.save({"w": torch.full((256,), float(step))}, d / "shard0.pt")
 
     path = checkpoint.step_dir(root, step)
-    checkpoint.save_checkpoint(path, ALONE, write_state, {"step": step}, {"config.yaml": "x: 1\n"})
+    checkpoint.save_checkpoint(path, ALONE, write_state, trainer_state(step=step), {"config.yaml": "x: 1\n"})
     return path
 
 

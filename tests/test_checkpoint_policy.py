@@ -7,6 +7,8 @@ from torch import nn
 from scaletrain import checkpoint
 from scaletrain.distributed import World
 
+from helpers import trainer_state
+
 pytestmark = pytest.mark.unit
 
 
@@ -54,7 +56,7 @@ def test_save_load_round_trip_restores_state_and_rng(tmp_path):
         path,
         world,
         lambda d: save_dcp(model, opt, d),
-        {"step": 1, "world_size": 1, "format": "dcp", "engine": "ddp"},
+        trainer_state(step=1),
         {"config.yaml": "x: 1\n"},
     )
     expected_draw = torch.rand(3)
@@ -64,8 +66,8 @@ def test_save_load_round_trip_restores_state_and_rng(tmp_path):
     fresh = nn.Linear(3, 2)
     fresh_opt = torch.optim.AdamW(fresh.parameters())
     torch.manual_seed(99)
-    trainer_state = checkpoint.load_checkpoint(path, world, lambda d: load_dcp(fresh, fresh_opt, d / "state"))
-    assert trainer_state["step"] == 1
+    loaded = checkpoint.load_checkpoint(path, world, lambda d: load_dcp(fresh, fresh_opt, d / "state"))
+    assert loaded.step == 1
     assert torch.equal(torch.rand(3), expected_draw)  # RNG continues where the save left it
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)

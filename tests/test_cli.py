@@ -241,20 +241,33 @@ def test_rank_0_too_slow_to_prepare_data_is_one_line_not_a_hang(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_rank_0_crash_while_preparing_data_reaches_the_other_rank(tmp_path):
-    (tmp_path / "a-file").write_text("not a directory")
+    # A crash, not bad input (a data.dir that cannot be made is refused before any work, in
+    # one line): rank 0's preparation raises as a full disk or a bug in a tokenizer would,
+    # injected through a sitecustomize module on the ranks' path.
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(CRASH_RANK_0_PREPARING)
     proc = train(
-        [
-            f"data.paths={SMALL_CORPUS[0]}",
-            f"data.dir={tmp_path / 'a-file' / 'cache'}",
-            f"run.dir={tmp_path / 'run'}",
-            "run.device=cpu",
-        ],
+        [f"data.paths={SMALL_CORPUS[0]}", f"data.dir={tmp_path / 'cache'}", f"run.dir={tmp_path / 'run'}", "run.device=cpu"],
         nproc=2,
         timeout=180,
+        env={"PYTHONPATH": str(inject)},
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "scaletrain: error: rank 0 failed while preparing the data (NotADirectoryError" in proc.stderr
     assert "rank 0 (pid" in proc.stderr and "failed with exit code 1" in proc.stderr
+
+
+CRASH_RANK_0_PREPARING = """
+import os
+if os.environ.get("RANK") == "0":
+    import scaletrain.data.prepare as prepare
+
+    def crash(*args, **kwargs):
+        raise NotADirectoryError(20, "Not a directory", "injected")
+
+    prepare.prepare_dataset = crash
+"""
 
 
 # The `scaletrain` process ends with os._exit (the interpreter's teardown of torch cost

@@ -16,7 +16,7 @@ from scaletrain.models import distill_spec, model_spec
 from scaletrain.models.distill import kl_to_teacher
 from scaletrain.plan.memory import Setup, estimate
 
-from helpers import assert_bit_exact, base_overrides, check, copy_until, run_info, train
+from helpers import assert_bit_exact, base_overrides, check, copy_until, run_info, train, trainer_state
 
 TEACHER = ["model.teacher.preset=tiny", "model.teacher.n_layers=3"]
 
@@ -85,7 +85,7 @@ def test_a_resume_with_or_without_the_hidden_state_term_against_its_checkpoint_i
     without = load_config([], ["model.vocab_size=11", *TEACHER])
     for saved, now, had in ((with_term, without, "with"), (without, with_term, "without")):
         (tmp_path / "config.yaml").write_text(saved.to_yaml())
-        state = {"model": model_spec(saved, 11).config()}
+        state = trainer_state(model=model_spec(saved, 11).config())
         with pytest.raises(UserError, match=f"trained {had} model.teacher.hidden_weight"):
             check_config(tmp_path, now, state, model_spec(now, 11).config(), "x")
 

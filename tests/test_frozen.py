@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from scaletrain.checkpoint import ENGINE_FORMATS
 from scaletrain.config import load_config
 from scaletrain.errors import UserError
 from scaletrain.models import resolve_shape
 from scaletrain.models.spec import LlamaSpec
+from scaletrain.strategies import FORMATS, TABLE
 
 from helpers import (
     PROBES,
@@ -28,6 +28,7 @@ from helpers import (
     run,
     scaletrain,
     train,
+    trainer_state,
 )
 
 sys.path.insert(0, str(PROBES))
@@ -70,8 +71,9 @@ def test_a_checkpoint_without_the_frozen_base_resumes_exactly(frozen_runs, strat
     assert (got["reloaded"], got["difference"]) == ("native", None)
     if strategy != STRATEGIES[0]:
         previous = STRATEGIES[STRATEGIES.index(strategy) - 1]
-        both_dcp = ENGINE_FORMATS[previous] == ENGINE_FORMATS[strategy] == "dcp"  # DCP reshards; the rest converts
-        assert got["previous"] == ("resharded" if both_dcp else "converted")
+        fmt = TABLE[strategy].format  # DCP reshards natively; the rest converts
+        native = TABLE[previous].format == fmt and FORMATS[fmt].reshards
+        assert got["previous"] == ("resharded" if native else "converted")
 
 
 @pytest.mark.unit
@@ -100,7 +102,7 @@ def test_resume_refuses_another_trainable_set(tmp_path):
     with pytest.raises(
         UserError, match=r"model.trainable is \[\] but checkpoint .* was trained with \['layers.\*'\] \(its optimizer"
     ):
-        check_config(tmp_path, load_config([], []), {}, {}, "x")
+        check_config(tmp_path, load_config([], []), trainer_state(), {}, "x")
 
 
 @pytest.mark.e2e

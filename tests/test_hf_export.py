@@ -16,7 +16,7 @@ from scaletrain.models.llama import build_model
 from scaletrain.models.presets import ModelShape
 from scaletrain.models.spec import LlamaSpec
 
-from helpers import assert_hf_export_matches, check, one_line_error, scaletrain
+from helpers import assert_hf_export_matches, check, one_line_error, scaletrain, trainer_state
 
 
 @pytest.mark.e2e
@@ -62,7 +62,7 @@ def tiny_checkpoint(tmp_path, trained):
     opt.step()
     ckpt = tmp_path / "step_1"
     save_dcp(model, opt, ckpt / "state")
-    (ckpt / "trainer.json").write_text(json.dumps({"step": 1, "format": "dcp", "engine": "ddp", "model": shape.__dict__}))
+    (ckpt / "trainer.json").write_text(trainer_state(model=shape.__dict__).to_json())
     return ckpt, shape, model
 
 

@@ -13,13 +13,13 @@ from scaletrain.plan import make_plan, planning_spec
 from scaletrain.plan.activations import _traced_block, _traced_head, block_activations, head_activations
 from scaletrain.plan.hardware import GiB, gpu, parse_size
 from scaletrain.plan.memory import (
-    ZERO3_PERSISTENCE_THRESHOLD,
     Setup,
     engine_buffers,
     estimate,
     model_state_bytes,
 )
 from scaletrain.plan.planner import fmt, largest_micro_batch
+from scaletrain.strategies import TABLE
 
 pytestmark = pytest.mark.unit
 
@@ -135,7 +135,7 @@ def test_model_states_match_deepspeeds_own_estimators():
             assert engine_buffers(spec, setup) == pytest.approx(ds_layer + 4 * setup.bucket_size)
             # We also keep tensors under DeepSpeed's persistence threshold whole on every rank (the
             # norm weights here), which its estimator does not model: take that term out.
-            small = sum(k for k in spec.counts().numels if k < ZERO3_PERSISTENCE_THRESHOLD)
+            small = sum(k for k in spec.counts().numels if k < TABLE["zero3"].persistence_threshold)
             kept_whole = 2 * small * (1 - 1 / n) if params == "none" else 0.0
             assert m.params - kept_whole + m.grads + m.optimizer + ds_layer == pytest.approx(ds_gpu, rel=1e-6)
             if optim == "cpu":

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from scaletrain.errors import UserError
 from scaletrain.stages import SCHEDULES, schedule_problem
+from scaletrain.strategies import STRATEGIES, TABLE, names_where, said
 
 MODEL_PRESETS = ("tiny", "small", "1b", "7b", "8b", "70b", "405b")
 
@@ -187,14 +188,12 @@ class TrainConfig(Section):
         return self
 
 
-STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
-ZERO_STRATEGIES = ("zero1", "zero2", "zero3")
 Offload = Literal["none", "cpu", "nvme"]
 
 
 class ParallelConfig(Section):
     # auto: the planner picks the fastest strategy that fits, before anything is allocated.
-    strategy: Literal[STRATEGIES + ("auto",)] = "ddp"  # type: ignore[valid-type]
+    strategy: Literal[STRATEGIES + ("auto",)] = STRATEGIES[0]  # type: ignore[valid-type]  # the table's first: plain DDP
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     # FSDP2: False keeps parameters gathered between forward and backward (shard-grad-op,
     # ZeRO-2-like); dp_replicate > 1 is hybrid sharding: replicate across groups, shard within.
@@ -235,10 +234,11 @@ class ParallelConfig(Section):
 
     @model_validator(mode="after")
     def _compression_is_ddp(self) -> ParallelConfig:
-        if self.grad_compression != "none" and self.strategy != "ddp":
+        if self.grad_compression != "none" and not _can(self.strategy, "grad_compression"):
             raise ValueError(
                 f"parallel.grad_compression={self.grad_compression} compresses DDP's gradient all-reduce; "
-                f"parallel.strategy={self.strategy} has none to compress; accepted: parallel.strategy=ddp, or grad_compression=none"
+                f"parallel.strategy={self.strategy} has none to compress; accepted: parallel.strategy="
+                f"{said(names_where(lambda s: s.grad_compression))}, or grad_compression=none"
             )
         if self.grad_compression == "bf16" and self.backend == "gloo":
             raise ValueError(
@@ -263,28 +263,31 @@ class ParallelConfig(Section):
     @model_validator(mode="after")
     def _combinations(self) -> ParallelConfig:
         s = self.strategy
-        if self.tp > 1 and s != "fsdp":
+        tp, pp = names_where(lambda r: r.tp), names_where(lambda r: r.pp)
+        if self.tp > 1 and not _can(s, "tp"):
             raise ValueError(
-                f"parallel.tp={self.tp} needs parallel.strategy=fsdp (tensor parallel composes with FSDP2 over the "
-                f"data-parallel ranks), not {s}; accepted: strategy fsdp, or tp 1"
+                f"parallel.tp={self.tp} needs parallel.strategy={said(tp)} (tensor parallel composes with FSDP2 over the "
+                f"data-parallel ranks), not {s}; accepted: strategy {said(tp)}, or tp 1"
             )
-        if self.pp > 1 and s != "fsdp":
+        if self.pp > 1 and not _can(s, "pp"):
             raise ValueError(
-                f"parallel.pp={self.pp} needs parallel.strategy=fsdp (each pipeline stage is sharded, or with "
-                f"dp_replicate replicated, by FSDP2), not {s}; accepted: strategy fsdp, or pp 1"
+                f"parallel.pp={self.pp} needs parallel.strategy={said(pp)} (each pipeline stage is sharded, or with "
+                f"dp_replicate replicated, by FSDP2), not {s}; accepted: strategy {said(pp)}, or pp 1"
             )
         if self.pp > 1 and self.offload_params != "none":
             raise ValueError(
                 f"parallel.pp={self.pp} does not combine with parallel.offload_params; accepted: offload_params none"
             )
-        if self.offload_optimizer != "none" and s not in ZERO_STRATEGIES:
-            raise ValueError(f"parallel.offload_optimizer={self.offload_optimizer} needs strategy zero1, zero2 or zero3, not {s}")
-        if self.offload_params != "none" and not (s == "zero3" or (s == "fsdp" and self.offload_params == "cpu")):
-            raise ValueError(f"parallel.offload_params={self.offload_params} needs strategy zero3 (or fsdp with cpu), not {s}")
+        if self.offload_optimizer != "none" and not (s in TABLE and TABLE[s].accepts_offload(self.offload_optimizer, "none")):
+            takes = said(names_where(lambda r: self.offload_optimizer in r.offload_optimizer))
+            raise ValueError(f"parallel.offload_optimizer={self.offload_optimizer} needs strategy {takes}, not {s}")
+        if self.offload_params != "none" and not (s in TABLE and TABLE[s].accepts_offload("none", self.offload_params)):
+            takes = said(names_where(lambda r: self.offload_params in r.offload_params))
+            raise ValueError(f"parallel.offload_params={self.offload_params} needs strategy {takes}, not {s}")
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
             raise ValueError("nvme offload needs parallel.nvme_path, a directory on a fast local disk")
-        if self.deepspeed_extra and s not in ZERO_STRATEGIES + ("auto",):
-            raise ValueError(f"parallel.deepspeed_extra is only used by zero1, zero2 and zero3, not {s}")
+        if self.deepspeed_extra and s != "auto" and not TABLE[s].deepspeed_json:
+            raise ValueError(f"parallel.deepspeed_extra is only used by {said(names_where(lambda r: r.deepspeed_json))}, not {s}")
         return self
 
 
@@ -380,15 +383,14 @@ class Config(Section):
     @model_validator(mode="after")
     def _compile_where_checked(self) -> Config:
         par = self.parallel
-        if self.train.compile and (par.strategy not in ("ddp", "fsdp") or par.tp > 1 or par.pp > 1):
+        if self.train.compile and (not _can(par.strategy, "compile") or par.tp > 1 or par.pp > 1):
             where = (
-                f"parallel.strategy={par.strategy}"
-                if par.strategy not in ("ddp", "fsdp")
-                else f"parallel.tp={par.tp}, pp={par.pp}"
+                f"parallel.strategy={par.strategy}" if not _can(par.strategy, "compile") else f"parallel.tp={par.tp}, pp={par.pp}"
             )
+            compiled = names_where(lambda r: r.compile)
             raise ValueError(
-                f"train.compile=true is offered with ddp and fsdp, without tp or pp (checked there), not with {where}; "
-                "accepted: train.compile=false, or parallel.strategy=ddp|fsdp with tp=pp=1"
+                f"train.compile=true is offered with {' and '.join(compiled)}, without tp or pp (checked there), not with "
+                f"{where}; accepted: train.compile=false, or parallel.strategy={'|'.join(compiled)} with tp=pp=1"
             )
         return self
 
@@ -407,6 +409,11 @@ class Config(Section):
     @model_validator(mode="after")
     def _teacher_where_checked(self) -> Config:
         par = self.parallel
+        if self.model.teacher is not None and par.strategy != "auto" and not _can(par.strategy, "teacher"):
+            raise ValueError(
+                f"model.teacher is not offered with parallel.strategy={par.strategy}; accepted: "
+                f"{said(names_where(lambda r: r.teacher))}"
+            )
         if self.model.teacher is not None and (par.tp > 1 or par.pp > 1):
             raise ValueError(
                 f"model.teacher runs beside data-parallel engines only, not with parallel.tp={par.tp}, pp={par.pp}; "
@@ -425,6 +432,13 @@ class Config(Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _can(strategy: str, capability: str) -> bool:
+    """Whether `strategy` has a capability of the strategy table. `auto` has none: the
+    planner resolves it after these checks, so a setting only some strategies take needs
+    the strategy named."""
+    return strategy in TABLE and bool(getattr(TABLE[strategy], capability))
 
 
 def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -10,7 +10,7 @@ The whole model and its optimizer state are in memory at once (see docs/checkpoi
 
 from __future__ import annotations
 
-import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,35 +30,36 @@ from scaletrain.parallel import dims_for
 def convert(src: Path, dst: Path, strategy: str, overrides: list[str]) -> str:
     if dst.exists():
         raise UserError(f"{dst} already exists; accepted: a path that does not exist yet (nothing is overwritten)")
-    saved = json.loads((src / "trainer.json").read_text())
+    saved = checkpoint.TrainerState.read(src)
     reset = ["parallel.offload_optimizer=none", "parallel.offload_params=none", "parallel.dp_replicate=1", "run.device=cpu"]
     cfg = load_config([str(src / "config.yaml")], [*reset, f"parallel.strategy={strategy}", *overrides])
     world = ALONE
     dims = dims_for(cfg.parallel, 1)
-    spec = saved_spec(saved["model"])
+    spec = saved_spec(saved.model)
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
     state = read_state(src, layout)
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay))
     try:
         engine.load_state_dict(state)
-        engine.load_extra_state(saved.get("engine_state", {}))
+        engine.load_extra_state(saved.engine_state)
         problem = first_difference(engine.state_dict(), state)
         if problem:
             raise UserError(
                 f"converting {src} to {strategy} did not carry the state over exactly: {problem}; report this as a bug"
             )
-        trainer_state = saved | {
-            "world_size": 1,
-            "parallel": dims.as_dict(),
-            "format": engine.format,
-            "engine": engine.name,
-            "engine_state": engine.extra_state(),
-            "converted_from": {"path": str(src), "engine": saved.get("engine"), "world_size": saved.get("world_size")},
-        }
+        trainer_state = replace(
+            saved,
+            world_size=1,
+            parallel=dims.as_dict(),
+            format=engine.format,
+            engine=engine.name,
+            engine_state=engine.extra_state(),
+            converted_from={"path": str(src), "engine": saved.engine, "world_size": saved.world_size},
+        )
         files = {"config.yaml": cfg.to_yaml(), **engine.checkpoint_files()}
         checkpoint.save_checkpoint(dst, world, engine.save, trainer_state, files)
     finally:
         del engine
         shutdown(world)  # the single-rank group an engine may have made (fsdp, DeepSpeed)
-    return f"converted {src} ({saved.get('engine')}, world {saved.get('world_size')}) to {strategy} at {dst}; verified"
+    return f"converted {src} ({saved.engine}, world {saved.world_size}) to {strategy} at {dst}; verified"

@@ -29,11 +29,14 @@ runs, nothing is flushed):
 A comma-separated list is one fault per attempt under elastic restarts: entry i fires only
 in attempt i (torchrun's TORCHELASTIC_RESTART_COUNT), so `step:3@1,step:8@0` kills rank 1
 at step 3, then, after the restart resumed from a checkpoint, rank 0 at step 8.
-The variable is read once; an unset variable costs one comparison per point.
+The variable is read once; an unset variable costs one comparison per point. The loop
+meets every point through one `Drills` object: the loss it runs each step, and one hook
+after the step (checkpoint/manager.py holds the points inside a save, a prune and a flush).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -158,3 +161,38 @@ def hang_forever() -> None:
 
 def kill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Drills:
+    """The fault points of the training loop. `loss(step, fn)`: the loss step `step` runs
+    (NaN at `nan`, slowed by SCALETRAIN_SLOW=compute). `after_step(step)`: once the step
+    and its checkpoint (if due) are done, before the ranks agree on a preemption: `term`,
+    `perturb`, `hang` and `step` (which waits for the checkpoint in flight first, so the
+    kill comes "after step N and its checkpoint")."""
+
+    def __init__(self, model: Callable[[], Any], wait_for_saves: Callable[[], None], signal_received: Callable[[], bool]):
+        self.model = model
+        self.wait_for_saves = wait_for_saves
+        self.signal_received = signal_received
+        self.slow = slowdown("compute")
+
+    def loss(self, step: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn = nan_loss(fn) if fire_once("nan", step) else fn
+        return slowed(fn, self.slow) if self.slow else fn
+
+    def after_step(self, step: int) -> None:
+        if _ARMED is None:
+            return
+        preempt_at(step, self.signal_received)
+        if fire_once("perturb", step):
+            perturb(self.model())
+        if armed("hang", step):
+            hang_forever()
+        if armed("step", step):
+            self.wait_for_saves()
+            kill()
+
+
+def nan_loss(loss: Callable[..., Any]) -> Callable[..., Any]:
+    """The loss function, made NaN inside the graph (so are the gradients): faults point `nan`."""
+    return lambda outputs, targets: loss(outputs, targets) * math.nan

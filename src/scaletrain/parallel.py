@@ -6,9 +6,10 @@ size: once tensor or pipeline parallelism splits a model over several ranks, tho
 share one data-parallel rank. The layout of ranks follows torchtitan's: the mesh is
 (pp, dp_replicate, dp_shard, cp, tp), row-major, tp innermost (the fastest links).
 
-Which data-parallel dimension a strategy uses: ddp replicates (dp_replicate = dp), ZeRO
-partitions over its whole data-parallel group (dp_shard = dp), fsdp shards within groups
-of dp / parallel.dp_replicate and replicates across them (hybrid when dp_replicate > 1).
+Which data-parallel dimension a strategy uses is its row's `dp_axis` (strategies.py): ddp
+replicates (dp_replicate = dp), ZeRO partitions over its whole data-parallel group
+(dp_shard = dp), fsdp shards within groups of dp / parallel.dp_replicate and replicates
+across them (hybrid when dp_replicate > 1).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from scaletrain.errors import UserError
+from scaletrain.strategies import TABLE, names_where, said
 
 if TYPE_CHECKING:  # torch is imported on first use: planning needs no process group
     import torch
@@ -96,10 +98,13 @@ def parallel_dims(strategy: str, world_size: int, dp_replicate: int = 1, tp: int
             f"the world size {world_size}; closest valid layout: {_closest_model_parallel(world_size, tp, pp, cp)}"
         )
     dp = world_size // model_parallel
-    if dp_replicate > 1 and strategy not in ("fsdp", "auto"):
+    # auto is laid out as a hybrid-capable sharded strategy: the data-parallel size, all the
+    # planner needs before it chooses, is the same for every strategy.
+    row = TABLE.get(strategy)
+    if dp_replicate > 1 and row is not None and not row.hybrid:
         raise UserError(
-            f"parallel.dp_replicate={dp_replicate} (hybrid sharding) needs parallel.strategy=fsdp, not {strategy}; "
-            "closest valid layout: parallel.dp_replicate=1"
+            f"parallel.dp_replicate={dp_replicate} (hybrid sharding) needs parallel.strategy="
+            f"{said(names_where(lambda s: s.hybrid))}, not {strategy}; closest valid layout: parallel.dp_replicate=1"
         )
     if dp % dp_replicate:
         divisors = _divisors(dp)
@@ -109,11 +114,9 @@ def parallel_dims(strategy: str, world_size: int, dp_replicate: int = 1, tp: int
             + (f" / tp {tp} / pp {pp}" if model_parallel > 1 else "")
             + f"); accepted: {', '.join(map(str, divisors))} (closest valid layout: parallel.dp_replicate={closest})"
         )
-    if strategy == "ddp":
+    if row is not None and row.dp_axis == "replicate":
         return ParallelDims(dp_replicate=dp, dp_shard=1, tp=tp, pp=pp, cp=cp)
-    if strategy in ("fsdp", "auto"):
-        return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp // dp_replicate, tp=tp, pp=pp, cp=cp)
-    return ParallelDims(dp_replicate=1, dp_shard=dp, tp=tp, pp=pp, cp=cp)  # ZeRO
+    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp // dp_replicate, tp=tp, pp=pp, cp=cp)
 
 
 def dims_for(parallel: Any, world_size: int) -> ParallelDims:

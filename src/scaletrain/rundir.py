@@ -4,6 +4,7 @@ checkpoint a run continues, whether it may, and run.json (what ran where)."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -12,10 +13,11 @@ from typing import Any
 
 from scaletrain import checkpoint
 from scaletrain.checkpoint.resume import check_config
-from scaletrain.config import Config
+from scaletrain.config import Config, load_config
 from scaletrain.distributed import World, versions
 from scaletrain.errors import UserError
 from scaletrain.models import ModelSpec
+from scaletrain.optim import lr_at, scaled_lr
 from scaletrain.parallel import ParallelDims
 
 
@@ -68,18 +70,40 @@ def resume_point(resume: str, paths: RunPaths, world: World, report: Callable[[s
     return path
 
 
-def check_resume(path: Path, cfg: Config, model: ModelSpec, data_fingerprint: str) -> list[str]:
+def check_resume(path: Path, cfg: Config, model: ModelSpec, data_fingerprint: str, dp_size: int) -> list[str]:
     """Before anything is allocated: may this config continue `path`? One-line UserError if
-    not (another engine's format, another model shape or data); else lines for the log."""
+    not (another engine's format, another model shape or data); else lines for the log,
+    among them the learning rate the next step gets when the schedule's settings changed."""
     notes = []
     note = checkpoint.check_engine(path, cfg.parallel.strategy)
     if note:
         notes.append(note)
-    saved = json.loads((path / "trainer.json").read_text())
+    saved = checkpoint.TrainerState.read(path)
     changes = check_config(path, cfg, saved, model.config(), data_fingerprint)
     if changes:
         notes.append(f"resume: changed since {path.name}: " + ", ".join(changes))
+        notes += _lr_change(path, cfg, saved, dp_size)
     return notes
+
+
+def _lr_change(path: Path, cfg: Config, saved: checkpoint.TrainerState, dp_size: int) -> list[str]:
+    """The next step's learning rate under the checkpoint's settings and under these, when
+    they differ: another train.steps re-shapes the cosine from here on (the schedule is a
+    pure function of the step and the settings), which is right, and now said."""
+    try:
+        before = load_config([str(path / "config.yaml")]).train
+    except UserError:  # written by another version: its schedule cannot be recomputed here
+        return []
+    old_batch = before.micro_batch * before.grad_accum * int(saved.parallel.get("dp_size", saved.world_size))
+    new_batch = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
+    old = lr_at(saved.step, before, scaled_lr(before, old_batch))
+    new = lr_at(saved.step, cfg.train, scaled_lr(cfg.train, new_batch))
+    if math.isclose(old, new, rel_tol=1e-9):
+        return []
+    return [
+        f"resume: the learning rate of step {saved.step + 1} is {new:.3e} ({old:.3e} under {path.name}'s settings): "
+        "the warmup + cosine schedule continues from here with the new settings"
+    ]
 
 
 def write_run_info(

@@ -1,5 +1,10 @@
-"""The trainer's checkpoints: what goes into one, when it is written in the background, what
-the loop waited for it, and going back to one (rollback, verify_on_start).
+"""The trainer's checkpoints: when one is due, what goes into one, when it is written in the
+background, what the loop waited for it, and going back to one (rollback, verify_on_start).
+
+The loop says only `saves.after_step(step, last)` (and `saves.stop(step)` on a preemption);
+this class decides whether a checkpoint is due (checkpoint.every, the last step, a stop),
+flushes the metrics first (so metrics.jsonl holds every step a checkpoint holds) and keeps
+the hang watchdog out of the wait.
 
 With checkpoint.async_save (the default), a torch engine's save returns once the state is
 copied to CPU memory; DCP writes it from a thread and a thread of ours then writes the
@@ -15,6 +20,8 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +30,7 @@ from scaletrain import checkpoint
 from scaletrain.checkpoint.frozen_base import base_reference
 from scaletrain.checkpoint.manager import PendingSave
 from scaletrain.checkpoint.neutral import ParamLayout
+from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
 from scaletrain.data import PackedTokens
 from scaletrain.distributed import World, barrier
@@ -46,8 +54,45 @@ class Saves:
     guard: NonfiniteGuard
     metrics: MetricsLog
     layout: ParamLayout
+    position: Callable[[], int]  # the data position where the next step starts
+    before_save: Callable[[], None]  # flush the metrics of the steps a checkpoint will hold
+    paused: Callable[[], AbstractContextManager[Any]]  # the hang watchdog left out of long waits
+    say: Callable[[str], None]
     # The save in flight: it, when it started, how long the loop stood still, of which waiting for the one before.
     _pending: tuple[PendingSave, float, float, float] | None = field(default=None, init=False)
+    _saved = 0  # the step of the last checkpoint this run wrote
+    _verify = False  # checkpoint.verify_on_start: after this start's first step
+
+    def __post_init__(self) -> None:
+        # After the first step: torch creates optimizer state lazily, and saving before it
+        # exists would create it early (shifting Adam's step count).
+        self._verify = self.cfg.checkpoint.verify_on_start
+
+    def after_step(self, step: int, last: bool, tokens_seen: int) -> None:
+        """Collective: the checkpoint of `step` if one is due (checkpoint.every, or `last`);
+        then the round trip of verify_on_start if still to do; logs a finished background save."""
+        every = self.cfg.checkpoint.every
+        if last or (every > 0 and step % every == 0):
+            self._save_now(step, tokens_seen)
+        self.poll()
+        if self._verify:
+            self._verify = False
+            with self.paused():
+                self.verify_round_trip(step, self.position(), tokens_seen)
+            self.say(f"checkpoint: verify_on_start saved and reloaded step {step}: every tensor came back exactly")
+
+    def stop(self, step: int, tokens_seen: int) -> None:
+        """Collective, on a preemption: the checkpoint where the run stopped, complete."""
+        if self._saved != step:
+            self._save_now(step, tokens_seen)
+        with self.paused():
+            self.wait()
+
+    def _save_now(self, step: int, tokens_seen: int) -> None:
+        self.before_save()
+        with self.paused():  # a long save (or the wait for the previous one) is no hang
+            self.save(step, self.position(), tokens_seen)
+        self._saved = step
 
     def save(self, step: int, position: int, tokens_seen: int) -> None:
         """Collective: the checkpoint of `step` (in the background if configured)."""
@@ -80,18 +125,19 @@ class Saves:
         pending.wait()
         self._event(pending.step, True, blocking, waited, pending.finished - start)
 
-    def roll_back(self, say: Any) -> tuple[int, int]:
+    def roll_back(self) -> TrainerState:
         """Collective, train.nonfinite=rollback: the newest valid checkpoint back into the
-        engine (weights, optimizer, loss scale, RNG); returns its step and token count. The
-        data position is not restored: training goes on after the batches that failed."""
-        self.wait()
-        ckpt = checkpoint.latest_valid(self.paths.checkpoints, self.world, say)
-        if ckpt is None:  # all damaged since the check: nothing to go back to
-            raise Diverged("train.nonfinite=rollback: no valid checkpoint to roll back to; accepted: train.nonfinite=skip")
-        trainer_state, _ = checkpoint.resume_state(ckpt, self.world, self.engine, self.layout, self.dims.as_dict())
-        self.engine.load_extra_state(trainer_state["engine_state"])
-        say(self.guard.rolled_back(trainer_state["step"]))
-        return trainer_state["step"], trainer_state["tokens_seen"]
+        engine (weights, optimizer, loss scale, RNG); returns its trainer state. The data
+        position is not restored: training goes on after the batches that failed."""
+        with self.paused():
+            self.wait()
+            ckpt = checkpoint.latest_valid(self.paths.checkpoints, self.world, self.say)
+            if ckpt is None:  # all damaged since the check: nothing to go back to
+                raise Diverged("train.nonfinite=rollback: no valid checkpoint to roll back to; accepted: train.nonfinite=skip")
+            state, _ = checkpoint.resume_state(ckpt, self.world, self.engine, self.layout, self.dims.as_dict())
+        self.engine.load_extra_state(state.engine_state)
+        self.say(self.guard.rolled_back(state.step))
+        return state
 
     def verify_round_trip(self, step: int, position: int, tokens_seen: int) -> None:
         """Collective, checkpoint.verify_on_start: save into a scratch directory, load it
@@ -106,23 +152,21 @@ class Saves:
 
     def _write(self, target: Path, step: int, position: int, tokens_seen: int, background: bool) -> PendingSave | None:
         engine = self.engine
-        trainer_state = {
-            "step": step,
-            "data_position": position,  # the global sample index where step+1 starts
-            "tokens_seen": tokens_seen,
-            "world_size": self.world.world_size,
-            "parallel": self.dims.as_dict(),
-            "scheduler": {"name": "warmup_cosine", "step": step},
-            # What state/ is and what it fits: read on resume before anything is allocated.
-            "format": engine.format,
-            "engine": engine.name,
-            "model": self.spec.config(),
-            "data_fingerprint": self.data.fingerprint,
-            "engine_state": engine.extra_state(),
-            "nonfinite": self.guard.counters(),
-        }
-        if self.cfg.checkpoint.frozen == "reference":  # the frozen parameters are not in state/: where they come from
-            trainer_state["base"] = base_reference(self.cfg)
+        trainer_state = TrainerState(
+            step=step,
+            data_position=position,
+            tokens_seen=tokens_seen,
+            world_size=self.world.world_size,
+            parallel=self.dims.as_dict(),
+            format=engine.format,
+            engine=engine.name,
+            model=self.spec.config(),
+            data_fingerprint=self.data.fingerprint,
+            engine_state=engine.extra_state(),
+            nonfinite=self.guard.counters(),
+            # checkpoint.frozen=reference: the frozen parameters are not in state/: where they come from
+            base=base_reference(self.cfg) if self.cfg.checkpoint.frozen == "reference" else None,
+        )
         files = {"config.yaml": self.cfg.to_yaml(), **engine.checkpoint_files()}
         background = background and self.cfg.checkpoint.async_save
         keep, root, main = self.cfg.checkpoint.keep, self.paths.checkpoints, self.world.is_main

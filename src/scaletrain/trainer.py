@@ -1,6 +1,11 @@
 """The training loop, in the order of the data flow:
 world -> run directory -> data -> plan + layout -> resume checks -> engine -> resume ->
 steps (forward_backward, step, metrics, checkpoints) -> summary.
+
+`start` builds what a run works with (a `Run`: the engine, the batches, telemetry, guards,
+checkpoints) and registers each closing action on one ExitStack; `loop` drives them one
+optimizer step at a time (`train_step`); each collaborator owns its policy (Saves: is a
+checkpoint due; the guards: is a check due; faults.Drills: the fault points).
 """
 
 from __future__ import annotations
@@ -9,25 +14,31 @@ import gc
 import signal
 import sys
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
-from scaletrain import checkpoint, faults
+from scaletrain import checkpoint
 from scaletrain.checkpoint.neutral import ParamLayout
+from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
 from scaletrain.data import PackedTokens, RankBatches, ensure_prepared, resolve_dataset_dir
 from scaletrain.distributed import World, all_hostnames, init_distributed, rank0_first, shutdown
-from scaletrain.engines import build_engine
-from scaletrain.errors import UserError
+from scaletrain.engines import Engine, build_engine
+from scaletrain.errors import Preempted, UserError
+from scaletrain.faults import Drills
 from scaletrain.guards import ReplicaCheck, Watchdog
 from scaletrain.models import ModelSpec, distill_spec, model_spec
-from scaletrain.nonfinite import NonfiniteGuard, nan_loss
+from scaletrain.models.distill import Distill
+from scaletrain.nonfinite import NonfiniteGuard
 from scaletrain.optim import decay_groups, lr_at, scaled_lr
-from scaletrain.parallel import describe, dims_for
-from scaletrain.preempt import Preempted, PreemptionWatch
+from scaletrain.parallel import ParallelDims, describe, dims_for
+from scaletrain.paths import make_dir
+from scaletrain.preempt import PreemptionWatch
 from scaletrain.preflight import plan_run
 from scaletrain.rundir import RunPaths, check_resume, resume_point, write_run_info
 from scaletrain.saves import Saves
@@ -41,191 +52,222 @@ def train(cfg: Config, console: Console | None = None) -> dict[str, Any]:
         return _train(cfg, world, console or Console())
     finally:
         # A DDP model still alive at destroy_process_group intermittently aborts gloo
-        # ("terminate called without an active exception"); _train dropped its engine,
+        # ("terminate called without an active exception"); the run dropped its engine,
         # and this frees what reference cycles still hold before the group goes.
         gc.collect()
         shutdown(world)
 
 
+@dataclass
+class Run:
+    """What one start of a run works with, and where it stands."""
+
+    cfg: Config
+    world: World
+    say: Any  # a line for the log, rank 0 only
+    paths: RunPaths
+    resumed_from: Path | None
+    engine: Engine
+    batches: RankBatches
+    loss: Any  # the run's loss (with a teacher, it takes both outputs)
+    telemetry: Telemetry
+    metrics: MetricsLog
+    guard: NonfiniteGuard
+    replicas: ReplicaCheck
+    watchdog: Watchdog
+    watch: PreemptionWatch
+    progress: TrainProgress
+    saves: Saves
+    drills: Drills
+    peak_lr: float
+    tokens_per_step: int
+    step: int = 0  # optimizer steps done
+    tokens_seen: int = 0
+
+
 def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
-    main = world.is_main
-    paths = RunPaths(Path(cfg.run.dir))
-    say = lambda line: console.print(line, highlight=False, soft_wrap=True) if main else None  # noqa: E731
-    resume_from = resume_point(cfg.train.resume, paths, world, say)  # the newest whole checkpoint
-    dims_for(cfg.parallel, world.world_size)  # a bad layout stops here, before any work
-    if main:
-        paths.root.mkdir(parents=True, exist_ok=True)
-
-    data = PackedTokens(_prepared_data(cfg, world), cfg.data.seq_len, cfg.train.seed)
-    spec: ModelSpec = model_spec(cfg, data.vocab_size)
-    spec.build_meta(cfg.data.seq_len)  # a model.trainable pattern that matches nothing stops here
-    distill = distill_spec(cfg, spec)  # model.teacher, checked against the student
-    cfg, notes = plan_run(cfg, world, spec)  # before any allocation; resolves strategy=auto
-    dims = dims_for(cfg.parallel, world.world_size)
-    if resume_from is not None:
-        notes += check_resume(resume_from, cfg, spec, data.fingerprint)
-    if main:
-        paths.config.write_text(cfg.to_yaml())
-    for line in notes:
-        say(line)
-    torch.manual_seed(cfg.train.seed)
-    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay), distill.teacher if distill else None)
-    hosts = all_hostnames(world)
-    metrics = MetricsLog(paths.metrics, enabled=main)
-    step, position, tokens_seen = 0, 0, 0
-    layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
-    saved: dict[str, Any] = {}
-    if resume_from is not None:
-        # Natively, or resharded / converted from another engine and then verified.
-        trainer_state, how = checkpoint.resume_state(resume_from, world, engine, layout, dims.as_dict())
-        if how != "native":
-            was = describe(trainer_state["engine"], trainer_state["world_size"], trainer_state.get("parallel"))
-            now = describe(engine.name, world.world_size, dims.as_dict())
-            say(f"resume: {resume_from.name} ({was}) {how} onto {now}; verified")
-        engine.load_extra_state(trainer_state["engine_state"])
-        step, position, tokens_seen = trainer_state["step"], trainer_state["data_position"], trainer_state["tokens_seen"]
-        saved = trainer_state.get("nonfinite", {})
-    metrics.truncate_after(step)
-    telemetry = Telemetry(cfg, world, dims.dp_size, hosts, spec.flops_per_token(cfg.data.seq_len), paths.root, metrics, step)
-    if main:
-        for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON
-            (paths.root / name).write_text(text)
-        pipeline = getattr(engine, "pipeline_info", None)
-        write_run_info(
-            paths, cfg, world, dims, hosts, resume_from, telemetry.run_info() | ({"pipeline": pipeline} if pipeline else {})
-        )
-        if pipeline:
-            stages = " | ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in pipeline["stages"])
-            say(
-                f"pipeline: {pipeline['schedule']}, {len(pipeline['stages'])} stages of blocks {stages}, "
-                f"{pipeline['micro_batches']} micro-batches per step: ranks idle {pipeline['bubble']:.0%} of a step "
-                "(the bubble; more micro-batches shrink it)"
-            )
-    guard = NonfiniteGuard(cfg.train, cfg.precision, world, saved)
-    # After this start's first step: torch creates optimizer state lazily, and saving before
-    # it exists would create it early (shifting Adam's step count).
-    verify_pending = cfg.checkpoint.verify_on_start
-
-    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * dims.dp_size
-    tokens_per_step = global_batch * cfg.data.seq_len
-    peak_lr = scaled_lr(cfg.train, global_batch)
-    if main:
-        print_banner(console, cfg, world, spec, data.samples_per_epoch, tokens_per_step, global_batch, peak_lr, resume_from)
-
-    batches = RankBatches(
-        data, cfg.train.micro_batch, cfg.train.grad_accum, dims.dp_rank(world.rank), dims.dp_size, start=position
-    )
-    saves = Saves(cfg, world, dims, engine, spec, data, paths, guard, metrics, layout)
-    progress = TrainProgress(console, cfg.train.steps, step, cfg.train.log_every, enabled=main)
-    watch = PreemptionWatch(world)
-    replicas = ReplicaCheck(world, engine.name, cfg.guards.weight_hash_every, hosts, dims)
-    watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=lambda line: print(line, file=sys.stderr, flush=True))
-    started, start_step = time.perf_counter(), step
-    run_loss = distill.loss if distill else spec.loss  # with a teacher, the loss takes both outputs
-    slow = faults.slowdown("compute")
-    try:
-        while step < cfg.train.steps:
-            t0 = time.perf_counter()
-            lr = lr_at(step, cfg.train, peak_lr)
-            loss_fn = nan_loss(run_loss) if faults.fire_once("nan", step + 1) else run_loss
-            loss_fn = faults.slowed(loss_fn, slow) if slow else loss_fn
-            with telemetry.step(step + 1) as mark:
-                batch = batches.next_step()
-                mark("data")
-                loss = engine.forward_backward(batch, loss_fn, mark)
-                stats = engine.step(lr)  # a non-finite step is not applied, whatever the policy
-                mark("optimizer")
-            step += 1
-            watchdog.beat(step)
-            tokens_seen += tokens_per_step
-            roll_back = guard.check(loss, stats.grad_norm, step, saves.newest)
-            dt = time.perf_counter() - t0
-            telemetry.record(
-                loss,
-                stats.grad_norm,
-                step=step,
-                lr=lr,
-                tokens_per_s=tokens_per_step / dt,
-                step_time_s=dt,
-                tokens=tokens_seen,
-                **({"loss_scale": stats.loss_scale, "skipped": stats.skipped} if stats.loss_scale else {}),
-                **guard.counters(),
-            )
-            if roll_back:
-                telemetry.flush()
-                with watchdog.paused():
-                    step, tokens_seen = saves.roll_back(say)
-                metrics.truncate_after(step)  # the rows of the undone steps; the counters keep the tally
-                progress.advance(step)
-                continue
-            progress.advance(step)
-            faults.preempt_at(step, received=lambda: watch.signum != 0)
-            stop = watch.agreed()  # a preemption signal on any rank stops all after this step
-            save_now = stop or step == cfg.train.steps or (cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0)
-            if save_now or step % cfg.train.log_every == 0:
-                progress.show(telemetry.flush())
-            if replicas.due(step):
-                _check_replicas(replicas, step, engine, telemetry, say)
-            if faults.fire_once("perturb", step):
-                faults.perturb(engine.model)
-            if faults.armed("hang", step):
-                faults.hang_forever()
-            if save_now:
-                with watchdog.paused():  # a long save (or the wait for the previous one) is no hang
-                    saves.save(step, batches.position, tokens_seen)
-            saves.poll()
-            if faults.armed("step", step):
-                saves.wait()  # the point is "after step N and its checkpoint"; `save` kills mid-save
-            faults.kill_at("step", step)
-            if verify_pending:
-                with watchdog.paused():
-                    saves.verify_round_trip(step, batches.position, tokens_seen)
-                say(f"checkpoint: verify_on_start saved and reloaded step {step}: every tensor came back exactly")
-                verify_pending = False
-            if stop:
-                watchdog.close()
-                saves.wait()
-                raise Preempted(step, signal.Signals(stop).name)
-        watchdog.close()
-        saves.wait()  # the last checkpoint is complete before the run says it finished
-    except UserError:
-        watchdog.close()
-        saves.wait()  # a clean stop, agreed by every rank: the save in flight still completes
-        raise
-    finally:
-        watchdog.close()
-        telemetry.close()
-        watch.close()
-        progress.close()
-        # An exception's traceback keeps this frame's locals alive; the engine (a DDP
-        # wrapper, say) must not outlive the process group (see train()).
-        del engine, saves
-
-    summary = {
-        "run_dir": str(paths.root),
-        "steps": step,
-        "steps_this_run": step - start_step,
-        "elapsed_s": time.perf_counter() - started,
-    }
-    if main:
-        print_run_summary(console, paths, summary, resume_from)
+    with ExitStack() as stack:
+        run = start(cfg, world, console, stack)
+        first, clock = run.step, time.perf_counter()
+        loop(run)
+    summary = {"run_dir": str(run.paths.root), "steps": run.step, "steps_this_run": run.step - first}
+    summary["elapsed_s"] = time.perf_counter() - clock
+    if world.is_main:
+        print_run_summary(console, run.paths, summary, run.resumed_from)
     return summary
 
 
-def _check_replicas(replicas: ReplicaCheck, step: int, engine: Any, telemetry: Telemetry, say: Any) -> None:
-    event = replicas.check(step, engine.model.parameters())
+def loop(run: Run) -> None:
+    """Optimizer steps until train.steps, a preemption, or an error."""
+    last = run.cfg.train.steps
+    while run.step < last:
+        if train_step(run):
+            roll_back(run)
+            continue
+        run.progress.advance(run.step)
+        if run.step % run.cfg.train.log_every == 0:
+            run.progress.show(run.telemetry.flush())
+        if run.replicas.due(run.step):
+            check_replicas(run)
+        run.saves.after_step(run.step, run.step == last, run.tokens_seen)
+        run.drills.after_step(run.step)
+        stop = run.watch.agreed()  # a preemption signal on any rank stops all after the same step
+        if stop:
+            run.saves.stop(run.step, run.tokens_seen)
+            raise Preempted(run.step, signal.Signals(stop).name)
+
+
+def train_step(run: Run) -> bool:
+    """Optimizer step run.step + 1: forward and backward over the accumulation window, the
+    engine's step, its metrics. True when the non-finite policy calls for a rollback."""
+    t0 = time.perf_counter()
+    step = run.step + 1
+    lr = lr_at(run.step, run.cfg.train, run.peak_lr)
+    with run.telemetry.step(step) as mark:
+        batch = run.batches.next_step()
+        mark("data")
+        loss = run.engine.forward_backward(batch, run.drills.loss(step, run.loss), mark)
+        stats = run.engine.step(lr)  # a non-finite step is not applied, whatever the policy
+        mark("optimizer")
+    run.step, run.tokens_seen = step, run.tokens_seen + run.tokens_per_step
+    run.watchdog.beat(step)
+    roll_back = run.guard.check(loss, stats.grad_norm, step, run.saves.newest)
+    dt = time.perf_counter() - t0
+    scaler = {"loss_scale": stats.loss_scale, "skipped": stats.skipped} if stats.loss_scale else {}
+    run.telemetry.record(
+        loss, stats.grad_norm, step=step, lr=lr, tokens_per_s=run.tokens_per_step / dt, step_time_s=dt,
+        tokens=run.tokens_seen, **scaler, **run.guard.counters(),
+    )  # fmt: skip
+    return roll_back
+
+
+def roll_back(run: Run) -> None:
+    """train.nonfinite=rollback: back to the newest valid checkpoint; its later rows go."""
+    run.telemetry.flush()
+    state = run.saves.roll_back()
+    run.step, run.tokens_seen = state.step, state.tokens_seen
+    run.metrics.truncate_after(run.step)  # the rows of the undone steps; the counters keep the tally
+    run.progress.advance(run.step)
+
+
+def check_replicas(run: Run) -> None:
+    event = run.replicas.check(run.step, run.engine.model.parameters())
     if event is not None:
-        telemetry.event(event)  # every check while they differ; said once
-    if event is not None and replicas.first_seen == step:
-        say(
-            f"warning: replicas hold different {event['what']} at step {step}: rank(s) {event['ranks']} "
+        run.telemetry.event(event)  # every check while they differ; said once
+    if event is not None and run.replicas.first_seen == run.step:
+        run.say(
+            f"warning: replicas hold different {event['what']} at step {run.step}: rank(s) {event['ranks']} "
             f"on {', '.join(sorted(set(event['hosts'])))} differ from the others (guards.weight_hash_every)"
         )
 
 
+def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
+    """Everything before the first step; closing actions go on `stack` in the order they
+    must be undone."""
+    main = world.is_main
+    say = lambda line: console.print(line, highlight=False, soft_wrap=True) if main else None  # noqa: E731
+    dims_for(cfg.parallel, world.world_size)  # a bad layout stops here, before any work
+    paths = RunPaths(make_dir(cfg.run.dir, "run.dir"))  # every rank: the same verdict everywhere
+    if "nvme" in (cfg.parallel.offload_optimizer, cfg.parallel.offload_params) and cfg.parallel.nvme_path:
+        make_dir(cfg.parallel.nvme_path, "parallel.nvme_path")
+    resume_from = resume_point(cfg.train.resume, paths, world, say)  # the newest whole checkpoint
+    cfg, data, spec, distill, dims = _checked_plan(cfg, world, paths, resume_from, say)
+    torch.manual_seed(cfg.train.seed)
+    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay), distill.teacher if distill else None)
+    layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
+    resumed = _resume(resume_from, world, engine, layout, dims, say) if resume_from else None
+    step = resumed.step if resumed else 0
+    hosts = all_hostnames(world)
+    metrics = MetricsLog(paths.metrics, enabled=main)
+    metrics.truncate_after(step)
+    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * dims.dp_size
+    peak_lr = scaled_lr(cfg.train, global_batch)
+    telemetry = Telemetry(cfg, world, dims.dp_size, hosts, spec.flops_per_token(cfg.data.seq_len), paths.root, metrics, step)
+    stack.callback(telemetry.close)
+    about, lines = engine.describe()  # e.g. a pipeline's stages
+    if main:
+        for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON
+            (paths.root / name).write_text(text)
+        write_run_info(paths, cfg, world, dims, hosts, resume_from, telemetry.run_info() | about)
+        for line in lines:
+            say(line)
+        print_banner(
+            console, cfg, world, spec, data.samples_per_epoch, global_batch * cfg.data.seq_len, global_batch, peak_lr, resume_from
+        )
+    position = resumed.data_position if resumed else 0
+    batches = RankBatches(
+        data, cfg.train.micro_batch, cfg.train.grad_accum, dims.dp_rank(world.rank), dims.dp_size, start=position
+    )
+    progress = TrainProgress(console, cfg.train.steps, step, cfg.train.log_every, enabled=main)
+    stack.callback(progress.close)
+    watch = PreemptionWatch(world)
+    stack.callback(watch.close)
+    guard = NonfiniteGuard(cfg.train, cfg.precision, world, resumed.nonfinite if resumed else {})
+    flush = lambda: progress.show(telemetry.flush())  # noqa: E731
+    watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=lambda line: print(line, file=sys.stderr, flush=True))
+    saves = Saves(
+        cfg, world, dims, engine, spec, data, paths, guard, metrics, layout, lambda: batches.position, flush, watchdog.paused, say
+    )
+    # A clean stop (the end, a preemption, a one-line error agreed by every rank) lets the
+    # checkpoint in flight complete; a crash does not wait for it (it stays without its marker).
+    stack.push(lambda kind, *_: saves.wait() if kind is None or issubclass(kind, (UserError, Preempted)) else None)
+    stack.callback(watchdog.close)  # first: a long wait at the end is no hang
+    replicas = ReplicaCheck(world, engine.name, cfg.guards.weight_hash_every, hosts, dims)
+    drills = Drills(lambda: engine.model, saves.wait, lambda: watch.signum != 0)
+    run = Run(
+        cfg, world, say, paths, resume_from, engine, batches, distill.loss if distill else spec.loss, telemetry, metrics,
+        guard, replicas, watchdog, watch, progress, saves, drills, peak_lr, global_batch * cfg.data.seq_len, step,
+        resumed.tokens_seen if resumed else 0,
+    )  # fmt: skip
+    # The engine (a DDP wrapper, say) must not outlive the process group (see train()),
+    # whatever an exception's traceback still holds.
+    stack.callback(_release, run)
+    return run
+
+
+def _checked_plan(
+    cfg: Config, world: World, paths: RunPaths, resume_from: Path | None, say: Any
+) -> tuple[Config, PackedTokens, ModelSpec, Distill | None, ParallelDims]:
+    """The data, the model spec, the plan (strategy auto resolved) and the layout, and
+    whether the checkpoint may be continued: all checked before anything is allocated."""
+    data = PackedTokens(_prepared_data(cfg, world), cfg.data.seq_len, cfg.train.seed)
+    spec = model_spec(cfg, data.vocab_size)
+    spec.build_meta(cfg.data.seq_len)  # a model.trainable pattern that matches nothing stops here
+    distill = distill_spec(cfg, spec)  # model.teacher, checked against the student
+    cfg, notes = plan_run(cfg, world, spec)  # resolves strategy=auto
+    dims = dims_for(cfg.parallel, world.world_size)
+    if resume_from is not None:
+        notes += check_resume(resume_from, cfg, spec, data.fingerprint, dims.dp_size)
+    if world.is_main:
+        paths.config.write_text(cfg.to_yaml())
+    for line in notes:
+        say(line)
+    return cfg, data, spec, distill, dims
+
+
+def _resume(ckpt: Path, world: World, engine: Engine, layout: ParamLayout, dims: ParallelDims, say: Any) -> TrainerState:
+    """Collective: `ckpt` into the engine, natively or resharded / converted from another
+    engine and then verified; its trainer state."""
+    state, how = checkpoint.resume_state(ckpt, world, engine, layout, dims.as_dict())
+    if how != "native":
+        was, now = (
+            describe(state.engine, state.world_size, state.parallel),
+            describe(engine.name, world.world_size, dims.as_dict()),
+        )
+        say(f"resume: {ckpt.name} ({was}) {how} onto {now}; verified")
+    engine.load_extra_state(state.engine_state)
+    return state
+
+
+def _release(run: Run) -> None:
+    run.engine = run.saves.engine = None  # type: ignore[assignment]
+    run.drills.model = lambda: None
+
+
 def _prepared_data(cfg: Config, world: World) -> Path:
     # Every rank validates the paths (same error everywhere); rank 0 alone tokenizes.
-    resolve_dataset_dir(cfg.data)
+    if resolve_dataset_dir(cfg.data)[1] is not None:  # to prepare, into the cache
+        make_dir(cfg.data.dir, "data.dir", create=world.is_main)
     rank0_first(
         world,
         lambda: ensure_prepared(cfg.data, show_progress=True),

@@ -1,7 +1,7 @@
 """Atomic, resumable checkpoints: step directories, their format stamp, resume checks,
 resharding and conversion between engines."""
 
-from scaletrain.checkpoint.formats import ENGINE_FORMATS, check_engine, read_model_weights, read_stamp
+from scaletrain.checkpoint.formats import check_engine, read_model_weights, read_stamp
 from scaletrain.checkpoint.manager import (
     MARKER,
     complete_checkpoints,
@@ -16,9 +16,9 @@ from scaletrain.checkpoint.manager import (
     write_atomic,
 )
 from scaletrain.checkpoint.restore import resume_state, verify
+from scaletrain.checkpoint.state import TrainerState
 
 __all__ = [
-    "ENGINE_FORMATS",
     "MARKER",
     "check_engine",
     "complete_checkpoints",
@@ -31,6 +31,7 @@ __all__ = [
     "read_model_weights",
     "read_stamp",
     "resume_state",
+    "TrainerState",
     "verify",
     "save_checkpoint",
     "step_dir",

@@ -17,7 +17,6 @@ does not hold (`base_weights`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,16 +40,6 @@ def base_reference(cfg: Config) -> dict[str, Any]:
         stats = {f: (directory / f).stat() for f in files}
         return {"path": str(directory), "files": {f: [s.st_size, int(s.st_mtime)] for f, s in stats.items()}}
     return {"init_seed": cfg.train.seed}
-
-
-def saved_base(trainer_state: dict[str, Any]) -> dict[str, Any] | None:
-    """The base reference of a checkpoint that left its frozen parameters out, else None."""
-    base = trainer_state.get("base")
-    return base if isinstance(base, dict) else None
-
-
-def frozen_left_out(ckpt: Path) -> bool:
-    return saved_base(json.loads((ckpt / "trainer.json").read_text())) is not None
 
 
 def check_base(ckpt: Path, saved: dict[str, Any], cfg: Config) -> None:

@@ -4,8 +4,9 @@ Layout of `checkpoints/step_<N>/`:
   state/            model + optimizer, written by the engine (torch.distributed.checkpoint for
                     ddp/fsdp; DeepSpeed's own format for ZeRO)
   <engine files>    e.g. deepspeed_config.json: the exact engine settings
-  trainer.json      step, data position (one global sample index), engine extras (loss scaler),
-                    the stamp {format, engine} (checkpoint/formats.py), model shape, data fingerprint
+  trainer.json      the TrainerState (checkpoint/state.py): step, data position (one global
+                    sample index), engine extras (loss scaler), the stamp {format, engine},
+                    model shape, data fingerprint
   rng_rank<R>.pt    each rank's RNG states (tensors and ints only: loads with weights_only)
   config.yaml       the resolved config that produced it
   COMPLETE          written last, after every rank finished: no marker, no checkpoint. It
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from scaletrain import faults
+from scaletrain.checkpoint.state import FILE, TrainerState
 from scaletrain.distributed import ALONE, World, barrier, gather_objects, side_group
 from scaletrain.errors import UserError
 
@@ -104,7 +106,7 @@ def save_checkpoint(
     path: Path,
     world: World,
     save_state: Callable[[Path], Future[Any] | None],
-    trainer_state: dict[str, Any],
+    trainer_state: TrainerState,
     files: dict[str, str],
     then: Callable[[], Any] = lambda: None,
 ) -> PendingSave | None:
@@ -123,10 +125,10 @@ def save_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     torch.save(_rng_state(), path / f"rng_rank{world.rank}.pt")
     if world.is_main:
-        write_atomic(path / "trainer.json", json.dumps(trainer_state, indent=1))
+        write_atomic(path / FILE, trainer_state.to_json())
         for name, text in files.items():
             write_atomic(path / name, text)
-    step = trainer_state["step"]
+    step = trainer_state.step
     if writing is None:
         _seal(path, world, step)
         then()
@@ -197,7 +199,7 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def load_checkpoint(path: Path, world: World, load_state: Callable[[Path], Any]) -> dict[str, Any]:
+def load_checkpoint(path: Path, world: World, load_state: Callable[[Path], Any]) -> TrainerState:
     """Collective: `load_state(path)` restores model + optimizer (checkpoint/restore.py);
     restore this rank's RNG; return the trainer state."""
     if not is_complete(path):
@@ -206,10 +208,10 @@ def load_checkpoint(path: Path, world: World, load_state: Callable[[Path], Any])
             "accepted: a complete checkpoints/step_<N> directory, or train.resume=auto"
         )
     load_state(path)
-    trainer_state = json.loads((path / "trainer.json").read_text())
+    trainer_state = TrainerState.read(path)
     rng_file = path / f"rng_rank{world.rank}.pt"
     # RNG streams belong to ranks: only restorable when the world size is unchanged.
-    if trainer_state.get("world_size") == world.world_size and rng_file.is_file():
+    if trainer_state.world_size == world.world_size and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return trainer_state
 

@@ -16,17 +16,17 @@ is a one-line refusal naming the tensor: a silent wrong resume costs more than a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from scaletrain.checkpoint.formats import read_stamp
 from scaletrain.checkpoint.manager import load_checkpoint
 from scaletrain.checkpoint.neutral import ParamLayout, State, read_state
+from scaletrain.checkpoint.state import TrainerState
 from scaletrain.distributed import World, broadcast_object
 from scaletrain.errors import UserError
+from scaletrain.strategies import FORMATS
 
 
 class Restorable(Protocol):
@@ -43,18 +43,17 @@ class Restorable(Protocol):
 def how_to_load(ckpt: Path, engine_name: str, engine_format: str, parallel: dict[str, Any]) -> str:
     """ "native" | "resharded" (native load, another layout) | "converted" (through the neutral state).
     `parallel`: the live layout (ParallelDims.as_dict()), compared with the saved one."""
-    stamp = read_stamp(ckpt)
-    saved_layout = json.loads((ckpt / "trainer.json").read_text()).get("parallel")
-    if stamp["engine"] == engine_name and saved_layout == parallel:
+    saved = TrainerState.read(ckpt)
+    if saved.engine == engine_name and saved.parallel == parallel:
         return "native"
-    if stamp["format"] == engine_format == "dcp":
+    if saved.format == engine_format and FORMATS[engine_format].reshards:
         return "resharded"
     return "converted"
 
 
 def resume_state(
     ckpt: Path, world: World, engine: Restorable, layout: ParamLayout, parallel: dict[str, Any]
-) -> tuple[dict[str, Any], str]:
+) -> tuple[TrainerState, str]:
     """Collective: restore `ckpt` into `engine` (weights, optimizer, this rank's RNG);
     returns the saved trainer state and how the state was loaded."""
     how = ""

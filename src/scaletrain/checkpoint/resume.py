@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from scaletrain.checkpoint.frozen_base import check_base, saved_base
+from scaletrain.checkpoint.frozen_base import check_base
+from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
 from scaletrain.errors import UserError
 
@@ -25,7 +26,7 @@ _DATA_KEYS = ("data.seq_len", "train.seed")
 _IGNORED = ("run.dir", "train.resume", "parallel.auto_choice")
 
 
-def check_config(path: Path, cfg: Config, saved_state: dict[str, Any], model: dict[str, Any], data_fingerprint: str) -> list[str]:
+def check_config(path: Path, cfg: Config, saved_state: TrainerState, model: dict[str, Any], data_fingerprint: str) -> list[str]:
     """Raise a one-line UserError for a change that breaks the checkpoint at `path`; return
     the allowed changes as 'key old -> new' strings."""
 
@@ -35,7 +36,7 @@ def check_config(path: Path, cfg: Config, saved_state: dict[str, Any], model: di
             f"accepted: {key}={old!r} to resume it, or a new run.dir (or train.resume=never there)"
         )
 
-    saved_model = saved_state.get("model", {})
+    saved_model = saved_state.model
     if ("distill_proj" in saved_model) != ("distill_proj" in model):  # the hidden-state term's projection
         had = "with" if "distill_proj" in saved_model else "without"
         raise UserError(
@@ -47,7 +48,7 @@ def check_config(path: Path, cfg: Config, saved_state: dict[str, Any], model: di
             raise refuse(f"model.{key}", old, model.get(key), "the saved weights have its shape")
     saved_cfg = _flatten(yaml.safe_load((path / "config.yaml").read_text()))
     now = _flatten(cfg.model_dump(mode="json"))
-    if saved_state.get("data_fingerprint") not in (None, data_fingerprint):
+    if saved_state.data_fingerprint != data_fingerprint:
         raise refuse(
             "data.paths",
             saved_cfg.get("data.paths"),
@@ -61,9 +62,8 @@ def check_config(path: Path, cfg: Config, saved_state: dict[str, Any], model: di
             now.get("model.trainable"),
             "its optimizer state holds exactly the parameters it trained",
         )
-    base = saved_base(saved_state)
-    if base is not None:  # its frozen parameters come from the base this run builds: the same one?
-        check_base(path, base, cfg)
+    if saved_state.base is not None:  # its frozen parameters come from the base this run builds: the same one?
+        check_base(path, saved_state.base, cfg)
     for key in _DATA_KEYS:
         if saved_cfg.get(key) != now.get(key):
             raise refuse(key, saved_cfg.get(key), now.get(key), "the data position would point elsewhere")

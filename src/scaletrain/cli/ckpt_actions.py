@@ -9,10 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from scaletrain import checkpoint
-from scaletrain.checkpoint.frozen_base import base_weights, check_base, saved_base
+from scaletrain.checkpoint.frozen_base import base_weights, check_base
 from scaletrain.checkpoint.hf_export import export_hf, export_target
 from scaletrain.checkpoint.lora_export import export_adapter
 from scaletrain.checkpoint.neutral import ParamLayout
+from scaletrain.checkpoint.state import FILE, TrainerState
 from scaletrain.config import Config, load_config
 from scaletrain.convert import convert as convert_checkpoint
 from scaletrain.data import resolve_dataset_dir
@@ -26,7 +27,7 @@ from scaletrain.plan.hardware import parse_size
 def resolve(arg: str) -> Path:
     """A step directory as given, or a run directory's newest whole checkpoint."""
     path = Path(arg)
-    if (path / "trainer.json").is_file():
+    if (path / FILE).is_file():
         if not checkpoint.is_complete(path):
             raise UserError(f"checkpoint {path} is incomplete (no {checkpoint.MARKER} marker); accepted: a complete one")
         return path
@@ -39,22 +40,22 @@ def resolve(arg: str) -> Path:
 
 def inspect(args: argparse.Namespace) -> int:
     path = resolve(args.ckpt)
-    saved = json.loads((path / "trainer.json").read_text())
+    saved = TrainerState.read(path)
     files = [f for f in path.rglob("*") if f.is_file()]
     info = {
         "path": str(path),
-        "step": saved["step"],
-        "engine": saved.get("engine"),
-        "format": saved.get("format"),
-        "world_size": saved.get("world_size"),
-        "parallel": saved.get("parallel"),
-        "data_position": saved.get("data_position"),
-        "tokens_seen": saved.get("tokens_seen"),
-        "model": saved.get("model"),
+        "step": saved.step,
+        "engine": saved.engine,
+        "format": saved.format,
+        "world_size": saved.world_size,
+        "parallel": saved.parallel,
+        "data_position": saved.data_position,
+        "tokens_seen": saved.tokens_seen,
+        "model": saved.model,
         "files": len(files),
         "bytes": sum(f.stat().st_size for f in files),
         "whole": checkpoint.find_problem(path, ALONE, checksums=False) or "yes (sizes; `ckpt verify` checks contents)",
-        "engine_state": saved.get("engine_state"),
+        "engine_state": saved.engine_state,
     }
     if args.json:
         print(json.dumps(info, indent=1))
@@ -95,18 +96,18 @@ def convert(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     path = resolve(args.ckpt)
-    saved = json.loads((path / "trainer.json").read_text())
+    saved = TrainerState.read(path)
     cfg = load_config([str(path / "config.yaml")])
-    spec = saved_spec(saved["model"])
+    spec = saved_spec(saved.model)
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
     if args.lora == "adapter":
         done = export_adapter(path, Path(args.out), layout, export_target(spec, cfg.data.seq_len), args.dtype)
         print(
-            f"exported the LoRA adapters of {path} ({done['engine']}, step {saved['step']}) to {args.out}: {done['tensors']} tensors, {args.dtype}"
+            f"exported the LoRA adapters of {path} ({done['engine']}, step {saved.step}) to {args.out}: {done['tensors']} tensors, {args.dtype}"
         )
         return 0
     # A checkpoint without its frozen parameters: they come from its base, rebuilt on the CPU.
-    ref = saved_base(saved)
+    ref = saved.base
     if ref is not None and not args.trainable_only:
         check_base(path, ref, cfg)
     tokenizer = Path(args.tokenizer) if args.tokenizer else _run_tokenizer(cfg)
@@ -124,7 +125,7 @@ def export(args: argparse.Namespace) -> int:
         base=(lambda: base_weights(cfg, spec)) if ref is not None else None,
     )
     print(
-        f"exported {path} ({done['engine']}, step {saved['step']}) to {args.out}: {done['tensors']} tensors, "
+        f"exported {path} ({done['engine']}, step {saved.step}) to {args.out}: {done['tensors']} tensors, "
         f"{done['bytes']:,} bytes in {done['files']} safetensors file(s), {args.dtype}"
         + ("" if tokenizer else "; no tokenizer (the run's data is gone: pass --tokenizer)")
     )

@@ -15,6 +15,8 @@ from dataclasses import replace
 from typing import Any
 
 from scaletrain.diagnose.run import Finding, Run, gib, median_of, pct
+from scaletrain.errors import UserError
+from scaletrain.strategies import TABLE, Strategy
 
 # Exposed communication (what overlap did not hide) above a quarter of the step: the
 # devices then wait on the network one second in four, which batching or another layout
@@ -52,16 +54,6 @@ def phase_share(run: Run, phase: str) -> tuple[float, int] | None:
 
 # ---------------------------------------------------------------------------- warnings
 
-_COMM_ADVICE = {
-    "ddp": "DDP all-reduces gradients once per optimizer step (not per micro-batch), so train.grad_accum divides its cost",
-    "fsdp": "FSDP all-gathers weights in forward and again in backward: parallel.reshard_after_forward=false skips the "
-    "second gather (weights stay gathered: more memory); across nodes parallel.dp_replicate=<nodes> shards within a node",
-    "zero1": "ZeRO-1/2 reduce in buckets: a larger parallel.bucket_size means fewer, longer collectives",
-    "zero2": "ZeRO-1/2 reduce in buckets: a larger parallel.bucket_size means fewer, longer collectives",
-    "zero3": "ZeRO-3 gathers every layer's weights in forward and backward: if the model states fit, zero2 or fsdp with "
-    "parallel.reshard_after_forward=false communicate less",
-}
-
 
 def comm_bound(run: Run) -> list[Finding]:
     found = phase_share(run, "comm_s")
@@ -78,7 +70,7 @@ def comm_bound(run: Run) -> list[Finding]:
     ]
     advice = (
         "raise train.grad_accum (each gradient sync then covers more compute) or train.micro_batch if memory allows; "
-        + (_COMM_ADVICE.get(run.engine, "") + "; " if run.engine in _COMM_ADVICE else "")
+        + (TABLE[run.engine].comm_advice + "; " if run.engine in TABLE else "")
         + "or a faster interconnect (NVLink within a node, InfiniBand/RoCE between nodes)"
     )
     return [Finding("warning", "comm_bound", f"communication is {pct(share)} of step time", evidence, advice)]
@@ -166,14 +158,10 @@ def memory_high(run: Run) -> list[Finding]:
             "for about a third more compute in backward"
         )
     else:
-        sharded = {
-            "ddp": "fsdp or zero3",
-            "zero1": "zero2 or zero3",
-            "zero2": "zero3",
-            "fsdp": "fsdp with parallel.offload_params=cpu",
-        }
+        # An unknown engine (an older run.json): what the most sharded, offloading strategy would try.
+        less = TABLE[run.engine].less_memory if run.engine in TABLE else max(TABLE.values(), key=_sharding).less_memory
         advice = (
-            f"a sharded strategy (parallel.strategy={sharded.get(run.engine, 'zero3 with parallel.offload_optimizer=cpu')}) "
+            f"a sharded strategy (parallel.strategy={less}) "
             "or a smaller train.micro_batch with a larger train.grad_accum (same global batch)"
         )
         if cfg is None:
@@ -182,18 +170,24 @@ def memory_high(run: Run) -> list[Finding]:
     return [Finding("warning", "memory_high", f"memory peak {pct(share)} of the device", evidence, advice)]
 
 
+def _sharding(row: Strategy) -> tuple[int, int]:
+    return row.partitions, len(row.offload_optimizer) + len(row.offload_params)
+
+
 def ac_saving(run: Run) -> tuple[float, float, float] | None:
     """(share of the peak saved, peak without, peak with) activation checkpointing, per the
     planner, for a run that had it off; None when it was on or the config is unknown."""
-    from scaletrain.config import STRATEGIES
     from scaletrain.parallel import dims_for
     from scaletrain.plan import Setup, estimate, planning_spec
 
     cfg = run.config
-    if cfg is None or cfg.parallel.activation_checkpointing or run.engine not in STRATEGIES:
+    if cfg is None or cfg.parallel.activation_checkpointing or run.engine not in TABLE:
         return None
-    world = int(run.info.get("world_size") or 1)
-    setup = Setup.from_config(cfg, dims_for(cfg.parallel, world))
+    try:
+        dims = dims_for(cfg.parallel, int(run.info.get("world_size") or 1))
+    except UserError:  # a layout this world cannot hold: a run.json that does not fit its config
+        return None
+    setup = Setup.from_config(cfg, dims)
     model = planning_spec(cfg)
     before = estimate(model, setup).peak
     after = estimate(model, replace(setup, activation_checkpointing=True)).peak

@@ -94,6 +94,9 @@ class Engine(Protocol):
     def checkpoint_files(self) -> dict[str, str]:
         """Extra text files to write beside every checkpoint (name -> content), e.g. the DeepSpeed JSON."""
 
+    def describe(self) -> tuple[dict[str, Any], list[str]]:
+        """What the engine adds to run.json, and the lines it says at start (a pipeline's stages)."""
+
 
 class AccumulationWindow:
     """The forward_backward of the engines that are not pipelined (ddp, fsdp, zero1-3).
@@ -117,6 +120,9 @@ class AccumulationWindow:
 
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def describe(self) -> tuple[dict[str, Any], list[str]]:
+        return {}, []
 
     def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn, mark: Mark = no_mark) -> torch.Tensor:
         total = torch.zeros((), device=self.device)

@@ -117,3 +117,6 @@ def _slow_link_allreduce(delay: float, bucket):
         return fut.value()
 
     return allreduce_hook(None, bucket).then(late)  # type: ignore[arg-type]
+
+
+ENGINE = DDPEngine  # what engines.build_engine constructs for this module's strategies

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletrain.checkpoint.formats import DEEPSPEED_TAG
+from scaletrain.checkpoint.deepspeed_format import DEEPSPEED_TAG
 from scaletrain.config import Config
 from scaletrain.distributed import World, ensure_process_group
 from scaletrain.engines.base import AccumulationWindow, ParamGroups, StepStats, set_lr
@@ -446,3 +446,6 @@ def _forward_only(config: dict[str, Any]) -> dict[str, Any]:
     out = {k: copy.deepcopy(v) for k, v in config.items() if k not in ("optimizer", "gradient_clipping")}
     out["zero_optimization"].pop("offload_optimizer", None)
     return out
+
+
+ENGINE = DeepSpeedEngine  # what engines.build_engine constructs for this module's strategies

@@ -67,7 +67,6 @@ class FSDPEngine(TorchEngineMixin):
             return _shard_and_materialize(model, spec, world, dims, cfg, offload)
 
         self.pipeline: Pipeline | None = None
-        self.pipeline_info: dict[str, Any] | None = None  # for run.json and the start-up lines
         if dims.pp == 1:
             model = build(spec.build_meta(cfg.data.seq_len))
         else:
@@ -77,19 +76,13 @@ class FSDPEngine(TorchEngineMixin):
             self.pipeline = Pipeline(
                 parts,
                 ids,
-                len(ranges),
+                ranges,
                 par.pp_schedule,
                 cfg.train.grad_accum,
                 dims.mesh(world.device.type)["pp"].get_group(),
                 world.device,
             )
             model = parts[0] if len(parts) == 1 else MergedStages(parts)
-            self.pipeline_info = {
-                "schedule": par.pp_schedule,
-                "stages": [[r.start, r.stop - 1] for r in ranges],  # first and last block of each
-                "micro_batches": cfg.train.grad_accum,
-                "bubble": round(self.pipeline.bubble, 4),
-            }
 
         self.model: nn.Module = model
         # The root FSDP module (without a pipeline; the schedule drives each stage's own).
@@ -130,6 +123,9 @@ class FSDPEngine(TorchEngineMixin):
         # Cross entropy over vocabulary-split logits: forward and backward both inside.
         with loss_parallel():
             return super().forward_backward(micro_batches, lambda out, y: _local(loss(out, y)), mark)
+
+    def describe(self) -> tuple[dict[str, Any], list[str]]:
+        return self.pipeline.describe() if self.pipeline is not None else ({}, [])
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -308,3 +304,6 @@ def _check_still_shared(model: nn.Module, groups: list[list[str]]) -> None:
         params = [model.get_parameter(n) for n in names]
         if any(p is not params[0] for p in params[1:]):
             raise RuntimeError(f"FSDP materialization untied the shared parameters {names}")
+
+
+ENGINE = FSDPEngine  # what engines.build_engine constructs for this module's strategies

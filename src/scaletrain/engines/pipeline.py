@@ -52,7 +52,7 @@ class Pipeline:
         self,
         parts: list[nn.Module],
         ids: list[int],
-        n_stages: int,
+        ranges: list[range],
         schedule: str,
         micro_batches: int,
         group: dist.ProcessGroup,
@@ -61,6 +61,8 @@ class Pipeline:
         from torch.distributed import pipelining
 
         self.group, self.device, self.parts = group, device, parts
+        self.schedule_name, self.micro_batches, self.ranges = schedule, micro_batches, ranges
+        n_stages = len(ranges)  # each the blocks of one stage
         self._loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None  # this step's (run)
         self.has_first, self.has_last = 0 in ids, n_stages - 1 in ids
         stages = [pipelining.PipelineStage(p, i, n_stages, device, group=group) for p, i in zip(parts, ids)]
@@ -72,6 +74,21 @@ class Pipeline:
         # The classic estimate (stages.ideal_bubble): torch's own timetables drop the idle
         # slots of gpipe and 1f1b, so they cannot be counted from the schedule.
         self.bubble = ideal_bubble(dist.get_world_size(group), micro_batches, SCHEDULES[schedule][1])
+
+    def describe(self) -> tuple[dict[str, Any], list[str]]:
+        """run.json's "pipeline" entry (the first and last block of each stage), and the start-up line."""
+        info: dict[str, Any] = {
+            "schedule": self.schedule_name,
+            "stages": [[r.start, r.stop - 1] for r in self.ranges],
+            "micro_batches": self.micro_batches,
+            "bubble": round(self.bubble, 4),
+        }
+        stages = " | ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else f"{r.start}" for r in self.ranges)
+        line = (
+            f"pipeline: {self.schedule_name}, {len(self.ranges)} stages of blocks {stages}, {self.micro_batches} "
+            f"micro-batches per step: ranks idle {self.bubble:.0%} of a step (the bubble; more micro-batches shrink it)"
+        )
+        return {"pipeline": info}, [line]
 
     def _call_loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         assert self._loss is not None

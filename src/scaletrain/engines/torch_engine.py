@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from scaletrain.checkpoint.formats import quiet_single_process
+import scaletrain.checkpoint.dcp_format  # noqa: F401  # its filter of DCP's single-process warning
 from scaletrain.distributed import side_group
 from scaletrain.engines.base import AccumulationWindow, StepStats, set_lr
 
@@ -51,19 +51,18 @@ def save_dcp(
         left_out = frozen_keys(model)
         model_sd = {k: v for k, v in model_sd.items() if k not in left_out}
     state = {"model": model_sd, "optim": optim_sd}
-    with quiet_single_process():
-        if not background:
-            dcp.save(state, checkpoint_id=str(path))
-            return None
-        stager = make_stager(model_sd)
-        # async_save returns once the copy is done (training may change the weights right
-        # after). Its collectives (the save plan, the final metadata) run on a gloo group
-        # of their own: on training's group they interleave with training's and deadlock.
-        # A plain Future: the staging/upload pair comes only with an asynchronous stager.
-        group = side_group("checkpoint")
-        written = cast(Future, dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=stager))
-        written.add_done_callback(lambda _: stager.close())  # its CPU copy is not needed any more
-        return written
+    if not background:
+        dcp.save(state, checkpoint_id=str(path))
+        return None
+    stager = make_stager(model_sd)
+    # async_save returns once the copy is done (training may change the weights right
+    # after). Its collectives (the save plan, the final metadata) run on a gloo group of
+    # their own: on training's group they interleave with training's and deadlock. A plain
+    # Future: the staging/upload pair comes only with an asynchronous stager.
+    group = side_group("checkpoint")
+    written = cast(Future, dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=stager))
+    written.add_done_callback(lambda _: stager.close())  # its CPU copy is not needed any more
+    return written
 
 
 def frozen_keys(model: nn.Module) -> set[str]:
@@ -110,8 +109,7 @@ def load_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> 
         options = TRAINED
         model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    with quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
 
 

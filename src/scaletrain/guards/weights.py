@@ -22,8 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.distributed import World, side_group
 from scaletrain.parallel import ParallelDims
-
-REPLICATED = ("ddp", "zero1", "zero2")  # fsdp and zero3 hold different shards by design
+from scaletrain.strategies import strategy
 
 
 def digest(params: Iterable[torch.Tensor]) -> str:
@@ -52,8 +51,9 @@ def peer_groups(dims: ParallelDims) -> list[list[int]]:
 
 
 class ReplicaCheck:
-    """ddp, zero1, zero2: every rank's weights. With tensor parallel: the parameters each
-    tp group replicates (the norms), compared within each group."""
+    """Strategies whose replicas hold whole weights (ddp, zero1, zero2): every rank's
+    weights. With tensor parallel: the parameters each tp group replicates (the norms),
+    compared within each group. Sharded parameters (fsdp, zero3) differ by design."""
 
     def __init__(self, world: World, engine_name: str, every: int, hosts: list[str], dims: ParallelDims):
         self.world = world
@@ -62,7 +62,7 @@ class ReplicaCheck:
         if self.tp:
             self.groups = peer_groups(dims)
         else:
-            self.groups = [list(range(world.world_size))] if engine_name in REPLICATED else []
+            self.groups = [list(range(world.world_size))] if strategy(engine_name).whole_replicas else []
         self.every = every if (world.distributed and any(len(g) > 1 for g in self.groups)) else 0
         # The main thread's CPU-side collectives, as the metrics gather.
         self._group = side_group("telemetry") if self.every else None

@@ -77,9 +77,15 @@ def load_config(path: str | None, inline: dict[str, Any] | None, vocab_size: int
     tf = transformers_module()
     if path is not None:
         d = Path(path).expanduser()
+        accepted = "accepted: a local directory written by save_pretrained"
         if not (d / "config.json").is_file():
-            raise UserError(f"{where}.path: {path!r} has no config.json; accepted: a local directory written by save_pretrained")
-        conf = tf.AutoConfig.from_pretrained(str(d), local_files_only=True)
+            raise UserError(f"{where}.path: {path!r} has no config.json; {accepted}")
+        try:
+            json.loads((d / "config.json").read_text(encoding="utf-8"))
+            conf = tf.AutoConfig.from_pretrained(str(d), local_files_only=True)
+        except (OSError, UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"{where}.path: {d / 'config.json'} is not a readable model config ({first}); {accepted}") from None
     else:
         raw = dict(inline or {})
         model_type = raw.pop("model_type", None)

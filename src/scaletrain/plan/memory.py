@@ -18,6 +18,7 @@ from scaletrain.models.spec import ModelSpec
 from scaletrain.plan.activations import block_activations, head_activations
 from scaletrain.plan.pipeline import gathered_stage_bytes, in_flight, rank_share
 from scaletrain.plan.setup import Setup
+from scaletrain.strategies import TABLE
 
 
 @dataclass(frozen=True)
@@ -39,51 +40,45 @@ class Memory:
 
 
 def regime(strategy: str, precision: str) -> str:
-    """How the engine runs its forward (see activations.REGIMES)."""
-    if precision == "fp32":
-        return "fp32"
-    # DDP autocasts over fp32 weights; FSDP2's MixedPrecisionPolicy and DeepSpeed hold
-    # 16-bit weights and activations.
-    return "autocast" if strategy == "ddp" else "pure16"
+    """How the engine runs its forward (see activations.REGIMES): DDP autocasts over fp32
+    weights; FSDP2's MixedPrecisionPolicy and DeepSpeed hold 16-bit weights and activations."""
+    return "fp32" if precision == "fp32" else TABLE[strategy].forward16
 
 
 def _state_bytes_per_param(strategy: str, precision: str) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter before sharding."""
-    if strategy in ("ddp", "fsdp"):
-        # torch engines keep fp32 weights (autocast / MixedPrecisionPolicy cast on the fly),
-        # fp32 gradients (fp32 reduce) and AdamW's two fp32 moments.
-        return 4.0, 4.0, 8.0
-    weights = 4.0 if precision == "fp32" else 2.0
-    # DeepSpeed's ZeRO optimizer keeps an fp32 partition of the weights besides the two
-    # moments (K = 12, also in fp32 runs). ZeRO-3 reduces gradients straight into an fp32
-    # partition; ZeRO-1/2 keep them in the weights' dtype and convert at the step.
-    grads = 4.0 if strategy == "zero3" else weights
-    return weights, grads, 12.0
+    row = TABLE[strategy]
+    # torch engines keep fp32 weights (autocast / MixedPrecisionPolicy cast on the fly),
+    # fp32 gradients (fp32 reduce) and AdamW's two fp32 moments. DeepSpeed's module holds
+    # the compute dtype and its ZeRO optimizer an fp32 partition of the weights besides the
+    # two moments (K = 12, also in fp32 runs); ZeRO-3 reduces gradients straight into an
+    # fp32 partition, ZeRO-1/2 keep them in the weights' dtype and convert at the step.
+    weights = 4.0 if row.fp32_module or precision == "fp32" else 2.0
+    return weights, 4.0 if row.fp32_grads else weights, row.optimizer_bytes
 
 
 def estimate(model: ModelSpec, s: Setup) -> Memory:
+    row = TABLE[s.strategy]
     # With a pipeline: the parameters of the rank holding the most (its stages only).
     n_params = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0]
     w, g, o = _state_bytes_per_param(s.strategy, s.precision)
-    shard = s.dp // s.dp_replicate if s.strategy == "fsdp" else s.dp
+    shard = s.shard
     # Frozen parameters (model.trainable) keep their weights only: no gradient, no
     # optimizer state, no fp32 master.
     n_train = n_params * trainable_share(model)
     params, grads, optim = w * n_params, g * n_train, o * n_train
-    if s.strategy in ("fsdp", "zero3"):
-        params, grads, optim = params / shard, grads / shard, optim / shard
-    if s.strategy == "zero3" and s.offload_params == "none":
+    # ZeRO's stages: what the shard group partitions (strategies.Strategy.partitions).
+    optim /= shard if row.partitions >= 1 else 1
+    grads /= shard if row.partitions >= 2 else 1
+    params /= shard if row.partitions >= 3 else 1
+    if row.persistence_threshold and s.offload_params == "none":
         # Tensors under stage3_param_persistence_threshold (DeepSpeed's default 1e5 elements)
         # are kept whole on every rank instead of being partitioned.
-        small = sum(n for n in model.counts().numels if n < ZERO3_PERSISTENCE_THRESHOLD)
+        small = sum(n for n in model.counts().numels if n < row.persistence_threshold)
         params += w * small * (1 - 1 / shard)
-    elif s.strategy == "zero2":
-        grads, optim = grads / shard, optim / shard
-    elif s.strategy == "zero1":
-        optim = optim / shard
     # ZeRO-1/2 step: the gradient partition is flattened into fp32 for the optimizer
     # (DeepSpeed's estimators count it as "4 bytes grads_32bit").
-    fp32_grad_partition = 4.0 * n_train / shard if s.strategy in ("zero1", "zero2") else 0.0
+    fp32_grad_partition = 4.0 * n_train / shard if row.fp32_grad_partition else 0.0
 
     cpu = 0.0
     if s.offload_optimizer != "none":
@@ -110,15 +105,16 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
     # Gradients that persist between steps: DDP's bucket views (only with a DDP wrapper,
     # world > 1) and DeepSpeed's partitions. Otherwise zero_grad frees them every step.
     # (ZeRO-1 reduces full gradients through its bucket at the boundary and keeps none.)
-    persistent = s.strategy in ("zero2", "zero3") or (s.strategy == "ddp" and s.dp > 1)
+    persistent = row.grads_persist == "always" or (row.grads_persist == "distributed" and s.dp > 1)
     persistent_grads = grads if persistent else 0.0
     transient_grads = grads - persistent_grads
     resident = params + optim + buffers + persistent_grads
     # The embedding's gradient is dense (vocab x dim) and is produced, then added to the
     # (tied or own) gradient, unsharded: two such temporaries at the end of backward.
-    embedding_temp = 2.0 * model.vocab_size * model.hidden_size * (4.0 if s.strategy in ("ddp", "fsdp") else w) / s.tp
-    # The single-tensor / fused AdamW step allocates at most one parameter-sized temporary.
-    step_temp = 4.0 * model.counts().largest / s.tp if s.strategy in ("ddp", "fsdp") else fp32_grad_partition
+    embedding_temp = 2.0 * model.vocab_size * model.hidden_size * (4.0 if row.fp32_module else w) / s.tp
+    # torch's single-tensor / fused AdamW step allocates at most one parameter-sized
+    # temporary; DeepSpeed's steps over the fp32 gradient partition.
+    step_temp = 4.0 * model.counts().largest / s.tp if row.fp32_module else fp32_grad_partition
     phases = {
         "backward start": (resident + act + loss, 0.0),
         # Activation checkpointing: one block's activations are rebuilt later in backward,
@@ -138,15 +134,16 @@ def teacher_bytes(teacher: ModelSpec, s: Setup) -> tuple[float, float]:
     is freed block by block (a block's output at a time, small beside the weights)."""
     c = teacher.counts()
     compute = 4.0 if s.precision == "fp32" else 2.0
-    if s.strategy == "fsdp":
+    holding = TABLE[s.strategy].teacher_holding
+    if holding == "fsdp_units":
         # fp32 shards; the unit running is gathered in the compute dtype (each block, then
         # the rest: the larger of the two at a time, plus the block prefetched).
         return 4.0 * c.total / s.dp, compute * max(c.total - teacher.n_blocks * c.block, 2 * c.block)
-    if s.strategy == "zero3":
+    if holding == "zero3_partitions":
         # 16-bit partitions (DeepSpeed casts the frozen engine's module too), each module
         # gathered for its forward.
         return compute * c.total / s.dp, compute * c.largest
-    return compute * c.total, 0.0  # ddp, zero1, zero2: a full copy in the compute dtype
+    return compute * c.total, 0.0  # a full copy in the compute dtype
 
 
 def trainable_share(model: ModelSpec) -> float:
@@ -160,10 +157,9 @@ def model_state_bytes(model: ModelSpec, s: Setup) -> tuple[float, float]:
     the quantity the ZeRO paper and DeepSpeed's estimators give, without buffers."""
     m = estimate(model, s)
     n_params = model.counts().total
-    shard = s.dp // s.dp_replicate if s.strategy == "fsdp" else s.dp
     step_grad = (
-        4.0 * n_params * trainable_share(model) / shard
-        if s.strategy in ("zero1", "zero2") and s.offload_optimizer == "none"
+        4.0 * n_params * trainable_share(model) / s.shard
+        if TABLE[s.strategy].fp32_grad_partition and s.offload_optimizer == "none"
         else 0.0
     )
     return m.params + m.grads + m.optimizer + step_grad, m.cpu
@@ -206,27 +202,25 @@ def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float]:
 
 def engine_buffers(model: ModelSpec, s: Setup) -> float:
     """Bytes the engine holds besides model states: gathered units, communication buckets."""
+    row = TABLE[s.strategy]
     n_params = model.counts().total
     weight_bytes = _state_bytes_per_param(s.strategy, s.precision)[0]
     block_params = model.counts().block
     root_params = n_params - model.n_blocks * block_params
-    if s.strategy == "fsdp" and s.pp > 1:
+    if row.buffers == "fsdp_units" and s.pp > 1:
         return gathered_stage_bytes(rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0], s.precision)
-    if s.strategy == "fsdp":
+    if row.buffers == "fsdp_units":
         gathered = 2 if s.precision != "fp32" else 4  # MixedPrecisionPolicy param dtype
         if not s.reshard_after_forward:
             return float(n_params * gathered)  # every unit stays gathered until its backward
         # Root unit gathered throughout, plus the current and the prefetched block.
         return float((root_params + 2 * block_params) * gathered)
-    if s.strategy == "zero3":
+    if row.buffers == "zero3_gather":
         # DeepSpeed gathers per module; its estimator: 4 bytes x the largest layer. Plus the
         # gradient reduce bucket, allocated at full size (measured: one, fp32).
         return float(4 * model.counts().largest + s.bucket_size * 4)
-    if s.strategy in ("zero1", "zero2"):
+    if row.buffers == "buckets":
         # DeepSpeed allocates its gradient bucket at full size whatever the model's size
         # (measured); with overlap_comm (stage 2) it double-buffers.
-        return float(s.bucket_size * weight_bytes * (2 if s.strategy == "zero2" else 1))
+        return float(s.bucket_size * weight_bytes * row.bucket_copies)
     return 0.0
-
-
-ZERO3_PERSISTENCE_THRESHOLD = 100_000

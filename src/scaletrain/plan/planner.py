@@ -20,6 +20,7 @@ from scaletrain.plan.memory import Memory, estimate, trainable_share
 from scaletrain.plan.pipeline import bubble, pp_comm_bytes_per_step, pp_options, rank_share, why_pp
 from scaletrain.plan.setup import Setup
 from scaletrain.stages import SCHEDULES
+from scaletrain.strategies import TABLE
 
 OVERLAP = 0.8  # share of the compute time that can hide gradient / parameter traffic
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeedCPUAdam, order of magnitude per node
@@ -94,33 +95,48 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
         base = replace(base, teacher=distill.teacher)
     if not all_strategies:
         return [base]
-    plain: dict[str, Any] = dict(offload_optimizer="none", offload_params="none", reshard_after_forward=True, dp_replicate=1)
-    options = [
-        replace(base, strategy="ddp", **plain),
-        replace(base, strategy="zero1", **plain),
-        replace(base, strategy="zero2", **plain),
-        replace(base, strategy="fsdp", **plain),
-        replace(base, strategy="fsdp", **{**plain, "reshard_after_forward": False}),
-        replace(base, strategy="zero3", **plain),
-        replace(base, strategy="zero2", **{**plain, "offload_optimizer": "cpu"}),
-        replace(base, strategy="zero3", **{**plain, "offload_optimizer": "cpu"}),
-        replace(base, strategy="zero3", **{**plain, "offload_optimizer": "cpu", "offload_params": "cpu"}),
-    ]
-    if nodes > 1 and world % nodes == 0:
-        options.insert(5, replace(base, strategy="fsdp", **{**plain, "dp_replicate": nodes}))
+    options = _data_parallel_options(base, world, nodes)
     if dims.tp == 1 and dims.pp == 1 and model is not None and distill is None:  # a teacher: data parallel only
-        fsdp = replace(base, strategy="fsdp", **plain)
+        mp = replace(base, strategy=_MODEL_PARALLEL.name, **_PLAIN)
         tps = _tp_sizes(model, world, nodes)
-        options += [replace(fsdp, tp=tp, dp=fsdp.dp // tp, grad_accum=fsdp.grad_accum * tp, sequence_parallel=True) for tp in tps]
-        options += pp_options(fsdp, model, world, nodes, [1, *tps])
+        options += [replace(mp, tp=tp, dp=mp.dp // tp, grad_accum=mp.grad_accum * tp, sequence_parallel=True) for tp in tps]
+        options += pp_options(mp, model, world, nodes, [1, *tps])
     # Activation checkpointing trades ~1/3 more compute for memory: a fallback option.
     if not base.activation_checkpointing:
         options += [replace(o, activation_checkpointing=True) for o in options]
-    if dims.tp > 1 or dims.pp > 1:  # tensor and pipeline parallel compose with FSDP2 only
-        options = [o for o in options if o.strategy == "fsdp"]
+    # A configured tp or pp keeps only the strategies that compose with it.
+    options = [o for o in options if (dims.tp == 1 or TABLE[o.strategy].tp) and (dims.pp == 1 or TABLE[o.strategy].pp)]
     if p.strategy == "auto":
         return options
     return [base, *(o for o in options if o != base)]
+
+
+# Every candidate starts from the plain setup: no offload, weights resharded after forward,
+# no hybrid sharding; the variants below add those back where a strategy takes them.
+_PLAIN: dict[str, Any] = dict(offload_optimizer="none", offload_params="none", reshard_after_forward=True, dp_replicate=1)
+# In the order of fewer moving parts: _fastest settles ties by it.
+_BY_COMPLEXITY = sorted(TABLE.values(), key=lambda r: r.complexity)
+# The strategy tensor and pipeline parallel layouts are planned on.
+_MODEL_PARALLEL = next(r for r in _BY_COMPLEXITY if r.tp and r.pp)
+
+
+def _data_parallel_options(base: Setup, world: int, nodes: int) -> list[Setup]:
+    """Every strategy's plain setup and its variants (weights kept gathered, hybrid sharding
+    over the nodes), then the offloading variants each strategy plans (the strategy table)."""
+    options = []
+    for row in _BY_COMPLEXITY:
+        plain = replace(base, strategy=row.name, **_PLAIN)
+        options.append(plain)
+        if row.keeps_gathered:
+            options.append(replace(plain, reshard_after_forward=False))
+        if row.hybrid and nodes > 1 and world % nodes == 0:
+            options.append(replace(plain, dp_replicate=nodes))
+    for row in _BY_COMPLEXITY:
+        options += [
+            replace(base, strategy=row.name, **{**_PLAIN, "offload_optimizer": o, "offload_params": p})
+            for o, p in row.planned_offloads
+        ]
+    return options
 
 
 def _tp_sizes(model: ModelSpec, world: int, nodes: int) -> list[int]:
@@ -190,18 +206,18 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
     # Gradients (and ZeRO-1/2's updated weights) exist for the trained parameters only.
     train = psi * trainable_share(model)
     ring = (n - 1) / n
-    torch_engine = s.strategy in ("ddp", "fsdp")
-    grad_bytes = 4 if torch_engine or s.precision == "fp32" else 2
+    row = TABLE[s.strategy]
+    grad_bytes = 4 if row.fp32_module or s.precision == "fp32" else 2  # torch engines reduce in fp32
     param_bytes = 4 if s.precision == "fp32" else 2
-    if s.strategy == "ddp":
+    if row.partitions == 0:
         return 2 * ring * train * grad_bytes  # all-reduce = reduce-scatter + all-gather
-    if s.strategy in ("zero1", "zero2"):
+    if row.partitions < 3:
         return ring * train * (grad_bytes + param_bytes)  # reduce-scatter grads, all-gather updated params
-    # zero3 / fsdp: parameters all-gathered in forward and again in backward for every
-    # micro-batch (unless kept gathered: shard-grad-op), gradients reduce-scattered once.
-    # Under a pipeline a stage stays gathered for the whole step: one gather.
-    gathers = 1 if s.pp > 1 else grad_accum * (1 if (s.strategy == "fsdp" and not s.reshard_after_forward) else 2)
-    shard = n // s.dp_replicate
+    # Partitioned parameters (zero3, fsdp): all-gathered in forward and again in backward
+    # for every micro-batch (unless kept gathered: shard-grad-op), gradients
+    # reduce-scattered once. Under a pipeline a stage stays gathered for the step: one gather.
+    gathers = 1 if s.pp > 1 else grad_accum * (1 if (row.keeps_gathered and not s.reshard_after_forward) else 2)
+    shard = s.shard
     total = (shard - 1) / shard * (psi * gathers * param_bytes + train * grad_bytes)
     if s.dp_replicate > 1:  # hybrid: all-reduce the gradient shards across replicas
         r = s.dp_replicate
@@ -346,7 +362,8 @@ def largest_micro_batch(model: ModelSpec, s: Setup, usable: float, limit: int = 
 
 def _reasons(chosen: Candidate, candidates: list[Candidate]) -> list[str]:
     reasons = []
-    ddp = next((c for c in candidates if c.setup.label == "ddp"), None)
+    # The plain replicated candidate (ddp), against which the others' traffic is told.
+    ddp = next((c for c in candidates if c.setup.label == c.setup.strategy and TABLE[c.setup.strategy].partitions == 0), None)
     for c in candidates:
         if c.step_time < chosen.step_time and not c.fits and not c.setup.activation_checkpointing:
             reasons.append(f"{c.setup.label} {c.why_not}")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from scaletrain.config import Config
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel import ParallelDims
+from scaletrain.strategies import TABLE
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Setup:
             parts.append(f"optim->{self.offload_optimizer}")
         if self.offload_params != "none":
             parts.append(f"params->{self.offload_params}")
-        if self.strategy == "fsdp" and not self.reshard_after_forward and self.pp == 1:  # a pipeline always is
+        if TABLE[self.strategy].keeps_gathered and not self.reshard_after_forward and self.pp == 1:  # a pipeline always is
             parts.append("shard-grad-op")
         if self.dp_replicate > 1:
             parts.append(f"hybrid {self.dp_replicate}x{self.dp // self.dp_replicate}")
@@ -49,6 +50,11 @@ class Setup:
         if self.activation_checkpointing:
             parts.append("AC")
         return " + ".join(parts)
+
+    @property
+    def shard(self) -> int:
+        """The ranks one copy of the model states is partitioned over (dp without hybrid sharding)."""
+        return self.dp // self.dp_replicate
 
     @classmethod
     def from_config(cls, cfg: Config, dims: ParallelDims, teacher: ModelSpec | None = None) -> Setup:

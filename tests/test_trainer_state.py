@@ -1,0 +1,78 @@
+"""trainer.json as a typed, versioned TrainerState: one reader, one writer, old files read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from scaletrain.checkpoint.state import FILE, VERSION, TrainerState
+from scaletrain.config import load_config
+from scaletrain.data import PackedTokens
+from scaletrain.errors import UserError
+from scaletrain.models import model_spec
+from scaletrain.rundir import check_resume
+
+pytestmark = pytest.mark.unit
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "main_step2"
+
+
+def test_a_trainer_json_of_main_before_versions_reads_as_version_1():
+    state = TrainerState.read(FIXTURE / "step_2")
+    assert (state.step, state.data_position, state.tokens_seen, state.world_size) == (2, 8, 128, 1)
+    assert (state.format, state.engine, state.version, state.base) == ("dcp", "ddp", VERSION, None)
+    assert (
+        state.parallel["dp_size"] == 1 and state.model["dim"] == 16 and state.nonfinite == {"nonfinite_steps": 0, "rollbacks": 0}
+    )
+    written = json.loads(state.to_json())
+    assert written["version"] == VERSION and "scheduler" not in written and "base" not in written
+    assert TrainerState.from_dict(written) == state
+
+
+def _with(tmp_path: Path, **changes: object) -> Path:
+    ckpt = tmp_path / "step_2"
+    shutil.copytree(FIXTURE / "step_2", ckpt)
+    saved = json.loads((ckpt / FILE).read_text())
+    saved.update(changes)
+    (ckpt / FILE).write_text(json.dumps({k: v for k, v in saved.items() if v is not None}))
+    return ckpt
+
+
+@pytest.mark.parametrize(
+    "changes, says",
+    [
+        ({"version": VERSION + 1}, f"trainer state version {VERSION + 1}, written by a newer scaletrain"),
+        ({"format": None}, "has no format stamp (written by an older scaletrain)"),
+        ({"data_position": None}, "lacks data_position"),
+    ],
+)
+def test_what_this_version_cannot_resume_is_one_line(tmp_path, changes, says):
+    with pytest.raises(UserError, match="accepted:") as e:
+        TrainerState.read(_with(tmp_path, **changes))
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_unreadable_trainer_json_is_one_line(tmp_path):
+    ckpt = _with(tmp_path)
+    (ckpt / FILE).write_text("{not json")
+    with pytest.raises(UserError, match=r"trainer.json is unreadable \(JSONDecodeError\); accepted:"):
+        TrainerState.read(ckpt)
+
+
+def test_a_resume_with_other_steps_says_the_learning_rate_before_and_after():
+    # The fixture ran 4 steps (warmup 1, lr 3e-3, cosine to 3e-4); continued from step 2
+    # with 8 steps, step 3's rate moves up the longer cosine: 3e-4 + 1.35e-3 x (1 + cos(pi / 7)).
+    def notes(*overrides: str) -> list[str]:
+        cfg = load_config([str(FIXTURE / "step_2" / "config.yaml")], [f"data.paths={FIXTURE / 'data'}", *overrides])
+        tokens = PackedTokens(FIXTURE / "data", cfg.data.seq_len, cfg.train.seed)
+        return check_resume(FIXTURE / "step_2", cfg, model_spec(cfg, tokens.vocab_size), tokens.fingerprint, 1)
+
+    lines = [n for n in notes("train.steps=8") if "learning rate" in n]
+    assert lines == [
+        "resume: the learning rate of step 3 is 2.866e-03 (2.325e-03 under step_2's settings): "
+        "the warmup + cosine schedule continues from here with the new settings"
+    ]
+    assert not [n for n in notes("train.log_every=2") if "learning rate" in n]  # not a setting of the schedule
