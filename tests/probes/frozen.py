@@ -25,6 +25,7 @@ from scaletrain import checkpoint
 from scaletrain.checkpoint.frozen_base import base_reference
 from scaletrain.checkpoint.neutral import ParamLayout, read_state
 from scaletrain.checkpoint.restore import first_difference, restore
+from scaletrain.checkpoint.state import TrainerState
 from scaletrain.distributed import init_distributed, shutdown
 from scaletrain.engines.block_wrappers import plain_name
 from scaletrain.parallel import dims_for
@@ -60,8 +61,11 @@ def main() -> None:
         optim = engine.state_dict()["optim"]  # collective: neutral, every rank
         trained = engine.state_dict()  # collective
         ckpt = Path(args.out) / strategy
-        state = {"step": 2, "format": engine.format, "engine": engine.name, "world_size": world.world_size,
-                 "parallel": dims_for(cfg.parallel, world.world_size).as_dict(), "base": base_reference(cfg)}  # fmt: skip
+        state = TrainerState(
+            step=2, data_position=0, tokens_seen=0, world_size=world.world_size, format=engine.format, engine=engine.name,
+            parallel=dims_for(cfg.parallel, world.world_size).as_dict(), model=spec.config(), data_fingerprint="x",
+            base=base_reference(cfg),
+        )  # fmt: skip
         checkpoint.save_checkpoint(ckpt, world, engine.save, state, {})
         layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
         if world.rank == 0:
@@ -72,10 +76,10 @@ def main() -> None:
         del engine
         gc.collect()
         fresh, _, _ = build(overrides, world)
-        how = restore(ckpt, world, fresh, layout, state["parallel"])
+        how = restore(ckpt, world, fresh, layout, state.parallel)
         problem = first_difference(fresh.state_dict(), trained)  # every weight (frozen ones from the base) and moment
         # The previous engine's checkpoint: resharded or converted, which restore verifies itself.
-        how_other = restore(saved, world, fresh, layout, state["parallel"]) if saved else None
+        how_other = restore(saved, world, fresh, layout, state.parallel) if saved else None
         if world.rank == 0:
             results[strategy] |= {"reloaded": how, "difference": problem, "previous": how_other}
         saved = ckpt

@@ -11,6 +11,7 @@ from scaletrain.cli.cluster import check_cluster_args, write_cluster_file
 from scaletrain.config import load_config, split_args
 from scaletrain.launch import LaunchOptions, exec_launcher, launch_command, run_torchrun
 from scaletrain.parallel import dims_for
+from scaletrain.paths import make_dir
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
@@ -52,10 +53,11 @@ def run(args: argparse.Namespace) -> int:
     check_cluster_args(args)
     # One clear error here, not one per rank after N processes have started.
     cfg = load_config(*split_args(args.args))
-    if not args.k8s:  # a pod's data is in its image or volume, not necessarily here
+    if not args.k8s:  # a pod's data and run directory are in its image or volume, not necessarily here
         from scaletrain.data import resolve_dataset_dir  # numpy: only when the data is looked for
 
         resolve_dataset_dir(cfg.data)
+        make_dir(cfg.run.dir, "run.dir", create=False)  # each rank makes it; refused here if it cannot be
     if args.hostfile is None and args.nproc >= 1 and args.nnodes >= 1:
         dims_for(cfg.parallel, args.nproc * args.nnodes)  # the layout fits the world it will get
     if args.slurm or args.k8s:
