@@ -78,6 +78,8 @@ def test_demo_default_learns(data_dir, tmp_path):
     assert len(trajectory) == DEMO_STEPS
     assert trajectory[-1] <= trajectory[0] - 1.0, (trajectory[0], trajectory[-1])
     assert "training finished" in proc.stdout and "metrics.jsonl" in proc.stdout
+    # A newcomer sees no warnings (DCP's "assuming the intent is to save in a single process" was one per save).
+    assert "Warning" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
     assert [s for s, _ in checkpoint.complete_checkpoints(run / "checkpoints")] == [DEMO_STEPS]
     assert run_info(run)["engine"] == "ddp" and run_info(run)["world_size"] == 1
     assert len(list(data_dir.glob("*/shard_*.bin"))) >= 2  # several files to reorder per epoch
