@@ -60,8 +60,8 @@ class Saves:
     say: Callable[[str], None]
     # The save in flight: it, when it started, how long the loop stood still, of which waiting for the one before.
     _pending: tuple[PendingSave, float, float, float] | None = field(default=None, init=False)
-    _saved = 0  # the step of the last checkpoint this run wrote
-    _verify = False  # checkpoint.verify_on_start: after this start's first step
+    _saved: int = field(default=0, init=False)  # the step of the last checkpoint this run wrote
+    _verify: bool = field(default=False, init=False)  # checkpoint.verify_on_start still to do
 
     def __post_init__(self) -> None:
         # After the first step: torch creates optimizer state lazily, and saving before it
