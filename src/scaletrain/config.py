@@ -13,13 +13,15 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from scaletrain.errors import UserError
 from scaletrain.stages import SCHEDULES, schedule_problem
 from scaletrain.strategies import STRATEGIES, TABLE, names_where, said
 
 MODEL_PRESETS = ("tiny", "small", "1b", "7b", "8b", "70b", "405b")
+# train.micro_batch=auto before a run resolves it (scaletrain/batch.py).
+AUTO_MICRO_BATCH = 0
 
 
 class Section(BaseModel):
@@ -134,8 +136,19 @@ class DataConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(300, ge=1)
-    micro_batch: int = Field(16, ge=1)
+    # Sequences per rank per forward: a number, or auto (stored as AUTO_MICRO_BATCH until a
+    # run resolves it): the largest the plan fits on this run's devices. A memory setting
+    # only: with train.global_batch set, grad_accum follows from it (scaletrain/batch.py).
+    micro_batch: int = 16
     grad_accum: int = Field(1, ge=1)
+    # Sequences per optimizer step over every data-parallel rank. Unset: micro_batch x
+    # grad_accum x the data-parallel size. The numbers a run computes depend on it, not on
+    # the micro-batch: auto, the planner's search and an out-of-memory error change the
+    # micro-batch and grad_accum at the same global batch.
+    global_batch: int | None = Field(None, ge=1)
+    # Written by scaletrain into the run's resolved config: why the micro-batch is what it
+    # is (auto, the planner's search, an out-of-memory error). Informational; ignored as input.
+    batch_choice: str | None = None
     # The cross entropy this many positions at a time (models/loss.py): the fp32 logits
     # and their fp32 gradient never exist whole. 0: all at once (plain torch).
     loss_chunk_tokens: int = Field(0, ge=0)
@@ -178,6 +191,28 @@ class TrainConfig(Section):
         if not math.log2(v).is_integer():
             raise ValueError(f"train.loss_scale_init={v:g} is not a power of two; accepted: 1, 2, 4, ..., e.g. 65536")
         return v
+
+    @field_validator("micro_batch", mode="before")
+    @classmethod
+    def _auto_or_positive(cls, v: Any) -> Any:
+        if v == "auto":
+            return AUTO_MICRO_BATCH
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"train.micro_batch={v!r} is invalid; accepted: an integer >= 1, or auto")
+        return v
+
+    @field_serializer("micro_batch")
+    def _auto_as_written(self, v: int) -> int | str:
+        return "auto" if v == AUTO_MICRO_BATCH else v
+
+    @model_validator(mode="after")
+    def _auto_needs_a_global_batch(self) -> TrainConfig:
+        if self.micro_batch == AUTO_MICRO_BATCH and self.global_batch is None:
+            raise ValueError(
+                "train.micro_batch=auto needs train.global_batch (sequences per optimizer step): the micro-batch "
+                "the plan fits then never changes the numbers; accepted: train.global_batch=N with it, or a number"
+            )
+        return self
 
     @model_validator(mode="after")
     def _scaling_needs_a_base(self) -> TrainConfig:
@@ -375,7 +410,8 @@ class Config(Section):
             # Each stage's loss scaler would see only its own gradients' overflows, so the
             # stages could skip different steps; bf16 needs no scaler.
             raise ValueError(f"parallel.pp={par.pp} does not support precision fp16 (loss scaling); accepted: bf16 or fp32")
-        problem = schedule_problem(par.pp_schedule, par.pp, self.train.grad_accum)
+        # With a global batch, grad_accum is known once the data-parallel size is (batch.py checks it then).
+        problem = schedule_problem(par.pp_schedule, par.pp, self.train.grad_accum) if self.train.global_batch is None else None
         if problem:
             raise ValueError(f"parallel.pp_schedule={par.pp_schedule}: {problem}")
         return self

@@ -23,3 +23,13 @@ class Preempted(Exception):
     def __init__(self, step: int, signal_name: str):
         super().__init__(f"preempted ({signal_name}) at step {step}: checkpoint saved; run the same command again to continue")
         self.step = step
+
+
+# A rank ran out of device memory and the run continues at a smaller micro-batch after all
+# ranks restart (oom.py); `scaletrain launch` restarts them. Under plain torchrun without
+# restarts, running the same command again continues.
+EXIT_OOM = 4
+
+
+class OutOfMemoryRestart(Exception):
+    """One process, out of device memory: start again inside it at a smaller micro-batch (oom.py)."""

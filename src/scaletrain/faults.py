@@ -20,6 +20,8 @@ runs, nothing is flushed):
            as a flipped bit or a bad kernel would (guards.weight_hash_every)
   hang     not a kill: after step <step> the rank stops making progress (sleeps), as a
            deadlocked data loader or a wedged device would (guards.hang_timeout_s)
+  oom      not a kill: the first forward of step <step> raises torch.OutOfMemoryError on
+           the rank, once per process, as a longer batch or fragmentation would (oom.py)
 
 `SCALETRAIN_SLOW=<kind>:<seconds>[@<rank>][,...]` slows every step instead, for telemetry:
   compute  the rank sleeps inside each forward (a slower GPU, a throttled host)
@@ -27,7 +29,8 @@ runs, nothing is flushed):
            slow link); the other ranks wait for it in their backward
 
 A comma-separated list is one fault per attempt under elastic restarts: entry i fires only
-in attempt i (torchrun's TORCHELASTIC_RESTART_COUNT), so `step:3@1,step:8@0` kills rank 1
+in attempt i (torchrun's TORCHELASTIC_RESTART_COUNT, plus the restarts `scaletrain launch`
+made itself after an out-of-memory error: RELAUNCH_ENV), so `step:3@1,step:8@0` kills rank 1
 at step 3, then, after the restart resumed from a checkpoint, rank 0 at step 8.
 The variable is read once; an unset variable costs one comparison per point. The loop
 meets every point through one `Drills` object: the loss it runs each step, and one hook
@@ -46,7 +49,8 @@ from typing import Any
 from scaletrain.errors import UserError
 
 ENV = "SCALETRAIN_KILL_AT"
-POINTS = ("step", "save", "prune", "metrics", "term", "nan", "perturb", "hang")
+POINTS = ("step", "save", "prune", "metrics", "term", "nan", "perturb", "hang", "oom")
+RELAUNCH_ENV = "SCALETRAIN_RELAUNCH"
 SLOW_ENV = "SCALETRAIN_SLOW"
 SLOW_KINDS = ("compute", "comm")
 
@@ -70,7 +74,7 @@ def parse(value: str) -> list[Fault]:
 
 def _armed_now() -> tuple[str, int] | None:
     faults = parse(os.environ.get(ENV, ""))
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + int(os.environ.get(RELAUNCH_ENV, "0"))
     if attempt >= len(faults):
         return None
     point, step, rank = faults[attempt]
@@ -178,6 +182,7 @@ class Drills:
 
     def loss(self, step: int, fn: Callable[..., Any]) -> Callable[..., Any]:
         fn = nan_loss(fn) if fire_once("nan", step) else fn
+        fn = out_of_memory(fn) if fire_once("oom", step) else fn
         return slowed(fn, self.slow) if self.slow else fn
 
     def after_step(self, step: int) -> None:
@@ -196,3 +201,16 @@ class Drills:
 def nan_loss(loss: Callable[..., Any]) -> Callable[..., Any]:
     """The loss function, made NaN inside the graph (so are the gradients): faults point `nan`."""
     return lambda outputs, targets: loss(outputs, targets) * math.nan
+
+
+def out_of_memory(loss: Callable[..., Any]) -> Callable[..., Any]:
+    """The loss function, raising as a forward out of device memory would: faults point `oom`."""
+
+    def raising(*args: Any) -> Any:
+        import torch
+
+        raise torch.OutOfMemoryError(
+            f"{ENV}: out of memory in forward (planted). Tried to allocate 2.00 GiB; this is a drill, not the device"
+        )
+
+    return raising

@@ -15,10 +15,12 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.errors import EXIT_HUNG, EXIT_PREEMPTED, UserError
+from scaletrain.errors import EXIT_HUNG, EXIT_OOM, EXIT_PREEMPTED, UserError
+from scaletrain.faults import RELAUNCH_ENV
 
 # Set by `run_torchrun` for its workers: a rank that stops on a UserError writes its one
 # line into this directory instead of printing it, and the launcher prints each distinct
@@ -223,6 +225,8 @@ def _check_numbers(opts: LaunchOptions) -> None:
         raise UserError(f"--master-port {opts.master_port} is invalid; accepted: 1..65535")
 
 
+# Each relaunch runs at a smaller micro-batch; the bound only guards against a loop.
+MAX_OOM_RELAUNCHES = 16
 LINGER_S = 3.0  # how long the rendezvous host's agent outlives the others' shutdown
 
 
@@ -252,7 +256,7 @@ def run_torchrun(cmd: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="scaletrain-errors-") as errors:
         os.environ[ERROR_DIR_ENV] = errors
         try:
-            run(parse_args(cmd[3:]))
+            _run_until_no_oom(lambda: run(parse_args(cmd[3:])))
             return 0
         except ChildFailedError as e:
             if _preempted(errors) and all(f.exitcode in (EXIT_PREEMPTED, -signal.SIGTERM) for f in e.failures.values()):
@@ -284,6 +288,27 @@ def run_torchrun(cmd: list[str]) -> int:
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
             _linger_if_rendezvous_host(cmd)
+
+
+def _run_until_no_oom(agent: Callable[[], None]) -> None:
+    """Run the agent; after ranks ended on an out-of-memory error (each wrote what it will
+    continue at, oom.py), run it again: every rank starts from the newest checkpoint at the
+    smaller micro-batch. A micro-batch shrinks each time, so this ends."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    for relaunch in range(1, MAX_OOM_RELAUNCHES + 1):
+        try:
+            agent()
+            return
+        except ChildFailedError as e:
+            if not any(f.exitcode == EXIT_OOM for f in e.failures.values()) or relaunch == MAX_OOM_RELAUNCHES:
+                raise
+        print(
+            f"scaletrain launch: out of memory (above); restarting every rank from the newest checkpoint at the smaller micro-batch (relaunch {relaunch})",
+            file=sys.stderr,
+            flush=True,
+        )
+        os.environ[RELAUNCH_ENV] = str(relaunch)
 
 
 def _linger_if_rendezvous_host(cmd: list[str]) -> None:

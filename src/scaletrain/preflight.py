@@ -8,10 +8,12 @@ from dataclasses import replace
 
 import torch
 
-from scaletrain.config import Config
+from scaletrain.batch import settle, with_micro_batch
+from scaletrain.config import AUTO_MICRO_BATCH, Config
 from scaletrain.distributed import World
 from scaletrain.errors import UserError
 from scaletrain.models import ModelSpec
+from scaletrain.parallel import dims_for
 from scaletrain.plan.hardware import KNOWN_GPUS, Device, this_cpu
 from scaletrain.plan.planner import fmt, make_plan
 
@@ -28,24 +30,27 @@ def runtime_device(world: World, local_ranks: int) -> Device:
 
 
 def plan_run(cfg: Config, world: World, model: ModelSpec) -> tuple[Config, list[str]]:
-    """(config with the strategy resolved, lines to log). Errors only when auto finds nothing."""
+    """(config with the strategy and the micro-batch resolved, the global batch fixed, lines
+    to log). Errors only when auto finds nothing."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
     nodes = max(1, world.world_size // local)
     device = runtime_device(world, local)
     auto = cfg.parallel.strategy == "auto"
-    if not auto and not world.is_main:
+    auto_batch = cfg.train.micro_batch == AUTO_MICRO_BATCH
+    cfg = settle(cfg, dims_for(cfg.parallel, world.world_size).dp_size)  # the global batch every layout keeps
+    if not (auto or auto_batch or world.is_main):
         # Only rank 0 prints the plan; tracing activations (FakeTensorMode) costs each
         # process ~1 s (it imports torch._dynamo). With auto every rank needs the choice.
         return cfg, []
     try:
-        plan = make_plan(cfg, model, world.world_size, nodes, device, all_strategies=auto)
+        plan = make_plan(cfg, model, world.world_size, nodes, device, all_strategies=auto, as_configured=not auto)
     except UserError as e:
-        if auto:
+        if auto or auto_batch:
             raise
         return cfg, [f"plan: warning: {e}"]
     chosen, lines = plan.chosen, []
+    s = chosen.setup
     if auto:
-        s = chosen.setup
         parallel = cfg.parallel.model_copy(
             update=dict(
                 strategy=s.strategy,
@@ -61,10 +66,18 @@ def plan_run(cfg: Config, world: World, model: ModelSpec) -> tuple[Config, list[
                 auto_choice="; ".join(plan.reasons),
             )
         )
-        # A tp / pp layout keeps the global batch: its fewer data-parallel ranks accumulate more.
-        train = cfg.train.model_copy(update={"grad_accum": s.grad_accum})
-        cfg = cfg.model_copy(update={"parallel": parallel, "train": train})
+        cfg = cfg.model_copy(update={"parallel": parallel})
         lines.append(f"plan: parallel.strategy=auto -> {s.label}: " + "; ".join(plan.reasons))
+    elif not chosen.fits:
+        lines.append("plan: warning: " + "; ".join(plan.reasons))
+    if auto or (auto_batch and chosen.fits):
+        # The layout's own micro-batch at the global batch: a tp / pp layout's fewer
+        # data-parallel ranks accumulate more; a searched micro-batch, smaller ones more often.
+        cfg = with_micro_batch(cfg, s.dp, s.micro_batch, plan.batch_choice or cfg.train.batch_choice)
+        if plan.batch_choice and not auto:
+            lines.append(f"plan: {plan.batch_choice}")
+    elif auto_batch:
+        raise UserError(f"train.micro_batch=auto: {'; '.join(plan.reasons)}")
     m = chosen.memory
     lines.append(
         f"plan: predicted peak {fmt(m.peak)} per device at {m.peak_phase} (of {fmt(device.memory)}): "

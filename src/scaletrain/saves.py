@@ -41,6 +41,9 @@ from scaletrain.parallel import ParallelDims
 from scaletrain.rundir import RunPaths
 from scaletrain.telemetry import MetricsLog
 
+# How long a rank that must leave at once (out of memory) lets the save in flight complete.
+LET_FINISH_S = 120.0
+
 
 @dataclass
 class Saves:
@@ -124,6 +127,13 @@ class Saves:
         self._pending = None
         pending.wait()
         self._event(pending.step, True, blocking, waited, pending.finished - start)
+
+    def let_finish(self, timeout_s: float = LET_FINISH_S) -> None:
+        """Before this rank leaves without teardown (oom.py): the save in flight may still
+        complete (its collectives run on a group of their own, beside training's), so that
+        the work up to it is kept; an error or the timeout leaves it without its marker."""
+        if self._pending is not None:
+            self._pending[0].join(timeout_s)
 
     def roll_back(self) -> TrainerState:
         """Collective, train.nonfinite=rollback: the newest valid checkpoint back into the

@@ -22,14 +22,14 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from scaletrain import checkpoint
+from scaletrain import checkpoint, oom
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
 from scaletrain.data import PackedTokens, RankBatches, ensure_prepared, resolve_dataset_dir
 from scaletrain.distributed import World, all_hostnames, init_distributed, rank0_first, shutdown
 from scaletrain.engines import Engine, build_engine
-from scaletrain.errors import Preempted, UserError
+from scaletrain.errors import OutOfMemoryRestart, Preempted, UserError
 from scaletrain.faults import Drills
 from scaletrain.guards import ReplicaCheck, Watchdog
 from scaletrain.models import ModelSpec, distill_spec, model_spec
@@ -86,11 +86,20 @@ class Run:
 
 
 def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
-    with ExitStack() as stack:
-        run = start(cfg, world, console, stack)
-        first, clock = run.step, time.perf_counter()
-        loop(run)
-    summary = {"run_dir": str(run.paths.root), "steps": run.step, "steps_this_run": run.step - first}
+    first, clock = None, time.perf_counter()
+    while True:
+        try:
+            with ExitStack() as stack:
+                run = start(cfg, world, console, stack)
+                first = run.step if first is None else first
+                loop(run)
+            break
+        except OutOfMemoryRestart:  # one process: again from the newest checkpoint, smaller micro-batches (oom.py)
+            pass
+        gc.collect()  # the failed attempt's tensors, held by reference cycles, before the next one allocates
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    summary = {"run_dir": str(run.paths.root), "steps": run.step, "steps_this_run": run.step - (first or 0)}
     summary["elapsed_s"] = time.perf_counter() - clock
     if world.is_main:
         print_run_summary(console, run.paths, summary, run.resumed_from)
@@ -123,12 +132,23 @@ def train_step(run: Run) -> bool:
     t0 = time.perf_counter()
     step = run.step + 1
     lr = lr_at(run.step, run.cfg.train, run.peak_lr)
-    with run.telemetry.step(step) as mark:
-        batch = run.batches.next_step()
-        mark("data")
-        loss = run.engine.forward_backward(batch, run.drills.loss(step, run.loss), mark)
-        stats = run.engine.step(lr)  # a non-finite step is not applied, whatever the policy
-        mark("optimizer")
+    phase = Phase()
+    try:
+        with run.telemetry.step(step) as mark:
+            batch = run.batches.next_step()
+            mark("data")
+            loss = run.engine.forward_backward(batch, run.drills.loss(step, run.loss), phase.marking(mark))
+            phase.now = "optimizer"
+            stats = run.engine.step(lr)  # a non-finite step is not applied, whatever the policy
+            mark("optimizer")
+    except torch.OutOfMemoryError as e:
+        w = run.world
+        oom.survive(run.cfg, run.paths.root, w.world_size, w.rank, run.batches.dp_size, step, phase.now, e, run.saves.let_finish)
+        raise  # not reached: survive() ends this attempt
+    except RuntimeError:  # a collective failed: because a peer ran out of memory and left?
+        if run.world.world_size > 1 and oom.peer_ran_out(run.paths.root, step):
+            oom.exit_with_peer(run.saves.let_finish)
+        raise
     run.step, run.tokens_seen = step, run.tokens_seen + run.tokens_per_step
     run.watchdog.beat(step)
     roll_back = run.guard.check(loss, stats.grad_norm, step, run.saves.newest)
@@ -139,6 +159,22 @@ def train_step(run: Run) -> bool:
         tokens=run.tokens_seen, **scaler, **run.guard.counters(),
     )  # fmt: skip
     return roll_back
+
+
+class Phase:
+    """Which phase of the step is running: the engine marks each one's end."""
+
+    AFTER = {"forward": "backward", "backward": "forward"}  # the next micro-batch's forward
+
+    def __init__(self) -> None:
+        self.now = "forward"
+
+    def marking(self, mark: Any) -> Any:
+        def marked(phase: str) -> None:
+            self.now = self.AFTER.get(phase, phase)
+            mark(phase)
+
+        return marked
 
 
 def roll_back(run: Run) -> None:
@@ -184,6 +220,8 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     peak_lr = scaled_lr(cfg.train, global_batch)
     telemetry = Telemetry(cfg, world, dims.dp_size, hosts, spec.flops_per_token(cfg.data.seq_len), paths.root, metrics, step)
     stack.callback(telemetry.close)
+    if main:
+        oom.log_new(paths.root, telemetry.event)
     about, lines = engine.describe()  # e.g. a pipeline's stages
     if main:
         for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON
@@ -210,7 +248,9 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     )
     # A clean stop (the end, a preemption, a one-line error agreed by every rank) lets the
     # checkpoint in flight complete; a crash does not wait for it (it stays without its marker).
-    stack.push(lambda kind, *_: saves.wait() if kind is None or issubclass(kind, (UserError, Preempted)) else None)
+    stack.push(
+        lambda kind, *_: saves.wait() if kind is None or issubclass(kind, (UserError, Preempted, OutOfMemoryRestart)) else None
+    )
     stack.callback(watchdog.close)  # first: a long wait at the end is no hang
     replicas = ReplicaCheck(world, engine.name, cfg.guards.weight_hash_every, hosts, dims)
     drills = Drills(lambda: engine.model, saves.wait, lambda: watch.signum != 0)
@@ -236,6 +276,8 @@ def _checked_plan(
     distill = distill_spec(cfg, spec)  # model.teacher, checked against the student
     cfg, notes = plan_run(cfg, world, spec)  # resolves strategy=auto
     dims = dims_for(cfg.parallel, world.world_size)
+    cfg, remembered = oom.remembered(cfg, paths.root, dims.dp_size)  # a smaller micro-batch after an OOM
+    notes += remembered
     if resume_from is not None:
         notes += check_resume(resume_from, cfg, spec, data.fingerprint, dims.dp_size)
     if world.is_main:

@@ -176,6 +176,10 @@ class PendingSave:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def join(self, timeout_s: float) -> None:
+        """Until the writing ended or `timeout_s` passed, whatever it raised."""
+        self._thread.join(timeout_s)
+
     def wait(self) -> None:
         """Until the marker is written; raises what the writing raised."""
         self._thread.join()

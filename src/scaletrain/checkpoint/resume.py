@@ -23,7 +23,7 @@ from scaletrain.errors import UserError
 # Config keys that change the meaning of the data position (besides the fingerprint).
 _DATA_KEYS = ("data.seq_len", "train.seed")
 # Keys that are not settings of the run (where it lives; what auto chose last time).
-_IGNORED = ("run.dir", "train.resume", "parallel.auto_choice")
+_IGNORED = ("run.dir", "train.resume", "parallel.auto_choice", "train.batch_choice")
 
 
 def check_config(path: Path, cfg: Config, saved_state: TrainerState, model: dict[str, Any], data_fingerprint: str) -> list[str]:

@@ -7,10 +7,12 @@ point is a ranking between strategies on the same model, not a promise of wall t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, is_dataclass, replace
 from typing import Any
 
-from scaletrain.config import Config
+from scaletrain.batch import described, micro_batches, settle
+from scaletrain.config import AUTO_MICRO_BATCH, Config
 from scaletrain.errors import UserError
 from scaletrain.models.factory import distill_spec
 from scaletrain.models.spec import ModelSpec, with_fields
@@ -42,6 +44,9 @@ class Candidate:
     why_not: str = ""
     tp_comm_bytes: float = 0.0  # of comm_bytes: tensor parallel's own, inside a node
     pp_comm_bytes: float = 0.0  # of comm_bytes: pipeline activations between stages
+    # Not fitting at the configured micro-batch: the same setup at the largest smaller one
+    # that fits, at the same global batch (also among the plan's candidates).
+    smaller: Candidate | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -53,6 +58,9 @@ class Candidate:
             "pp_comm_bytes_per_step": self.pp_comm_bytes,
             "step_time_s": self.step_time,
             "why_not": self.why_not,
+            "micro_batch": self.setup.micro_batch,
+            "grad_accum": self.setup.grad_accum,
+            "fits_with_micro_batch": self.smaller.setup.micro_batch if self.smaller else None,
         }
 
 
@@ -67,6 +75,7 @@ class Plan:
     reasons: list[str]
     max_micro_batch: int
     notes: list[str] = field(default_factory=list)
+    batch_choice: str = ""  # why the chosen micro-batch, when the planner chose it
 
     def as_dict(self) -> dict:
         return {
@@ -79,6 +88,9 @@ class Plan:
             "chosen_strategy": self.chosen.setup.strategy,
             "reasons": self.reasons,
             "max_micro_batch": self.max_micro_batch,
+            "micro_batch": self.chosen.setup.micro_batch,
+            "grad_accum": self.chosen.setup.grad_accum,
+            "batch_choice": self.batch_choice,
             "notes": self.notes,
             "candidates": [c.as_dict() for c in self.candidates],
         }
@@ -277,8 +289,10 @@ def make_plan(
     if world < 1 or nodes < 1 or world % nodes:
         raise UserError(f"{world} devices cannot be split over {nodes} nodes; accepted: devices per node x nodes")
     usable = device.memory * (1 - headroom)
+    cfg = settle(cfg, dims_for(cfg.parallel, world).dp_size)  # the global batch every layout keeps
+    judge = lambda s: evaluate(model, s, cfg, device, nodes, usable, cpu_per_node)  # noqa: E731
     setups = setups_for(cfg, world, nodes, all_strategies, model)
-    candidates = [evaluate(model, s, cfg, device, nodes, usable, cpu_per_node) for s in setups]
+    candidates = _micro_batch_search([judge(s) for s in setups], judge, cfg.train.micro_batch == AUTO_MICRO_BATCH)
     fitting = [c for c in candidates if c.fits]
     as_configured = as_configured and cfg.parallel.strategy != "auto"
     if not fitting and not (as_configured and all_strategies):
@@ -290,11 +304,76 @@ def make_plan(
     else:
         assert best is not None
         chosen, reasons = best, _reasons(best, candidates)
-    plan = Plan(world, nodes, device, usable, candidates, chosen, reasons, 0)
+    batch_choice = _why_micro_batch(chosen, cfg.train.micro_batch, cfg.train.global_batch or 0)
+    plan = Plan(world, nodes, device, usable, candidates, chosen, reasons + batch_choice, 0)
+    plan.batch_choice = batch_choice[0] if batch_choice else ""
     plan.max_micro_batch = largest_micro_batch(model, chosen.setup, usable)
     plan.notes += _what_cp_buys(chosen, cfg.data.seq_len)
     plan.notes += _what_chunking_buys(model, chosen)
     return plan
+
+
+def _micro_batch_search(candidates: list[Candidate], judge: Callable[[Setup], Candidate], auto: bool) -> list[Candidate]:
+    """train.micro_batch=auto: each candidate at the largest micro-batch that fits it (at
+    the smallest one when none does, the closest it comes). A number: a candidate that
+    does not fit at it keeps its place, and the same setup at the largest smaller
+    micro-batch that fits follows it. Always at the same global batch: grad_accum grows
+    as the micro-batch shrinks, so what the run computes stays the same."""
+    out = []
+    for c in candidates:
+        if c.fits and not auto:
+            out.append(c)
+            continue
+        s = c.setup
+        options = [b for b in micro_batches(s.micro_batch * s.grad_accum, s.pp, s.pp_schedule) if b <= s.micro_batch]
+        found = _largest_fitting(s, options, judge)
+        if auto:
+            out.append(found or judge(at_micro_batch(s, options[-1])))
+            continue
+        c.smaller = found
+        out += [c, found] if found else [c]
+    return out
+
+
+def at_micro_batch(s: Setup, micro_batch: int) -> Setup:
+    """`s` at another micro-batch, each rank taking as many sequences per step as before."""
+    return replace(s, micro_batch=micro_batch, grad_accum=s.micro_batch * s.grad_accum // micro_batch, searched=True)
+
+
+def _largest_fitting(s: Setup, options: list[int], judge: Callable[[Setup], Candidate]) -> Candidate | None:
+    """`s` at the largest of `options` (largest first) that fits: memory grows with the
+    micro-batch, so a bisection finds it."""
+    lo, hi, best = 0, len(options), None  # options[:lo] do not fit; the answer is in options[lo:hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        c = judge(at_micro_batch(s, options[mid]))
+        if c.fits:
+            best, hi = c, mid
+        else:
+            lo = mid + 1
+    return best
+
+
+def _why_micro_batch(chosen: Candidate, configured: int, global_batch: int) -> list[str]:
+    s = chosen.setup
+    at = described(s.micro_batch, s.grad_accum, global_batch)
+    if configured == AUTO_MICRO_BATCH and chosen.fits:
+        most = s.micro_batch * s.grad_accum
+        why = "all of a rank's sequences in one micro-batch" if s.grad_accum == 1 else f"the largest of a rank's {most} that fits"
+        return [f"train.micro_batch=auto -> {s.micro_batch}: {why} with {_without_micro_batch(s)}: {at}"]
+    if chosen.smaller is not None:
+        return [
+            f"{_without_micro_batch(s)} fits with {described(chosen.smaller.setup.micro_batch, chosen.smaller.setup.grad_accum, global_batch)}, the same numbers (smaller micro-batches, more of them)"
+        ]
+    if s.searched and s.micro_batch < configured:
+        return [
+            f"nothing fits at train.micro_batch={configured}: {_without_micro_batch(s)} fits with {at}, the same numbers (smaller micro-batches, more of them)"
+        ]
+    return []
+
+
+def _without_micro_batch(s: Setup) -> str:
+    return replace(s, searched=False).label
 
 
 def _what_chunking_buys(model: ModelSpec, chosen: Candidate) -> list[str]:
@@ -422,8 +501,14 @@ def _nothing_fits(
     usable: float,
     cpu_per_node: float | None,
 ) -> str:
+    # The closest each comes: at the smallest micro-batch the global batch allows.
+    candidates = [_at_smallest(c, model, cfg, device, nodes, usable, cpu_per_node) for c in candidates]
     best = min(candidates, key=lambda c: c.memory.peak)
-    msg = f"no strategy fits {world} x {fmt(device.memory)}: the smallest is {best.setup.label} at {fmt(best.memory.peak)} per device"
+    least = described(best.setup.micro_batch, best.setup.grad_accum, cfg.train.global_batch or 0)
+    msg = (
+        f"no strategy fits {world} x {fmt(device.memory)}, even at {least}: the smallest is "
+        f"{_without_micro_batch(best.setup)} at {fmt(best.memory.peak)} per device"
+    )
     if not best.why_not.startswith("needs"):
         msg += f" ({best.why_not})"
     # Grow the job node by node (same devices per node): the first size where anything fits.
@@ -434,9 +519,20 @@ def _nothing_fits(
             if evaluate(model, probe, cfg, device, nodes * more, usable, cpu_per_node).fits:
                 return (
                     msg
-                    + f"; closest feasible: {world * more} devices ({nodes * more} nodes) with {probe.label}, or more memory per device"
+                    + f"; closest feasible: {world * more} devices ({nodes * more} nodes) with {_without_micro_batch(probe)}, "
+                    "or more memory per device"
                 )
     return msg + "; try a smaller model, model.* overrides, or devices with more memory"
+
+
+def _at_smallest(
+    c: Candidate, model: ModelSpec, cfg: Config, device: Device, nodes: int, usable: float, cpu_per_node: float | None
+) -> Candidate:
+    s = c.setup
+    smallest = micro_batches(s.micro_batch * s.grad_accum, s.pp, s.pp_schedule)[-1]
+    if smallest == s.micro_batch:
+        return c
+    return evaluate(model, at_micro_batch(s, smallest), cfg, device, nodes, usable, cpu_per_node)
 
 
 def fmt(nbytes: float) -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.config import Config
+from scaletrain.batch import per_rank
+from scaletrain.config import AUTO_MICRO_BATCH, Config
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel import ParallelDims
 from scaletrain.strategies import TABLE
@@ -31,6 +32,9 @@ class Setup:
     pp: int = 1  # pipeline stages' ranks (fsdp): each holds its stages' blocks (plan/pipeline.py)
     pp_schedule: str = "1f1b"
     teacher: ModelSpec | None = None  # model.teacher: a frozen model beside the trained one
+    # The planner chose the micro-batch (train.micro_batch=auto, or a smaller one than
+    # configured at the same global batch): the label says which.
+    searched: bool = False
 
     @property
     def label(self) -> str:
@@ -49,6 +53,8 @@ class Setup:
             parts.append(f"pp {self.pp} ({self.pp_schedule})")
         if self.activation_checkpointing:
             parts.append("AC")
+        if self.searched:
+            parts.append(f"micro-batch {self.micro_batch}")
         return " + ".join(parts)
 
     @property
@@ -60,10 +66,13 @@ class Setup:
     def from_config(cls, cfg: Config, dims: ParallelDims, teacher: ModelSpec | None = None) -> Setup:
         """The setup a config runs on the layout `dims` (what train, plan and diagnose estimate)."""
         p = cfg.parallel
+        # micro_batch=auto starts from all of a rank's sequences in one micro-batch; the
+        # planner searches down from there (planner.py).
+        auto = cfg.train.micro_batch == AUTO_MICRO_BATCH
         return cls(
             strategy=p.strategy,
             dp=dims.dp_size,
-            micro_batch=cfg.train.micro_batch,
+            micro_batch=per_rank(cfg.train, dims.dp_size) if auto else cfg.train.micro_batch,
             seq_len=cfg.data.seq_len,
             precision=cfg.precision,
             activation_checkpointing=p.activation_checkpointing,
@@ -73,7 +82,7 @@ class Setup:
             reshard_after_forward=p.reshard_after_forward and dims.pp == 1,
             dp_replicate=p.dp_replicate,
             bucket_size=p.bucket_size,
-            grad_accum=cfg.train.grad_accum,
+            grad_accum=1 if auto else cfg.train.grad_accum,
             tp=dims.tp,
             sequence_parallel=p.sequence_parallel,
             pp=dims.pp,
