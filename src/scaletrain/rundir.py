@@ -127,6 +127,14 @@ def write_run_info(
         "versions": versions(),
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "resumed_from": str(resume_from) if resume_from else None,
+        # The batch as run: the global batch stays, the micro-batch may have been chosen
+        # (train.micro_batch=auto, the planner's search) or shrunk after an out-of-memory error.
+        "batch": {
+            "global_batch": cfg.train.global_batch,
+            "micro_batch": cfg.train.micro_batch,
+            "grad_accum": cfg.train.grad_accum,
+            "choice": cfg.train.batch_choice,
+        },
         **(device or {}),  # device_name, peak_flops (+ its source), flops_per_token, device_memory_bytes
     }
     checkpoint.write_atomic(paths.run_info, json.dumps(info, indent=1) + "\n")

@@ -314,6 +314,33 @@ def nonfinite(run: Run) -> list[Finding]:
     return [Finding("warning", "nonfinite", title, evidence, advice)]
 
 
+def out_of_memory(run: Run) -> list[Finding]:
+    """Out-of-memory errors the run survived (oom.py): each cost a restart from a checkpoint."""
+    events = run.events_of("oom")
+    if not events:
+        return []
+    evidence = [
+        f"step {e.get('step')}: rank {e.get('rank')} (host {run.host(int(e.get('rank', 0)))}) in {e.get('phase')} at "
+        f"micro-batch {e.get('micro_batch')} -> continued at {e.get('next_micro_batch')} x grad_accum "
+        f"{e.get('next_grad_accum')} ({'inside the process' if e.get('path') == 'in-process' else 'every rank restarted'})"
+        for e in events
+    ]
+    last = events[-1]
+    n = len(events)
+    return [
+        Finding(
+            "warning",
+            "out_of_memory",
+            f"{n} out-of-memory error{'s' if n != 1 else ''} survived: the run continues at micro-batch "
+            f"{last.get('next_micro_batch')} (global batch {last.get('global_batch')} unchanged)",
+            evidence,
+            "the work since the checkpoint before each was done again; to avoid it, set train.micro_batch to "
+            f"{last.get('next_micro_batch')} from the start (or train.micro_batch=auto with a larger `plan --headroom`), "
+            "or free memory: parallel.activation_checkpointing=true, train.loss_chunk_tokens, a sharding strategy",
+        )
+    ]
+
+
 def checkpoint_blocking(run: Run) -> list[Finding]:
     # The save at the last step stops nothing (the run is over) and no interval holds it.
     last = max((r["step"] for r in run.steps), default=0)
@@ -416,6 +443,7 @@ RULES: tuple[Callable[[Run], list[Finding]], ...] = (
     hang,
     replicas_disagree,
     nonfinite,
+    out_of_memory,
     memory_high,
     straggler,
     comm_bound,
