@@ -24,13 +24,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 # What the tests need besides: the test extras, DeepSpeed's CPU ops compiled once (a JIT
-# build inside the first DeepSpeed test would cost minutes of its timeout), and Debian's
-# chromium, which renders diagnose's report.html in tests/test_diagnose.py: installed where
-# it is absent and apt-get is usable (root); elsewhere that test fails saying what to install.
+# build inside the first DeepSpeed test would cost minutes of its timeout), Debian's
+# libaio-dev, which DeepSpeed's async_io op links for NVMe offload (tests/test_nvme_offload.py;
+# before the ops, which build async_io only where libaio is found), and Debian's chromium,
+# which renders diagnose's report.html in tests/test_diagnose.py. Both are installed where
+# absent and apt-get is usable (root); elsewhere their tests fail saying what to install.
 setup-test: $(VENV)/.installed-test
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	[ -e /usr/include/libaio.h ] || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] || \
+		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q --no-install-recommends libaio-dev || \
+		(apt-get update -q && apt-get install -y -q --no-install-recommends libaio-dev))
 	$(BIN)/python -m scaletrain.engines.deepspeed_ops
 	command -v chromium >/dev/null || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] || \
 		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q --no-install-recommends chromium || \

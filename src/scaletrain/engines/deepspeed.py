@@ -63,13 +63,17 @@ class DeepSpeedEngine(AccumulationWindow):
         self._config_json = to_json(self.ds_config)
 
         deepspeed = _import_deepspeed(world.device)
+        if "nvme" in (cfg.parallel.offload_optimizer, cfg.parallel.offload_params):
+            _require_async_io()
         ensure_process_group(world)
         # It adopts the existing group. It also print()s a line on every start (its shared-
         # memory comm op was loaded); stdout is our progress display, so that line goes.
         with open(os.devnull, "w") as sink, redirect_stdout(sink):
             deepspeed.init_distributed(dist_backend=dist.get_backend())
-        if cfg.precision == "fp16" and world.device.type == "cpu":
-            _allow_fp16_on_cpu()
+        if world.device.type == "cpu":
+            _zero3_keeps_the_model_dtype_on_cpu()
+            if cfg.precision == "fp16":
+                _allow_fp16_on_cpu()
 
         model = spec.build_meta(cfg.data.seq_len)
         if cfg.parallel.activation_checkpointing:
@@ -141,6 +145,17 @@ class DeepSpeedEngine(AccumulationWindow):
             raise UserError(
                 f"checkpoint {path.parent} was written by DeepSpeed ZeRO on {saved} data-parallel ranks and resumes only on "
                 f"{saved}, not {self.dp_size}; accepted: the same number of ranks, or a new run.dir"
+            )
+        if (path / TAG / "offloaded_tensors").is_dir():
+            # DeepSpeed 0.19.8's load_checkpoint, for an optimizer swapped to NVMe, copies the
+            # swapped files back and skips the rest of the ZeRO state (runtime/engine.py:4456:
+            # no _load_zero_checkpoint, so no in-memory partitions, no parameters re-made
+            # from the masters): measured, a resume at step 5 is off from step 6 on (loss
+            # 5.56652 vs 5.56633, step 10 5.5357 vs 5.4619). Refused rather than trained wrong.
+            raise UserError(
+                f"checkpoint {path.parent} was written with parallel.offload_optimizer=nvme, which DeepSpeed 0.19.8 does not "
+                "resume correctly (its load_checkpoint restores only the swapped files, not the rest of the ZeRO state); "
+                "accepted: a new run.dir, or resuming checkpoints of runs with offload_optimizer cpu or none"
             )
         # load_from_fp32_weights (DeepSpeed's default) restores the exact fp32 master
         # partitions, so the resumed run continues bit-exactly.
@@ -406,6 +421,49 @@ def _allow_fp16_on_cpu() -> None:
     accelerator = get_accelerator()
     if not accelerator.is_fp16_supported():
         accelerator.is_fp16_supported = lambda: True
+
+
+def _require_async_io() -> None:
+    """NVMe offload swaps through DeepSpeed's async_io op, which links libaio: without it
+    DeepSpeed fails deep inside initialize (or spends minutes in a JIT build first), so
+    the missing library is named here, before any rank starts work."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible():
+        raise UserError(
+            "parallel.offload_optimizer/offload_params=nvme swap through DeepSpeed's async_io op, which needs libaio "
+            "(its headers and library: Debian `apt-get install libaio-dev`, which `make setup-test` does as root); "
+            "accepted: install it, or offload to cpu"
+        )
+
+
+def _zero3_keeps_the_model_dtype_on_cpu() -> None:
+    """ZeRO-3 partitions the module in the dtype of its parameters, as on CUDA.
+
+    DeepSpeed 0.19.8 (runtime/zero/partition_parameters.py:409, _set_dtype) reads
+    `dtype or torch.float16 if accelerator.is_fp16_supported() else torch.bfloat16 if ...`,
+    which Python groups as `(dtype or fp16) if fp16_supported else bf16`: the dtype ZeRO-3
+    passes (the module's, runtime/zero/parameter_offload.py:167) is dropped wherever fp16
+    is unsupported, as on DeepSpeed's CPU accelerator without AVX512-FP16. The partitioner
+    then thinks an fp32 model is bf16, and with parallel.offload_params=nvme its parameter
+    swapper (swap_tensor/partitioned_param_swapper.py) stores every swapped partition in
+    bf16: an fp32 run loses 16 bits of each such weight (seen: step-1 loss off by 7e-6,
+    step-4 by 9e-5 against the same run without offload). Honouring the given dtype is
+    what CUDA gets from the same line; without one, DeepSpeed's own choice stands.
+    """
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Init
+
+    original = Init._set_dtype
+    if getattr(original, "keeps_given_dtype", False):
+        return
+
+    def _set_dtype(self: Any, ds_config: Any, dtype: torch.dtype | None) -> None:
+        original(self, ds_config, dtype)
+        if dtype is not None:
+            self.dtype = dtype
+
+    _set_dtype.keeps_given_dtype = True  # type: ignore[attr-defined]
+    Init._set_dtype = _set_dtype
 
 
 def _replay_cpu_adam_steps(optimizer: Any) -> None:

@@ -1,8 +1,10 @@
 """`python -m scaletrain.engines.deepspeed_ops`: compile DeepSpeed's CPU ops ahead of time.
 
-DeepSpeed JIT-compiles its C++ ops (the shared-memory comm op, FusedAdam, DeepSpeedCPUAdam)
-the first time a run needs them: minutes on a small machine, spent inside the first
-training run. `make setup` calls this once so runs start at full speed; the builds are
+DeepSpeed JIT-compiles its C++ ops (the shared-memory comm op, FusedAdam, DeepSpeedCPUAdam,
+and async_io for NVMe offload) the first time a run needs them: minutes on a small machine
+(async_io with its pin_memory op alone ~3 min on 2 cores), spent inside the first training
+run. async_io links libaio and is built only where libaio-dev is installed (`make
+setup-test` installs it as root); elsewhere nvme offload is refused with that message. `make setup` calls this once so runs start at full speed; the builds are
 cached in TORCH_EXTENSIONS_DIR (inside the virtual environment: see scaletrain/__init__.py).
 On a CUDA machine there is nothing to do here: the CUDA ops are built by DeepSpeed for the
 GPU it finds.
@@ -50,12 +52,19 @@ def main() -> int:
     for lock in clear_stale_locks():
         print(f"deepspeed ops: removed {lock}, left by a build that was killed")
     from deepspeed.ops.op_builder.cpu import (
+        AsyncIOBuilder,
         CPUAdamBuilder,
         FusedAdamBuilder,
         ShareMemCommBuilder,
     )
 
-    for builder in (ShareMemCommBuilder, FusedAdamBuilder, CPUAdamBuilder):
+    builders = [ShareMemCommBuilder, FusedAdamBuilder, CPUAdamBuilder]
+    # is_compatible: a test program that links libaio's io_submit compiles (about a second).
+    if AsyncIOBuilder().is_compatible():
+        builders.append(AsyncIOBuilder)  # its load() builds the pin_memory op it needs first
+    else:
+        print("deepspeed ops: async_io skipped: libaio not found (Debian: apt-get install libaio-dev); nvme offload unavailable")
+    for builder in builders:
         t0 = time.perf_counter()
         builder().load(verbose=False)
         print(f"deepspeed ops: {builder.__name__.removesuffix('Builder')} ready ({time.perf_counter() - t0:.0f} s)")
