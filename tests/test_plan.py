@@ -130,9 +130,10 @@ def test_model_states_match_deepspeeds_own_estimators():
             setup = zero_setup("zero3", n, offload_optimizer=optim, offload_params=params)
             m = estimate(spec, setup)
             # Gathered layer: 4 bytes x largest layer, as DeepSpeed's estimator; we also count the
-            # gradient reduce bucket, which DeepSpeed allocates at full size (measured) and its
-            # estimator leaves out.
-            assert engine_buffers(spec, setup) == pytest.approx(ds_layer + 4 * setup.bucket_size)
+            # gradient reduce bucket, which DeepSpeed allocates at full size in the communication
+            # dtype (bf16 here: stage3.py's ipg_buckets; measured 95.4 MiB for 5e7 elements) and
+            # its estimator leaves out.
+            assert engine_buffers(spec, setup) == pytest.approx(ds_layer + 2 * setup.bucket_size)
             # We also keep tensors under DeepSpeed's persistence threshold whole on every rank (the
             # norm weights here), which its estimator does not model: take that term out.
             small = sum(k for k in spec.counts().numels if k < TABLE["zero3"].persistence_threshold)

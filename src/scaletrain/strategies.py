@@ -87,10 +87,12 @@ class Strategy:
     # ZeRO-1/2 flatten their gradient partition into fp32 for the optimizer step.
     fp32_grad_partition: bool = False
     # Gradients that outlive zero_grad: "distributed" for DDP's bucket views (a wrapper
-    # exists only at world > 1), "always" for DeepSpeed's partitions, "never" otherwise.
+    # exists only at world > 1), "always" for ZeRO-3's flat gradient partition, "never"
+    # otherwise (ZeRO-1/2 free their partition in backward's epilogue and step()).
     grads_persist: Literal["never", "always", "distributed"] = "never"
     # What the engine holds besides model states: FSDP's gathered units, ZeRO-3's gathered
-    # module plus its reduce bucket, ZeRO-1/2's bucket (copies: 2 with overlap_comm).
+    # module plus its reduce bucket (resident), ZeRO-1/2's reduce buckets (copies: 2 with
+    # overlap_comm), which exist only from backward's first gradient to its end.
     buffers: Literal["none", "fsdp_units", "zero3_gather", "buckets"] = "none"
     bucket_copies: int = 0
     # Tensors below DeepSpeed's stage3_param_persistence_threshold stay whole on every rank.
@@ -174,7 +176,7 @@ TABLE: dict[str, Strategy] = {
                 optimizer_bytes=12.0,
                 fp32_grads=stage == 3,
                 fp32_grad_partition=stage < 3,
-                grads_persist="always" if stage > 1 else "never",
+                grads_persist="always" if stage == 3 else "never",
                 buffers="zero3_gather" if stage == 3 else "buckets",
                 bucket_copies=2 if stage == 2 else 1,  # overlap_comm (stage 2) double-buffers
                 persistence_threshold=100_000 if stage == 3 else 0,

@@ -2,10 +2,13 @@
 
 Model states follow the ZeRO paper's recipe (arXiv 1910.02054) with the bytes each engine
 really stores; activations come from tracing the real block (activations.py). The peak is
-the larger of two moments, both seen in measurements (docs/planner.md):
+the largest of these moments, each seen in measurements (docs/planner.md):
   backward start: resident states + every saved activation + the loss's fp32 temporaries
+  first gradient: (ZeRO-1/2) resident states + every block's activations + the reduce buckets,
+                  allocated when the first gradient arrives
   backward end:   resident states + all gradients + the embedding's dense gradient temporaries
-  optimizer step: resident states + all gradients + the optimizer's temporary
+  optimizer step: resident states + all gradients + the optimizer's temporary (ZeRO-1/2:
+                  the gradient partition, its flat copy and that copy in fp32)
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class Memory:
     loss: float  # final norm + logits + loss saved tensors and their fp32 gradient temporaries
     buffers: float  # engine buffers: gathered FSDP units, DeepSpeed buckets, optimizer temporaries
     peak: float
-    peak_phase: str  # "backward start" or "optimizer step"
+    peak_phase: str  # the moment of the peak: a key of estimate()'s phases ("backward start", ...)
     cpu: float  # host memory for offloaded optimizer state / parameters
 
     def as_dict(self) -> dict[str, float | str]:
@@ -95,6 +98,10 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
 
     act, loss, recompute = _activations(model, s)
     buffers = engine_buffers(model, s) / s.tp
+    # ZeRO-1/2's reduce buckets live inside backward only (engine_buffers says when): they
+    # are not resident, and join only the phases from the first gradient to backward's end.
+    buckets = buffers if row.buffers == "buckets" else 0.0
+    buffers -= buckets
     if s.teacher is not None:
         teacher_weights, teacher_buffers = teacher_bytes(s.teacher, s)
         params += teacher_weights
@@ -103,26 +110,43 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
         # for backward, beside the cross entropy's own: two more fp32 logit-sized tensors.
         loss += 2.0 * s.micro_batch * s.seq_len * model.vocab_size * 4.0
     # Gradients that persist between steps: DDP's bucket views (only with a DDP wrapper,
-    # world > 1) and DeepSpeed's partitions. Otherwise zero_grad frees them every step.
-    # (ZeRO-1 reduces full gradients through its bucket at the boundary and keeps none.)
+    # world > 1) and ZeRO-3's flat gradient partition. Otherwise they are freed every step:
+    # by zero_grad, or (ZeRO-1/2) by DeepSpeed itself, which drops its gradient partition in
+    # _release_ipg_buffers at backward's end and the averaged gradients in step().
     persistent = row.grads_persist == "always" or (row.grads_persist == "distributed" and s.dp > 1)
     persistent_grads = grads if persistent else 0.0
     transient_grads = grads - persistent_grads
     resident = params + optim + buffers + persistent_grads
     # The embedding's gradient is dense (vocab x dim) and is produced, then added to the
     # (tied or own) gradient, unsharded: two such temporaries at the end of backward.
-    embedding_temp = 2.0 * model.vocab_size * model.hidden_size * (4.0 if row.fp32_module else w) / s.tp
+    head_grad = model.vocab_size * model.hidden_size * (4.0 if row.fp32_module else w) / s.tp
+    embedding_temp = 2.0 * head_grad
     # torch's single-tensor / fused AdamW step allocates at most one parameter-sized
-    # temporary; DeepSpeed's steps over the fp32 gradient partition.
-    step_temp = 4.0 * model.counts().largest / s.tp if row.fp32_module else fp32_grad_partition
+    # temporary.
+    step_grads = transient_grads
+    step_temp = 4.0 * model.counts().largest / s.tp if row.fp32_module else 0.0
+    if row.buffers == "buckets" and s.offload_optimizer == "none":
+        # ZeRO-1/2's step() (stage_1_and_2.py) holds only this rank's gradient partition in
+        # the weights' dtype (averaged_gradients, views of grads_in_partition; ZeRO-1's whole
+        # gradients were freed at backward's end), flattens it into a new tensor and converts
+        # that to fp32 for the optimizer (`.to` is a no-op in fp32 runs): 8 bytes per
+        # partitioned parameter in fp32 and in bf16 alike.
+        step_grads = w * n_train / shard / s.tp
+        step_temp = step_grads + (fp32_grad_partition if w < 4.0 else 0.0)
     phases = {
         "backward start": (resident + act + loss, 0.0),
         # Activation checkpointing: one block's activations are rebuilt later in backward,
         # once the loss temporaries are gone; count every gradient as already there (upper bound).
-        "block recompute": (resident + act + recompute + transient_grads, 0.0),
-        "backward end": (resident + transient_grads + embedding_temp, embedding_temp),
-        "optimizer step": (resident + transient_grads + step_temp, step_temp),
+        "block recompute": (resident + act + recompute + transient_grads + buckets, buckets),
+        "backward end": (resident + transient_grads + embedding_temp + buckets, embedding_temp + buckets),
+        "optimizer step": (resident + step_grads + step_temp, step_temp),
     }
+    if buckets:
+        # DeepSpeed allocates the buckets in the first gradient hook (setup_buckets, from
+        # process_gradients), once the loss and the head have run backward: the loss's
+        # temporaries are gone, every block's activations and the head's weight gradient
+        # (vocab x dim) are there.
+        phases["first gradient"] = (resident + act + head_grad + buckets, head_grad + buckets)
     phase = max(phases, key=lambda k: phases[k][0])
     peak, extra = phases[phase]
     return Memory(params, grads, optim, act, loss, buffers + extra, peak, phase, cpu)
@@ -217,10 +241,17 @@ def engine_buffers(model: ModelSpec, s: Setup) -> float:
         return float((root_params + 2 * block_params) * gathered)
     if row.buffers == "zero3_gather":
         # DeepSpeed gathers per module; its estimator: 4 bytes x the largest layer. Plus the
-        # gradient reduce bucket, allocated at full size (measured: one, fp32).
-        return float(4 * model.counts().largest + s.bucket_size * 4)
+        # gradient reduce bucket: stage3.py's __init__ allocates one per communication dtype
+        # (the weights' dtype: bf16 in bf16 runs), at the full reduce_bucket_size whatever the
+        # model's size, and keeps it for the whole run.
+        return float(4 * model.counts().largest + s.bucket_size * weight_bytes)
     if row.buffers == "buckets":
-        # DeepSpeed allocates its gradient bucket at full size whatever the model's size
-        # (measured); with overlap_comm (stage 2) it double-buffers.
+        # ZeRO-1/2 (stage_1_and_2.py, setup_buckets): each backward's first gradient hook
+        # allocates the reduce bucket with torch.empty at the full reduce_bucket_size, no min()
+        # with the model's or the partition's size, in _gradient_reduction_buffer_dtype(): the
+        # weights' dtype (grad_accum_dtype defaults to it); with overlap_comm (stage 2) a second
+        # one to double-buffer, allocated even when the first is never filled. The epilogue
+        # (independent_gradient_partition_epilogue -> _release_ipg_buffers) frees them at the
+        # end of backward: estimate() counts them in backward's phases only.
         return float(s.bucket_size * weight_bytes * row.bucket_copies)
     return 0.0
