@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from scaletrain.config import Config, load_config, split_args
+from scaletrain.config import AUTO_MICRO_BATCH, Config, load_config, split_args
 from scaletrain.errors import UserError
 from scaletrain.strategies import STRATEGIES
 
@@ -54,6 +54,8 @@ def check_measurable(cfg: Config) -> None:
     """What --measure cannot run, said before anything is imported or started."""
     if cfg.parallel.strategy == "auto":
         raise UserError(f"--measure needs a concrete parallel.strategy ({', '.join(STRATEGIES)}), not auto")
+    if cfg.train.micro_batch == AUTO_MICRO_BATCH:
+        raise UserError("--measure needs a concrete train.micro_batch, not auto (plan without --measure says which fits)")
     if cfg.model.trainable:
         # MemTracker registers a gradient hook on every parameter: a frozen one refuses it.
         raise UserError(

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from scaletrain.batch import settle
 from scaletrain.cli.console import console
 from scaletrain.config import Config
 from scaletrain.distributed import init_distributed, shutdown
@@ -46,6 +47,7 @@ def measure(cfg: Config, as_json: bool) -> int:
             if world.device.type == "cpu"
             else gpu(None, f"{torch.cuda.get_device_properties(world.device).total_memory}B")
         )
+        cfg = settle(cfg, dims_for(cfg.parallel, world.world_size).dp_size)  # grad_accum from train.global_batch
         setup = setups_for(cfg, world.world_size, 1, False)[0]
         predicted = evaluate(model, setup, cfg, device, 1, device.memory, None).memory.as_dict()
         measured = measure_peak(cfg, world, model)
