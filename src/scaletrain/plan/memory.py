@@ -23,6 +23,13 @@ from scaletrain.plan.pipeline import gathered_stage_bytes, in_flight, rank_share
 from scaletrain.plan.setup import Setup
 from scaletrain.strategies import TABLE
 
+# ZeRO-Infinity's page-locked host buffers (DeepSpeed 0.19.8 defaults, which the generated
+# config keeps): offload_param buffer_count x buffer_size elements, offload_optimizer
+# buffer_count sub-group partitions, ZeRO-3's sub_group_size.
+NVME_PARAM_BUFFERS = 5 * 100_000_000
+NVME_OPTIMIZER_BUFFERS = 4
+ZERO3_SUB_GROUP = 1_000_000_000
+
 
 @dataclass(frozen=True)
 class Memory:
@@ -36,7 +43,8 @@ class Memory:
     buffers: float  # engine buffers: gathered FSDP units, DeepSpeed buckets, optimizer temporaries
     peak: float
     peak_phase: str  # the moment of the peak: a key of estimate()'s phases ("backward start", ...)
-    cpu: float  # host memory for offloaded optimizer state / parameters
+    cpu: float  # host memory for offloaded optimizer state / parameters, and NVMe offload's swap buffers
+    nvme: float = 0.0  # bytes per device in parallel.nvme_path's swap files (ZeRO-Infinity)
 
     def as_dict(self) -> dict[str, float | str]:
         return asdict(self)
@@ -83,18 +91,35 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
     # (DeepSpeed's estimators count it as "4 bytes grads_32bit").
     fp32_grad_partition = 4.0 * n_train / shard if row.fp32_grad_partition else 0.0
 
-    cpu = 0.0
+    cpu = nvme = 0.0
     if s.offload_optimizer != "none":
         # ZeRO-Offload: fp32 master, moments and the fp32 gradient partition live on the
         # host; reduced gradients go straight there, the device keeps only the buckets.
-        cpu += optim + 4.0 * n_train / shard
+        # To NVMe, the master and moments go to swap files and the host keeps the gradient
+        # partition and the optimizer swapper's page-locked buffers: buffer_count (4) of the
+        # largest sub-group's fp32 partition (sub_group_size 1e9 elements), measured
+        # byte-exact in tests/test_nvme_offload.py for the files.
+        if s.offload_optimizer == "nvme":
+            nvme += optim
+            cpu += 4.0 * n_train / shard + NVME_OPTIMIZER_BUFFERS * 4.0 * min(n_train / shard, ZERO3_SUB_GROUP)
+        else:
+            cpu += optim + 4.0 * n_train / shard
         optim, grads, fp32_grad_partition = 0.0, 0.0, 0.0
     if s.offload_params != "none":
-        cpu += params
+        if s.offload_params == "nvme":
+            # The parameter partitions in the run's dtype and their fp32 gradients go to
+            # swap files; the host page-locks buffer_count x buffer_size elements to read
+            # them back through (DeepSpeed's defaults: 5 x 1e8, whatever the model's size).
+            nvme += params + 4.0 * n_train / shard
+            cpu += NVME_PARAM_BUFFERS * w
+        else:
+            cpu += params
         params = 0.0
     # Tensor parallel splits every matrix (the norms, replicated, are negligible), so each
     # rank's states are 1/tp of its data-parallel shard; so are the gathered units.
-    params, grads, optim, cpu, fp32_grad_partition = (x / s.tp for x in (params, grads, optim, cpu, fp32_grad_partition))
+    params, grads, optim, cpu, nvme, fp32_grad_partition = (
+        x / s.tp for x in (params, grads, optim, cpu, nvme, fp32_grad_partition)
+    )
 
     act, loss, recompute = _activations(model, s)
     buffers = engine_buffers(model, s) / s.tp
@@ -149,7 +174,7 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
         phases["first gradient"] = (resident + act + head_grad + buckets, head_grad + buckets)
     phase = max(phases, key=lambda k: phases[k][0])
     peak, extra = phases[phase]
-    return Memory(params, grads, optim, act, loss, buffers + extra, peak, phase, cpu)
+    return Memory(params, grads, optim, act, loss, buffers + extra, peak, phase, cpu, nvme)
 
 
 def teacher_bytes(teacher: ModelSpec, s: Setup) -> tuple[float, float]:

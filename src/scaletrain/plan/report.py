@@ -22,9 +22,13 @@ def print_plan(console: Console, plan: Plan, model: ModelSpec, title: str) -> No
         soft_wrap=True,
     )
     # GiB per device in every memory column; bare numbers keep the table narrow.
-    table = Table(show_lines=False, pad_edge=False, caption="memory in GiB per device; host = offloaded state per device")
+    table = Table(
+        show_lines=False,
+        pad_edge=False,
+        caption="memory in GiB per device; host = offloaded state (and swap buffers) per device, nvme = its swap files",
+    )
     table.add_column("strategy", no_wrap=True)
-    for col in ("params", "grads", "optim", "activ", "loss", "buffers", "peak", "host", "comm/step", "s/step", "fits"):
+    for col in ("params", "grads", "optim", "activ", "loss", "buffers", "peak", "host", "nvme", "comm/step", "s/step", "fits"):
         table.add_column(col, justify="right", no_wrap=True)
     for c in sorted(plan.candidates, key=lambda c: (not c.fits, c.step_time)):
         m = c.memory
@@ -34,6 +38,7 @@ def print_plan(console: Console, plan: Plan, model: ModelSpec, title: str) -> No
             c.setup.label,
             *(f"{gib(v):.1f}" for v in (m.params, m.grads, m.optimizer, m.activations, m.loss, m.buffers, m.peak)),
             f"{gib(m.cpu):.1f}" if m.cpu else "-",
+            f"{gib(m.nvme):.1f}" if m.nvme else "-",
             f"{gib(c.comm_bytes):.1f}" if c.comm_bytes else "-",
             f"{c.step_time:.3g}",
             mark,
