@@ -23,7 +23,10 @@ from scaletrain.errors import UserError
 from scaletrain.models.params import canonical_name
 
 # DeepSpeed writes each checkpoint into <state>/<tag>/; one fixed tag, because our step
-# directories already name the step, and no "latest" file: our COMPLETE marker decides.
+# directories already name the step. Beside it, as DeepSpeed does, a file `latest` holding
+# the tag: DeepSpeed's own tools (zero_to_fp32.py, copied into state/) read the tag from it.
+# Our readers name the tag themselves, so checkpoints written before `latest` existed still
+# resume and export; which checkpoint is whole is decided by our COMPLETE marker alone.
 DEEPSPEED_TAG = "zero"
 
 

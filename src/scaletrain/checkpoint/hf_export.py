@@ -33,6 +33,17 @@ from scaletrain.models.presets import ModelShape
 from scaletrain.models.spec import LlamaSpec, ModelSpec
 
 DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16"), "fp16": (torch.float16, "F16")}
+
+
+def dtype_note(dtype: str) -> str:
+    """How the summary line names the export's dtype. Checkpoints hold fp32 weights, and an
+    export is bf16 unless asked otherwise (`ckpt export --dtype`): said each time, so a bf16
+    export compared with the fp32 weights (off by up to 2^-9 relative) is not taken for a bad one."""
+    if dtype == "fp32":
+        return "fp32 (the checkpoint's weights exactly)"
+    return f"{dtype}, rounded from the checkpoint's fp32 weights (--dtype fp32 keeps them exactly)"
+
+
 _RENAMES = [
     (r"^tok_embeddings\.", "model.embed_tokens."),
     (r"^norm\.", "model.norm."),

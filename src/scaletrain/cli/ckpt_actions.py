@@ -10,7 +10,7 @@ from pathlib import Path
 
 from scaletrain import checkpoint
 from scaletrain.checkpoint.frozen_base import base_weights, check_base
-from scaletrain.checkpoint.hf_export import export_hf, export_target
+from scaletrain.checkpoint.hf_export import dtype_note, export_hf, export_target
 from scaletrain.checkpoint.lora_export import export_adapter
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.checkpoint.state import FILE, TrainerState
@@ -126,7 +126,7 @@ def export(args: argparse.Namespace) -> int:
     )
     print(
         f"exported {path} ({done['engine']}, step {saved.step}) to {args.out}: {done['tensors']} tensors, "
-        f"{done['bytes']:,} bytes in {done['files']} safetensors file(s), {args.dtype}"
+        f"{done['bytes']:,} bytes in {done['files']} safetensors file(s), {dtype_note(args.dtype)}"
         + ("" if tokenizer else "; no tokenizer (the run's data is gone: pass --tokenizer)")
     )
     return 0

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from scaletrain.diagnose.run import Run, gib, load_run, median_of
+from scaletrain.diagnose.run import Run, gib, hours_unit, load_run, median_of
 from scaletrain.errors import UserError
 
 
@@ -43,6 +43,7 @@ def _row(run: Run, name: str | Path, equal: int | None, why_not: str) -> dict[st
     return {
         "run": str(name),
         "engine": run.engine,
+        "device": run.info.get("device"),  # what its gpu_hours count: cpu runs' are CPU-hours
         "world": run.info.get("world_size"),
         "micro_batch": cfg.train.micro_batch if cfg else None,
         "grad_accum": cfg.train.grad_accum if cfg else None,
@@ -99,7 +100,10 @@ def print_comparison(rows: list[dict[str, Any]], console: Console) -> None:
         ("MFU", lambda r: "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"),
         ("peak memory", lambda r: "-" if r["peak_memory_bytes"] is None else gib(r["peak_memory_bytes"])),
         ("tokens", lambda r: _cell(r["tokens"], "{:,}")),
-        ("GPU-hours per 1B tokens", lambda r: _cell(r["gpu_hours_per_billion_tokens"], "{:.3g}")),
+        (
+            f"{hours_unit([r['device'] for r in rows])} per 1B tokens",
+            lambda r: _cell(r["gpu_hours_per_billion_tokens"], "{:.3g}"),
+        ),
         ("loss at equal tokens *", lambda r: _cell(r["loss_at_equal_tokens"], "{:.4f}")),
     ]
     for label, show in lines:

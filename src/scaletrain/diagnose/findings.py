@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from scaletrain.diagnose.run import Finding, Run, gib, median_of, pct
+from scaletrain.diagnose.run import Finding, Run, gib, hours_unit, median_of, pct
 from scaletrain.errors import UserError
 from scaletrain.strategies import TABLE, Strategy
 
@@ -430,7 +430,7 @@ def summary(run: Run) -> list[Finding]:
     end = run.intervals[-1] if run.intervals else {}
     if end.get("gpu_hours") is not None:
         cost = f", cost {end['cost']:,.2f}" if end.get("cost") is not None else ""
-        evidence.append(f"{end['gpu_hours']:.3g} GPU-hours{cost}")
+        evidence.append(f"{end['gpu_hours']:.3g} {hours_unit([info.get('device')])}{cost}")
     if last.get("loss") is not None:
         evidence.append(f"final loss {last['loss']:.4g}")
     title = f"{run.engine} x {info.get('world_size', '?')}, {info.get('precision', '?')}: {last.get('step', 0)} steps"

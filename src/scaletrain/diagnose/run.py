@@ -133,3 +133,13 @@ def gib(nbytes: float) -> str:
 
 def median_of(rows: list[dict[str, Any]], key: str) -> float | None:
     return _median([r[key] for r in rows if isinstance(r.get(key), int | float)])
+
+
+def hours_unit(devices: list[str | None]) -> str:
+    """What the `gpu_hours` of runs on `devices` (run.json's device type) count: ranks x
+    wall time, so GPU-hours only where every run had GPUs, CPU-hours where every one ran on
+    CPUs (a rank per process there, whatever its cores), device-hours otherwise."""
+    kinds = set(devices)
+    if kinds == {"cuda"}:
+        return "GPU-hours"
+    return "CPU-hours" if kinds == {"cpu"} else "device-hours"

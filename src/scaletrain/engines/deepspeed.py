@@ -132,7 +132,10 @@ class DeepSpeedEngine(AccumulationWindow):
         path.mkdir(parents=True, exist_ok=True)
         # Collective: each rank writes its own partition of optimizer state (and, for
         # ZeRO-3, of the parameters); the fp32 master weights live in those files.
-        self.ds.save_checkpoint(str(path), tag=TAG, save_latest=False, exclude_frozen_parameters=not self.save_frozen)
+        # save_latest: rank 0 writes `latest` (the tag) beside the tag's directory, then all
+        # ranks meet at a barrier, before our manifest hashes state/: DeepSpeed's own tools
+        # (the zero_to_fp32.py copied into the tag's parent, tag=None loads) start from it.
+        self.ds.save_checkpoint(str(path), tag=TAG, save_latest=True, exclude_frozen_parameters=not self.save_frozen)
 
     def load(self, path: Path) -> None:
         saved = _saved_world_size(path)
