@@ -48,7 +48,12 @@ BAD_VALUES = [
     ("train.lr=abc", "train.lr", "'abc'", "expected a valid number"),
     ("train.steps=0", "train.steps", "= 0", "expected a value greater than or equal to 1"),
     ("precision=fp8", "precision", "'fp8'", "expected 'fp32', 'bf16' or 'fp16'"),
-    ("model.preset=huge", "model.preset", "'huge'", "'tiny', 'small', '1b', '7b', '8b', '70b' or '405b'"),
+    (
+        "model.preset=huge",
+        "model.preset",
+        "'huge'",
+        "'tiny', 'small', '1b', '7b', '8b', '70b', '405b', 'tiny-moe', 'mixtral-8x7b' or 'deepseek-moe-16b'",
+    ),
     ("train.micro_batch=2.5", "train.micro_batch", "2.5", "an integer >= 1, or auto"),
     ("train.micro_batch=0", "train.micro_batch", "0", "an integer >= 1, or auto"),
     ("train.micro_batch=auto", "train.micro_batch", "auto", "train.global_batch=N"),

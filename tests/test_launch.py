@@ -86,6 +86,17 @@ def test_demo_default_learns(data_dir, tmp_path):
     print(f"demo loss {trajectory[0]:.3f} -> {trajectory[-1]:.3f}")
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_tiny_moe_learns_in_the_demos_steps(data_dir, tmp_path):
+    # The demo with the mixture-of-experts preset (8 experts, top-2): `scaletrain train
+    # model.preset=tiny-moe`. Measured 8.43 -> 6.50 over these 30 steps.
+    run = tmp_path / "moe"
+    check(train([f"run.dir={run}", f"data.dir={data_dir}", f"train.steps={DEMO_STEPS}", "model.preset=tiny-moe"], timeout=600))
+    trajectory = losses(run)
+    assert trajectory[-1] <= trajectory[0] - 1.0, (trajectory[0], trajectory[-1])
+
+
 def default_config_overrides(data_dir, run_dir) -> list[str]:
     # The embedded default, shortened: only the step count and where files go differ.
     return ["train.steps=4", "checkpoint.every=2", f"data.dir={data_dir}", f"run.dir={run_dir}", "run.device=cpu"]

@@ -10,106 +10,27 @@ from __future__ import annotations
 import difflib
 import math
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_serializer, field_validator, model_validator
 
+from scaletrain.config_model import (  # noqa: F401  # re-exported: the schema's model sections
+    MODEL_PRESETS,
+    MOE_PRESETS,
+    LoraSection,
+    ModelConfig,
+    ModelSource,
+    MoeSection,
+    Section,
+    TeacherConfig,
+)
 from scaletrain.errors import UserError
 from scaletrain.stages import SCHEDULES, schedule_problem
 from scaletrain.strategies import STRATEGIES, TABLE, names_where, said
 
-MODEL_PRESETS = ("tiny", "small", "1b", "7b", "8b", "70b", "405b")
 # train.micro_batch=auto before a run resolves it (scaletrain/batch.py).
 AUTO_MICRO_BATCH = 0
-
-
-class Section(BaseModel):
-    # extra="forbid": a misspelt key is an error, never silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class LoraSection(Section):
-    r: int = Field(8, ge=1)  # rank of the adapters
-    alpha: int = Field(16, ge=1)  # the adapters' output is scaled by alpha / r (an int, as in peft)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    # Names (suffixes) of the Linear modules to adapt. Empty: the built-in model's attention
-    # projections (wq, wk, wv, wo), or peft's default for a Hugging Face model_type.
-    target_modules: list[str] = Field(default_factory=list)
-
-
-class ModelSource(Section):
-    """Which model, and its shape: the trained model's fields, and a teacher's."""
-
-    where: ClassVar[str] = "model"  # the key path in messages
-    # builtin: scaletrain's own Llama, shaped by the preset and the fields below. hf: a
-    # Hugging Face causal LM from a local directory (path) or an inline config (hf_config).
-    source: Literal["builtin", "hf"] = "builtin"
-    path: str | None = None  # source hf: a local directory written by save_pretrained
-    hf_config: dict[str, Any] | None = None  # source hf: {model_type: llama, hidden_size: ...}
-    preset: Literal[MODEL_PRESETS] = "tiny"  # type: ignore[valid-type]
-    # Each shape field overrides the preset when set; vocab_size defaults to the tokenizer's.
-    vocab_size: int | None = Field(None, ge=2)
-    dim: int | None = Field(None, ge=8)
-    n_layers: int | None = Field(None, ge=1)
-    n_heads: int | None = Field(None, ge=1)
-    n_kv_heads: int | None = Field(None, ge=1)
-    ffn_dim: int | None = Field(None, ge=1)
-    tie_embeddings: bool | None = None
-    rope_theta: float | None = Field(None, gt=0)
-    norm_eps: float = Field(1e-5, gt=0)
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ModelSource:
-        at = self.where
-        shape = [k for k in _SHAPE_FIELDS if getattr(self, k) is not None]
-        if self.source == "builtin":
-            given = [k for k in ("path", "hf_config") if getattr(self, k) is not None]
-            if given:
-                raise ValueError(
-                    f"{at}.{given[0]} is for Hugging Face models; accepted: {at}.source=hf with it, or no {at}.{given[0]}"
-                )
-        elif (self.path is None) == (self.hf_config is None):
-            raise ValueError(
-                f"{at}.source=hf needs exactly one of {at}.path (a local directory) or {at}.hf_config (an inline config)"
-            )
-        elif shape:
-            raise ValueError(
-                f"{at}.{shape[0]} shapes the built-in model; accepted: the field in {at}.hf_config, or {at}.source=builtin"
-            )
-        if self.hf_config is not None and "model_type" not in self.hf_config:
-            raise ValueError(f"{at}.hf_config has no model_type; accepted: e.g. {{model_type: llama, hidden_size: 64, ...}}")
-        return self
-
-
-class TeacherConfig(ModelSource):
-    """A frozen model the trained one (the student) learns from: never optimized, never
-    saved in checkpoints (it is rebuilt from this section on resume), sharded like the student.
-    The loss is kl_weight x T^2 x KL(teacher || student at temperature T) + (1 - kl_weight)
-    x the next-token cross entropy (Hinton et al.'s T^2 keeps the gradient scale as T grows),
-    + hidden_weight x the mean squared error between the student's final hidden states,
-    projected to the teacher's width by a trained linear map, and the teacher's."""
-
-    where: ClassVar[str] = "model.teacher"
-    temperature: float = Field(1.0, gt=0)
-    kl_weight: float = Field(1.0, ge=0, le=1)
-    # 0: off. Else the student gains `distill_proj` (student width -> teacher width, no
-    # bias), trained and checkpointed with it, left out of Hugging Face exports.
-    hidden_weight: float = Field(0.0, ge=0)
-
-
-class ModelConfig(ModelSource):
-    # Glob patterns over parameter names ("layers.*.attention.*"): only the parameters they
-    # match are trained, every other one is frozen (no gradient, no optimizer state).
-    # Empty: everything trains.
-    trainable: list[str] = Field(default_factory=list)
-    # LoRA through peft: the base is frozen, adapters train (plus any model.trainable). None: off.
-    lora: LoraSection | None = None
-    # Distillation: a frozen teacher whose output distribution the model learns. None: off.
-    teacher: TeacherConfig | None = None
-
-
-_SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "rope_theta")
 
 
 class DataConfig(Section):
@@ -243,6 +164,9 @@ class ParallelConfig(Section):
     # torch.distributed.pipelining's schedule; gpipe and 1f1b run one stage per rank, the
     # others two (interleaved / looped / zero-bubble V). Micro-batches: train.grad_accum.
     pp_schedule: Literal[tuple(SCHEDULES)] = "1f1b"  # type: ignore[valid-type]
+    # Expert parallel: a mixture of experts' experts split over ep data-parallel ranks (ep
+    # divides the data-parallel shard size and model.moe.experts); engines/expert_parallel.py.
+    ep: int = Field(1, ge=1)
     # Context parallel (the sequence split over cp ranks): not available yet, see _no_cp.
     cp: int = Field(1, ge=1)
     # With tp > 1: the norms and the residual stream hold 1/tp of the sequence each (less
@@ -417,6 +341,23 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _experts_where_checked(self) -> Config:
+        par, m = self.parallel, self.model
+        experts = (m.moe is not None or m.preset in MOE_PRESETS) and m.source == "builtin"
+        if par.ep > 1:
+            _expert_parallel_problem(self, experts)
+        if not experts:
+            return self
+        if par.tp > 1 or par.pp > 1 or m.teacher is not None:
+            given = f"parallel.tp={par.tp}, pp={par.pp}" if m.teacher is None else "model.teacher"
+            raise ValueError(
+                f"a mixture of experts (model.preset={m.preset}{', model.moe' if m.moe is not None else ''}) trains on "
+                f"ddp, fsdp and zero1-3 without tp, pp or a teacher (not built yet), not with {given}; accepted: "
+                "parallel.tp=1, parallel.pp=1, no model.teacher"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _compile_where_checked(self) -> Config:
         par = self.parallel
         if self.train.compile and (not _can(par.strategy, "compile") or par.tp > 1 or par.pp > 1):
@@ -468,6 +409,37 @@ class Config(Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _expert_parallel_problem(cfg: Config, experts: bool) -> None:
+    """parallel.ep > 1: a built-in mixture of experts, on a strategy that has it, in the
+    layouts checked so far (the divisibility by the world and the experts is checked where
+    those are known: parallel.py, the model's spec)."""
+    par, m = cfg.parallel, cfg.model
+    where = names_where(lambda r: r.ep)
+    if not experts:
+        model = "model.source=hf (not built yet)" if m.source != "builtin" else f"model.preset={m.preset} (dense)"
+        raise ValueError(
+            f"parallel.ep={par.ep} splits a mixture of experts' experts over ranks; {model} has none to split; accepted: "
+            f"parallel.ep=1, or a built-in mixture of experts (model.preset={'|'.join(MOE_PRESETS)}, or model.moe)"
+        )
+    if not _can(par.strategy, "ep"):
+        raise ValueError(
+            f"parallel.ep={par.ep} needs parallel.strategy={said(where)} (the expert weights sharded by FSDP2 over the "
+            f"data-parallel ranks beside the ep group), not {par.strategy}; accepted: parallel.strategy={said(where)}, "
+            "or parallel.ep=1"
+        )
+    unchecked = [
+        (par.dp_replicate > 1, f"parallel.dp_replicate={par.dp_replicate}", "parallel.dp_replicate=1"),
+        (par.offload_params != "none", f"parallel.offload_params={par.offload_params}", "parallel.offload_params=none"),
+        (cfg.train.compile, "train.compile=true", "train.compile=false"),
+    ]
+    for bad, given, accepted in unchecked:
+        if bad:
+            raise ValueError(
+                f"parallel.ep={par.ep} with {given} is not built yet (expert parallel is checked with plain fsdp sharding, "
+                f"eager); accepted: {accepted}, or parallel.ep=1"
+            )
 
 
 def _can(strategy: str, capability: str) -> bool:

@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # torch is imported on first use: planning needs no process g
 
 # Mesh dimensions, outermost first.
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# What dp_shard is made of under expert parallelism (ParallelDims.ep).
+EXPERT_DIMS = ("dp_shard_mod_ep", "ep")
 
 
 @dataclass
@@ -35,12 +37,19 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    # Expert parallel: not a dimension of its own but a split of dp_shard into
+    # (dp_shard / ep, ep), ep innermost (neighbouring ranks, the fastest links): the experts
+    # are split over ep, their weights sharded over dp_shard / ep (engines/expert_parallel.py).
+    ep: int = 1
     _mesh: Any = field(default=None, repr=False, compare=False)
+    _dp_shard: Any = field(default=None, repr=False, compare=False)  # under ep: dp_shard flattened
 
     def __post_init__(self) -> None:
-        for name in DIMS:
+        for name in (*DIMS, "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.dp_shard % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp_shard={self.dp_shard}")
 
     @property
     def world_size(self) -> int:
@@ -66,7 +75,7 @@ class ParallelDims:
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in DIMS} | {"dp_size": self.dp_size}
+        return {name: getattr(self, name) for name in DIMS} | {"dp_size": self.dp_size} | ({"ep": self.ep} if self.ep > 1 else {})
 
     def mesh(self, device_type: str) -> DeviceMesh:
         """The device mesh with every dimension larger than 1 (and dp_shard, which FSDP
@@ -75,20 +84,37 @@ class ParallelDims:
             from torch.distributed.device_mesh import init_device_mesh
 
             names = [n for n in DIMS if getattr(self, n) > 1 or n == "dp_shard"]
-            self._mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=tuple(names))
+            sizes = {n: getattr(self, n) for n in names}
+            if self.ep > 1:  # dp_shard as (dp_shard_mod_ep, ep), flattened back under its own name
+                at = names.index("dp_shard")
+                names[at : at + 1] = EXPERT_DIMS
+                sizes |= {EXPERT_DIMS[0]: self.dp_shard // self.ep, EXPERT_DIMS[1]: self.ep}
+            self._mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=tuple(names))
+            if self.ep > 1:
+                # Kept here: torch deprecates slicing a flattened dimension from the root mesh.
+                self._dp_shard = self._mesh[EXPERT_DIMS]._flatten("dp_shard")
             if len(names) > 1:
                 # A reduction over every dimension (the gradient norm of 2-D parameters) is
                 # then one all-reduce on the flattened group, not one per dimension in turn.
                 self._mesh._flatten()
         return self._mesh
 
+    def expert_meshes(self, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
+        """Under expert parallelism: (what FSDP2 shards the expert weights over, the ep group)."""
+        mesh = self.mesh(device.type)
+        return mesh[EXPERT_DIMS[0]], mesh[EXPERT_DIMS[1]]
+
     def fsdp_mesh(self, device: torch.device) -> DeviceMesh:
         """What FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for hybrid sharding."""
         mesh = self.mesh(device.type)
+        if self.ep > 1:  # config.py refuses ep with hybrid sharding
+            return self._dp_shard
         return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
 
 
-def parallel_dims(strategy: str, world_size: int, dp_replicate: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelDims:
+def parallel_dims(
+    strategy: str, world_size: int, dp_replicate: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
+) -> ParallelDims:
     """The layout for `strategy` on `world_size` ranks, or a one-line UserError naming the
     closest valid layout."""
     model_parallel = tp * pp * cp
@@ -116,17 +142,25 @@ def parallel_dims(strategy: str, world_size: int, dp_replicate: int = 1, tp: int
         )
     if row is not None and row.dp_axis == "replicate":
         return ParallelDims(dp_replicate=dp, dp_shard=1, tp=tp, pp=pp, cp=cp)
-    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp // dp_replicate, tp=tp, pp=pp, cp=cp)
+    shard = dp // dp_replicate
+    if shard % ep:
+        raise UserError(
+            f"parallel.ep={ep} must divide the data-parallel shard size {shard} (world size {world_size}"
+            + (f" / tp {tp} / pp {pp}" if model_parallel > 1 else "")
+            + (f" / dp_replicate {dp_replicate}" if dp_replicate > 1 else "")
+            + f"); accepted: {', '.join(map(str, _divisors(shard)))}"
+        )
+    return ParallelDims(dp_replicate=dp_replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep)
 
 
 def dims_for(parallel: Any, world_size: int) -> ParallelDims:
     """The layout a ParallelConfig asks for on `world_size` ranks (see parallel_dims)."""
-    return parallel_dims(parallel.strategy, world_size, parallel.dp_replicate, parallel.tp, parallel.pp)
+    return parallel_dims(parallel.strategy, world_size, parallel.dp_replicate, parallel.tp, parallel.pp, ep=parallel.ep)
 
 
 def describe(engine: str, world_size: int, parallel: dict[str, int] | None) -> str:
     """ "fsdp at world 4 (tp 2)": an engine and its layout, for messages."""
-    split = [f"{n} {parallel[n]}" for n in ("tp", "pp", "cp") if parallel and parallel.get(n, 1) > 1]
+    split = [f"{n} {parallel[n]}" for n in ("tp", "pp", "cp", "ep") if parallel and parallel.get(n, 1) > 1]
     return f"{engine} at world {world_size}" + (f" ({', '.join(split)})" if split else "")
 
 

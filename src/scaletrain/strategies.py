@@ -65,6 +65,10 @@ class Strategy:
     tp: bool = False  # parallel.tp > 1 (DTensor tensor parallel under FSDP2)
     pp: bool = False  # parallel.pp > 1 (pipeline stages, each sharded by FSDP2)
     hybrid: bool = False  # parallel.dp_replicate > 1 (hybrid sharding)
+    # parallel.ep > 1: a mixture of experts' experts split over ep of the data-parallel
+    # ranks, tokens sent to them by all-to-all (engines/expert_parallel.py); the expert
+    # weights sharded over the data-parallel ranks that remain.
+    ep: bool = False
     keeps_gathered: bool = False  # parallel.reshard_after_forward=false (weights gathered from forward to backward)
     compile: bool = False  # train.compile (checked with these engines only)
     teacher: bool = True  # model.teacher (engines/teacher.py holds it like the model)
@@ -142,10 +146,11 @@ TABLE: dict[str, Strategy] = {
             format="dcp",
             dp_axis="shard",
             whole_replicas=False,
-            doc="torch FSDP2: parameters, gradients and optimizer state sharded; tp, pp and hybrid sharding",
+            doc="torch FSDP2: parameters, gradients and optimizer state sharded; tp, pp, hybrid sharding and expert parallel",
             tp=True,
             pp=True,
             hybrid=True,
+            ep=True,
             keeps_gathered=True,
             compile=True,
             offload_params=("cpu",),

@@ -32,6 +32,7 @@ from scaletrain.config import Config
 from scaletrain.distributed import World, ensure_process_group
 from scaletrain.engines.base import Mark, MicroBatch, ParamGroups, no_mark
 from scaletrain.engines.block_wrappers import apply_activation_checkpointing, compile_blocks
+from scaletrain.engines.expert_parallel import shard_experts, split_experts
 from scaletrain.engines.pipeline import MergedStages, Pipeline
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
 from scaletrain.engines.teacher import frozen_meta, teacher_seed
@@ -192,6 +193,12 @@ def _shard_and_materialize(
     # wrapper would rename): FSDP then shards each rank's tp slice over the dp ranks.
     if dims.tp > 1:
         spec.apply_tp(model, dims.mesh(world.device.type)["tp"], par.sequence_parallel, loss_parallel=True)
+    # Expert parallel likewise before FSDP: the experts' ep placement, which FSDP composes with.
+    experts: list[nn.Module] = []
+    if dims.ep > 1:
+        spec.check_ep(dims.ep)
+        expert_dp, ep_mesh = dims.expert_meshes(world.device)
+        experts = split_experts(model, ep_mesh)
     blocks = spec.blocks(model)
     if par.activation_checkpointing:
         # Before fully_shard, so the recomputed forward re-gathers the block's parameters
@@ -199,17 +206,15 @@ def _shard_and_materialize(
         apply_activation_checkpointing(blocks)
     if cfg.train.compile:
         compile_blocks(blocks)
-    apply_fsdp(
-        model,
-        blocks,
-        dims.fsdp_mesh(world.device),
-        cfg.precision,
-        # A pipeline stage runs forward for several micro-batches before their backward:
-        # resharding would all-gather its weights again for each (torchtitan keeps them
-        # gathered too). A stage is 1/pp of the model; the planner counts the copy.
-        par.reshard_after_forward and dims.pp == 1,
-        CPUOffloadPolicy(pin_memory=world.device.type == "cuda") if offload else OffloadPolicy(),
-    )
+    # A pipeline stage runs forward for several micro-batches before their backward:
+    # resharding would all-gather its weights again for each (torchtitan keeps them
+    # gathered too). A stage is 1/pp of the model; the planner counts the copy.
+    reshard = par.reshard_after_forward and dims.pp == 1
+    offload_policy = CPUOffloadPolicy(pin_memory=world.device.type == "cuda") if offload else OffloadPolicy()
+    if experts:
+        kwargs = dict(mp_policy=_mp_policy(cfg.precision), offload_policy=offload_policy, reshard_after_forward=reshard)
+        shard_experts(experts, expert_dp, dims.dp_size, **kwargs)
+    apply_fsdp(model, blocks, dims.fsdp_mesh(world.device), cfg.precision, reshard, offload_policy)
     # DTensor parameters are swapped in place by to_empty (wrapper subclasses always use
     # swap_tensors), so the tied Parameter object survives; checked, not assumed.
     # Offloaded shards (and the optimizer step on them) live in host memory; FSDP copies

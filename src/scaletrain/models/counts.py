@@ -20,7 +20,7 @@ class ModelCounts:
     output: int  # an untied output head (0 when tied to the embedding)
     non_embedding: int  # total - embedding - output: the blocks and norms
     matmul: int  # parameters multiplied per token: every Linear weight, a tied head included
-    block: int  # parameters of one repeated block
+    block: int  # parameters of the largest repeated block
     numels: tuple[int, ...]  # each distinct parameter tensor's elements
     trainable: int = 0  # of total, those that train (model.trainable; all when it is empty)
 
@@ -53,7 +53,7 @@ def counts_of(spec: Any) -> ModelCounts:
         output=untied_output,
         non_embedding=total - embedding - untied_output,
         matmul=sum(w.numel() for w in linear_weights),
-        block=sum(p.numel() for p in next(spec.blocks(model).children()).parameters()),
+        block=max(sum(p.numel() for p in b.parameters()) for b in spec.blocks(model).children()),
         numels=tuple(p.numel() for p in distinct.values()),
         trainable=sum(p.numel() for p in distinct.values() if p.requires_grad),
     )

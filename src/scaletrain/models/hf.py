@@ -242,6 +242,13 @@ class HFSpec:
     def apply_tp(self, model: nn.Module, mesh: Any, sequence_parallel: bool, loss_parallel: bool) -> None:
         self.check_tp(mesh.size())
 
+    def check_ep(self, ep: int) -> None:
+        if ep > 1:
+            raise UserError(
+                f"parallel.ep={ep} is not offered for Hugging Face models yet (their experts are not split); "
+                "accepted: parallel.ep=1, or the built-in mixture of experts"
+            )
+
     def check_pp(self, pp: int) -> None:
         if pp > 1:
             raise UserError(

@@ -8,12 +8,15 @@ costs nothing until an engine has sharded it. Initialization is a pure function 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.feed_forward import FeedForward
 from scaletrain.models.loss import cross_entropy
+from scaletrain.models.moe import MoE
 from scaletrain.models.params import base_name, canonical_name, copy_full, is_adapter, name_generator
 from scaletrain.models.presets import ModelShape
 
@@ -76,30 +79,26 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, shape: ModelShape):
-        super().__init__()
-        self.w1 = nn.Linear(shape.dim, shape.ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(shape.dim, shape.ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(shape.ffn_dim, shape.dim, bias=False)  # down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
-    """One pre-norm residual block; the unit engines wrap for FSDP and checkpointing."""
+    """One pre-norm residual block; the unit engines wrap for FSDP and checkpointing. With
+    `moe`, its feed-forward is a mixture of experts (models/moe.py), which also returns
+    its auxiliary loss and routing statistics: the block then returns (hidden states, aux,
+    stats) and the model sums the blocks' terms."""
 
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape, moe: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(shape.dim, shape.norm_eps)
         self.attention = Attention(shape)
         self.ffn_norm = RMSNorm(shape.dim, shape.norm_eps)
-        self.feed_forward = FeedForward(shape)
+        self.feed_forward: nn.Module = MoE(shape) if moe else FeedForward(shape.dim, shape.ffn_dim)
+        self.moe = moe
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        if not self.moe:
+            return x + self.feed_forward(self.ffn_norm(x))
+        y, aux, stats = self.feed_forward(self.ffn_norm(x))
+        return x + y, aux, stats
 
 
 class Llama(nn.Module):
@@ -118,7 +117,9 @@ class Llama(nn.Module):
             shape.vocab_size, shape.dim, _weight=torch.empty(shape.vocab_size, shape.dim)
         )
         # A pipeline stage keeps its blocks in a ModuleDict under their own indices (keep_stage).
-        self.layers: nn.ModuleList | nn.ModuleDict = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.n_layers))
+        self.layers: nn.ModuleList | nn.ModuleDict = nn.ModuleList(
+            TransformerBlock(shape, moe=shape.experts > 0 and i >= shape.dense_layers) for i in range(shape.n_layers)
+        )
         self.norm: RMSNorm | None = RMSNorm(shape.dim, shape.norm_eps)
         self.output: nn.Linear | None = nn.Linear(shape.dim, shape.vocab_size, bias=False)
         self.tie_weights()
@@ -129,6 +130,9 @@ class Llama(nn.Module):
             cos = sin = torch.empty(max_seq_len, shape.head_dim // 2)
         else:
             cos, sin = rope_tables(shape.head_dim, max_seq_len, shape.rope_theta)
+        # Routing statistics of the training forwards since the last take_moe_stats:
+        # [MoE layers, experts + EXTRA_STATS] (models/moe.py), on the device, no sync.
+        self.moe_stats: torch.Tensor | None = None
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -141,7 +145,7 @@ class Llama(nn.Module):
         if self.shape.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor) -> Any:
         """tokens LongTensor[B, T] -> logits [B, T, vocab_size]. A pipeline stage (see
         `keep_stage`) without the embedding takes hidden states [B, T, dim] instead, and
         one without the head returns them."""
@@ -152,11 +156,25 @@ class Llama(nn.Module):
             )
         cos, sin = self.rope_cos, self.rope_sin  # each attention takes the first T rows
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        aux: list[torch.Tensor] = []  # the mixture-of-experts layers' auxiliary losses
+        stats: list[torch.Tensor] = []  # and what each routed (models/moe.py)
         for layer in self.layers.children():  # a ModuleList, or a stage's ModuleDict
             h = layer(h, cos, sin)
+            if isinstance(h, tuple):
+                h, term, seen = h
+                aux.append(term)
+                stats.append(seen)
+        if stats and torch.is_grad_enabled():
+            # Summed here, not in the layers: activation checkpointing runs a block's
+            # forward again in backward, and only the first run returns to this loop.
+            seen = torch.stack(stats)
+            self.moe_stats = seen if self.moe_stats is None else self.moe_stats + seen
         if self.output is None or self.norm is None:
             return h
-        return self.output(self.norm(h))
+        logits = self.output(self.norm(h))
+        # A mixture of experts returns its auxiliary loss beside the logits: the spec's loss
+        # adds it, so it is scaled like the loss (accumulation, fp16 loss scaling) everywhere.
+        return (logits, torch.stack(aux).sum()) if aux else logits
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -180,7 +198,8 @@ class Llama(nn.Module):
             if name.endswith("norm.weight"):
                 full = torch.ones(param.shape, dtype=torch.float32)
             else:
-                std = out_std if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
+                # The experts' stacked down projections (feed_forward.experts.w2) are residual outputs too.
+                std = out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else INIT_STD
                 full = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=name_generator(seed, name))
             copy_full(param, full)
 

@@ -24,10 +24,25 @@ class ModelShape:
     tie_embeddings: bool
     rope_theta: float
     norm_eps: float
+    # A mixture of experts in the feed-forward of every block from `dense_layers` on
+    # (models/moe.py); experts 0: a dense model.
+    experts: int = 0
+    top_k: int = 0
+    shared_experts: int = 0
+    expert_ffn_dim: int = 0
+    dense_layers: int = 0
+    capacity_factor: float = 0.0  # 0: dropless
+    normalize_top_k: bool = True
+    aux_loss_weight: float = 0.0
+    z_loss_weight: float = 0.0
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def moe_layers(self) -> int:
+        return max(0, self.n_layers - self.dense_layers) if self.experts else 0
 
 
 # vocab_size None: the CPU presets take the vocabulary of the tokenizer trained for the run.
@@ -114,9 +129,61 @@ PRESETS: dict[str, dict] = {
         rope_theta=500000.0,
         norm_eps=1e-5,
     ),
+    # CPU-sized: the tiny shape with 8 experts of the tiny feed-forward's width, top-2.
+    "tiny-moe": dict(
+        vocab_size=None,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=384,
+        tie_embeddings=True,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        experts=8,
+        top_k=2,
+        expert_ffn_dim=384,
+    ),
+    # Mixtral-8x7B: 46.7B parameters, 12.9B active per token (8 experts, top-2).
+    "mixtral-8x7b": dict(
+        vocab_size=32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        tie_embeddings=False,
+        rope_theta=1000000.0,
+        norm_eps=1e-5,
+        experts=8,
+        top_k=2,
+        expert_ffn_dim=14336,
+    ),
+    # DeepSeekMoE-16B (fine-grained experts): 16.4B parameters, 2.8B active; 64 routed
+    # experts of width 1408, top-6, 2 shared ones, the first block dense (width 10944),
+    # multi-head attention, top-k weights not renormalized.
+    "deepseek-moe-16b": dict(
+        vocab_size=102400,
+        dim=2048,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=16,
+        ffn_dim=10944,
+        tie_embeddings=False,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        experts=64,
+        top_k=6,
+        shared_experts=2,
+        expert_ffn_dim=1408,
+        dense_layers=1,
+        normalize_top_k=False,
+    ),
 }
 
 _SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "rope_theta", "norm_eps")
+# model.moe's fields, over a preset's (moe.experts etc.); unset ones keep the preset's or these.
+MOE_DEFAULTS = dict(experts=8, top_k=2, shared_experts=0, dense_layers=0, capacity_factor=0.0, normalize_top_k=True)
 
 
 def resolve_shape(cfg: ModelSource, vocab_size: int | None = None) -> ModelShape:
@@ -148,9 +215,22 @@ def resolve_shape(cfg: ModelSource, vocab_size: int | None = None) -> ModelShape
             f"given; set model.vocab_size=N (an integer >= 2) or resolve the shape with a tokenizer"
         )
 
+    if cfg.moe is not None:
+        moe = {k: v for k, v in cfg.moe.model_dump().items() if v is not None}
+        for key, default in MOE_DEFAULTS.items():
+            base[key] = moe.get(key, base.get(key, default))
+        base["expert_ffn_dim"] = moe.get("expert_ffn_dim", base.get("expert_ffn_dim") or base["ffn_dim"])
+        base["aux_loss_weight"], base["z_loss_weight"] = cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight
+    elif base.get("experts"):  # a mixture-of-experts preset: the auxiliary losses' defaults
+        base["aux_loss_weight"], base["z_loss_weight"] = AUX_LOSS_WEIGHT, Z_LOSS_WEIGHT
     shape = ModelShape(**base)
     _check(shape)
     return shape
+
+
+# Mixtral's router_aux_loss_coef; ST-MoE's router z-loss coefficient.
+AUX_LOSS_WEIGHT = 0.02
+Z_LOSS_WEIGHT = 0.001
 
 
 def _check(s: ModelShape) -> None:
@@ -164,6 +244,13 @@ def _check(s: ModelShape) -> None:
         raise UserError(
             f"model.dim={s.dim} / model.n_heads={s.n_heads} gives head_dim={s.head_dim}, which must be "
             f"even for rotary embeddings; choose n_heads among {_listing(good_heads)}"
+        )
+    if s.experts and not 1 <= s.top_k <= s.experts:
+        raise UserError(f"model.moe.top_k={s.top_k} must be between 1 and model.moe.experts={s.experts}")
+    if s.experts and s.dense_layers >= s.n_layers:
+        raise UserError(
+            f"model.moe.dense_layers={s.dense_layers} leaves no mixture-of-experts block of {s.n_layers}; "
+            f"accepted: 0..{s.n_layers - 1}"
         )
     if s.n_heads % s.n_kv_heads != 0:
         good_kv = [k for k in range(1, s.n_heads + 1) if s.n_heads % k == 0]

@@ -95,6 +95,9 @@ class ModelSpec(Protocol):
     def apply_tp(self, model: nn.Module, mesh: Any, sequence_parallel: bool, loss_parallel: bool) -> None:
         """Split the (meta-device) model over the 1-D tensor-parallel `mesh` in place, before FSDP."""
 
+    def check_ep(self, ep: int) -> None:
+        """A one-line UserError unless the model's experts split evenly over `ep` ranks."""
+
     def check_pp(self, pp: int) -> None:
         """A one-line UserError unless the model can be cut into pipeline stages."""
 
@@ -153,10 +156,18 @@ class LlamaSpec:
             init_adapters(model, seed)
 
     def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, tuple):  # a mixture of experts: (logits, the routers' auxiliary loss)
+            logits, aux = output
+            return loss_fn(logits, targets, self.loss_chunk_tokens) + aux
         return loss_fn(output, targets, self.loss_chunk_tokens)
 
     def config(self) -> dict[str, Any]:
-        return asdict(self.shape) | ({"lora": self.lora.as_dict()} if self.lora else {})
+        # The tensors' shapes: a dense model's without the (unused) expert fields, and never
+        # the routing's loss weights or capacity, which a resume may change.
+        shape = {k: v for k, v in asdict(self.shape).items() if k not in _ROUTING}
+        if not self.shape.experts:
+            shape = {k: v for k, v in shape.items() if k not in _EXPERT_SHAPE}
+        return shape | ({"lora": self.lora.as_dict()} if self.lora else {})
 
     def counts(self) -> ModelCounts:
         return counts_of(self)
@@ -166,10 +177,25 @@ class LlamaSpec:
         # the weighted sum of values: 2 matmuls of 2 x seq_len x width FLOPs per layer and
         # token, x3 for the backward pass, over the full sequence (causal mask not halved).
         s = self.shape
-        return float(6 * self.counts().matmul + 12 * s.n_layers * s.n_heads * s.head_dim * seq_len)
+        return float(
+            6 * (self.counts().matmul + self.active_expert_params()) + 12 * s.n_layers * s.n_heads * s.head_dim * seq_len
+        )
+
+    def active_params(self) -> int:
+        """Parameters a token passes through: all but the experts its router did not choose."""
+        s = self.shape
+        return self.counts().total - s.moe_layers * (s.experts - s.top_k) * 3 * s.dim * s.expert_ffn_dim
+
+    def active_expert_params(self) -> int:
+        """Expert weights each token is multiplied by (top_k of each MoE layer's experts): the
+        stacked expert tensors are not Linear weights, so counts().matmul leaves them out."""
+        s = self.shape
+        return s.moe_layers * s.top_k * 3 * s.dim * s.expert_ffn_dim
 
     def traced_block(self, seq_len: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-        return TransformerBlock(self.shape), rope_tables(self.shape.head_dim, seq_len, self.shape.rope_theta)
+        # The largest block: a mixture of experts where the model has one.
+        block = TransformerBlock(self.shape, moe=self.shape.moe_layers > 0)
+        return block, rope_tables(self.shape.head_dim, seq_len, self.shape.rope_theta)
 
     def traced_head(self) -> nn.Module:
         return nn.Sequential(
@@ -185,6 +211,14 @@ class LlamaSpec:
 
     def apply_tp(self, model: nn.Module, mesh: Any, sequence_parallel: bool, loss_parallel: bool) -> None:
         llama_tp.apply_tp(model, mesh, sequence_parallel, loss_parallel)
+
+    def check_ep(self, ep: int) -> None:
+        e = self.shape.experts
+        if ep > 1 and (not e or e % ep):
+            accepted = ", ".join(str(d) for d in range(1, e + 1) if e % d == 0) if e else "1"
+            raise UserError(
+                f"parallel.ep={ep} must divide the experts per layer ({e}: model.moe.experts); accepted: parallel.ep={accepted}"
+            )
 
     def check_pp(self, pp: int) -> None:
         if pp > 1 and self.lora is not None:
@@ -204,6 +238,11 @@ class LlamaSpec:
         s = self.shape
         block = 6 * self.counts().block + 12 * s.n_heads * s.head_dim * seq_len
         return 0.0, float(block), float(6 * s.dim * s.vocab_size)
+
+
+# ModelShape's fields of the routing, not of any tensor's shape; and those of the experts.
+_ROUTING = ("capacity_factor", "normalize_top_k", "aux_loss_weight", "z_loss_weight")
+_EXPERT_SHAPE = ("experts", "top_k", "shared_experts", "expert_ffn_dim", "dense_layers")
 
 
 def count_params(shape: ModelShape) -> dict[str, int]:

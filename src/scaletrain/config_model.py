@@ -1,0 +1,118 @@
+"""The config's model sections: which model (built-in preset or Hugging Face), its shape,
+LoRA, a mixture of experts, a teacher. Part of the one schema in scaletrain/config.py,
+which re-exports these names; kept apart so that each file stays one read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MODEL_PRESETS = ("tiny", "small", "1b", "7b", "8b", "70b", "405b", "tiny-moe", "mixtral-8x7b", "deepseek-moe-16b")
+MOE_PRESETS = ("tiny-moe", "mixtral-8x7b", "deepseek-moe-16b")  # mixtures of experts (models/moe.py)
+
+
+class Section(BaseModel):
+    # extra="forbid": a misspelt key is an error, never silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraSection(Section):
+    r: int = Field(8, ge=1)  # rank of the adapters
+    alpha: int = Field(16, ge=1)  # the adapters' output is scaled by alpha / r (an int, as in peft)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # Names (suffixes) of the Linear modules to adapt. Empty: the built-in model's attention
+    # projections (wq, wk, wv, wo), or peft's default for a Hugging Face model_type.
+    target_modules: list[str] = Field(default_factory=list)
+
+
+class MoeSection(Section):
+    """A mixture of experts in the built-in model's feed-forward (models/moe.py). Unset
+    fields keep the preset's (tiny-moe, mixtral-8x7b, deepseek-moe-16b) or the defaults
+    noted; `model.moe={}` turns any built-in preset into 8 experts, top-2."""
+
+    experts: int | None = Field(None, ge=2)  # 8
+    top_k: int | None = Field(None, ge=1)  # 2
+    shared_experts: int | None = Field(None, ge=0)  # 0; DeepSeekMoE's always-on experts
+    expert_ffn_dim: int | None = Field(None, ge=1)  # model.ffn_dim
+    dense_layers: int | None = Field(None, ge=0)  # 0; the first N blocks keep a dense feed-forward
+    capacity_factor: float | None = Field(None, ge=0)  # 0: dropless; else slots per expert = cf x tokens x top_k / experts
+    normalize_top_k: bool | None = None  # True: the top-k router weights sum to 1 (Mixtral)
+    aux_loss_weight: float = Field(0.02, ge=0)  # load balancing (Switch); Mixtral's coefficient
+    z_loss_weight: float = Field(0.001, ge=0)  # router z-loss (ST-MoE)
+
+
+class ModelSource(Section):
+    """Which model, and its shape: the trained model's fields, and a teacher's."""
+
+    where: ClassVar[str] = "model"  # the key path in messages
+    # builtin: scaletrain's own Llama, shaped by the preset and the fields below. hf: a
+    # Hugging Face causal LM from a local directory (path) or an inline config (hf_config).
+    source: Literal["builtin", "hf"] = "builtin"
+    path: str | None = None  # source hf: a local directory written by save_pretrained
+    hf_config: dict[str, Any] | None = None  # source hf: {model_type: llama, hidden_size: ...}
+    preset: Literal[MODEL_PRESETS] = "tiny"  # type: ignore[valid-type]
+    # Each shape field overrides the preset when set; vocab_size defaults to the tokenizer's.
+    vocab_size: int | None = Field(None, ge=2)
+    dim: int | None = Field(None, ge=8)
+    n_layers: int | None = Field(None, ge=1)
+    n_heads: int | None = Field(None, ge=1)
+    n_kv_heads: int | None = Field(None, ge=1)
+    ffn_dim: int | None = Field(None, ge=1)
+    tie_embeddings: bool | None = None
+    rope_theta: float | None = Field(None, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+    moe: MoeSection | None = None  # a mixture of experts (built-in model only)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSource:
+        at = self.where
+        shape = [k for k in _SHAPE_FIELDS if getattr(self, k) is not None]
+        if self.source == "builtin":
+            given = [k for k in ("path", "hf_config") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(
+                    f"{at}.{given[0]} is for Hugging Face models; accepted: {at}.source=hf with it, or no {at}.{given[0]}"
+                )
+        elif (self.path is None) == (self.hf_config is None):
+            raise ValueError(
+                f"{at}.source=hf needs exactly one of {at}.path (a local directory) or {at}.hf_config (an inline config)"
+            )
+        elif shape:
+            raise ValueError(
+                f"{at}.{shape[0]} shapes the built-in model; accepted: the field in {at}.hf_config, or {at}.source=builtin"
+            )
+        if self.hf_config is not None and "model_type" not in self.hf_config:
+            raise ValueError(f"{at}.hf_config has no model_type; accepted: e.g. {{model_type: llama, hidden_size: 64, ...}}")
+        return self
+
+
+class TeacherConfig(ModelSource):
+    """A frozen model the trained one (the student) learns from: never optimized, never
+    saved in checkpoints (it is rebuilt from this section on resume), sharded like the student.
+    The loss is kl_weight x T^2 x KL(teacher || student at temperature T) + (1 - kl_weight)
+    x the next-token cross entropy (Hinton et al.'s T^2 keeps the gradient scale as T grows),
+    + hidden_weight x the mean squared error between the student's final hidden states,
+    projected to the teacher's width by a trained linear map, and the teacher's."""
+
+    where: ClassVar[str] = "model.teacher"
+    temperature: float = Field(1.0, gt=0)
+    kl_weight: float = Field(1.0, ge=0, le=1)
+    # 0: off. Else the student gains `distill_proj` (student width -> teacher width, no
+    # bias), trained and checkpointed with it, left out of Hugging Face exports.
+    hidden_weight: float = Field(0.0, ge=0)
+
+
+class ModelConfig(ModelSource):
+    # Glob patterns over parameter names ("layers.*.attention.*"): only the parameters they
+    # match are trained, every other one is frozen (no gradient, no optimizer state).
+    # Empty: everything trains.
+    trainable: list[str] = Field(default_factory=list)
+    # LoRA through peft: the base is frozen, adapters train (plus any model.trainable). None: off.
+    lora: LoraSection | None = None
+    # Distillation: a frozen teacher whose output distribution the model learns. None: off.
+    teacher: TeacherConfig | None = None
+
+
+_SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "rope_theta", "moe")

@@ -1,0 +1,205 @@
+"""A mixture-of-experts feed-forward for the built-in Llama block (Mixtral / DeepSeekMoE style).
+
+A router (a Linear, dim -> experts) scores each token; the top_k experts of the softmax
+take it, their outputs weighted by the (renormalized) router probabilities and summed.
+Experts are SwiGLU networks held as three stacked weights [experts, ...] (GroupedExperts),
+so one tensor per projection shards, checkpoints and exports like any other, and expert
+parallelism splits them along their first dimension. Optional shared experts (DeepSeekMoE)
+see every token. Routing is dropless unless a capacity factor is set; then an expert takes
+at most ceil(capacity_factor x tokens x top_k / experts) token slots of a micro-batch, in
+token order, and the slots past it are dropped (never computed; the token keeps its other
+experts and the residual).
+
+Two auxiliary terms keep the router healthy, added to the loss by the model's spec:
+  load balancing (Switch Transformer, Fedus et al. 2021): experts x sum_e f_e x P_e, where
+      f_e is the share of token slots routed to expert e and P_e its mean router
+      probability; 1 when balanced, up to `experts` when one expert takes everything.
+  router z-loss (ST-MoE, Zoph et al. 2022): the mean squared logsumexp of the router
+      logits, which keeps them small enough for the softmax to stay precise in bf16.
+Both are computed over this rank's micro-batch, as Mixtral and torchtitan do.
+
+Expert parallelism (`parallel.ep`, engines/expert_parallel.py) sets `ep_group`: each rank
+of it holds experts/ep of the experts (a DTensor sharded on dim 0), and the routed token
+slots travel to their expert's rank and back with `all_to_all_single` (torch's
+autograd-aware functional collective, so the backward is the reverse exchange).
+
+The experts run one after the other on the slots sorted by expert (any device), or as one
+grouped matrix multiply (`torch._grouped_mm`) on CUDA in bf16, where torch has it; both
+compute the same products. Under FakeTensorMode (the planner tracing what a block keeps
+for backward) the routing is taken as balanced: the token counts per expert are data the
+tracer does not have, and balanced routing is what the planner assumes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.models.feed_forward import FeedForward
+
+if TYPE_CHECKING:
+    from scaletrain.models.presets import ModelShape
+
+# What each MoE layer reports per forward (MoE.forward's third output, detached, fp32):
+# token slots routed to each expert (before any capacity drop), then these.
+STAT_DROPPED, STAT_AUX, STAT_TOKENS = range(3)
+EXTRA_STATS = 3
+
+
+class GroupedExperts(nn.Module):
+    """`experts` SwiGLU networks as three stacked weights: w1 (gate) and w3 (up) [E, dim,
+    hidden], w2 (down) [E, hidden, dim]. Under expert parallelism the weights are DTensors
+    sharded on dim 0 and each rank runs its own experts (the local shard)."""
+
+    def __init__(self, experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor, splits: list[int] | None) -> torch.Tensor:
+        """SwiGLU of each (local) expert on its contiguous run of `tokens` (sorted by expert);
+        `counts` [local experts] slots each, `splits` the same as a list where known."""
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        if _grouped_mm_applies(tokens, w1):
+            offsets = torch.cumsum(counts, 0).to(torch.int32)
+            gate = torch._grouped_mm(tokens, w1, offs=offsets)
+            up = torch._grouped_mm(tokens, w3, offs=offsets)
+            return torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets)
+        # Every expert runs, an empty one too: each weight then has a gradient on every
+        # rank (zero where no token came), so sharded reductions see the same tensors everywhere.
+        parts = tokens.split(splits if splits is not None else counts.tolist())
+        return torch.cat([(F.silu(p @ w1[i]) * (p @ w3[i])) @ w2[i] for i, p in enumerate(parts)])
+
+
+class MoE(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        e, d, h = shape.experts, shape.dim, shape.expert_ffn_dim
+        self.n_experts, self.top_k = e, shape.top_k
+        self.capacity_factor, self.normalize = shape.capacity_factor, shape.normalize_top_k
+        self.aux_weight, self.z_weight = shape.aux_loss_weight, shape.z_loss_weight
+        self.router = nn.Linear(d, e, bias=False)
+        self.experts = GroupedExperts(e, d, h)
+        self.shared: nn.Module | None = None
+        if shape.shared_experts:
+            self.shared = FeedForward(d, h * shape.shared_experts)  # the dense SwiGLU, as wide as they are together
+        self.ep_group: Any = None  # a ProcessGroup under expert parallelism (engines/expert_parallel.py)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, dim] -> (output [B, T, dim], this layer's weighted auxiliary loss (fp32
+        scalar), its statistics: slots per expert then EXTRA_STATS fields, detached)."""
+        b, t, d = x.shape
+        tokens = x.reshape(-1, d)
+        n, k, e = tokens.shape[0], self.top_k, self.n_experts
+        logits = self.router(tokens).float()  # routing in fp32: close scores decide the experts
+        probs = logits.softmax(dim=-1)
+        weights, chosen = probs.topk(k, dim=-1)  # [n, k]
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # Token slots sorted by expert (stable: within an expert, in token order).
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        routed, splits = _counts(flat, e, n * k, x)
+        counts = routed
+        dropped = torch.zeros((), device=x.device)
+        if self.capacity_factor:
+            capacity = math.ceil(self.capacity_factor * n * k / e)
+            starts = torch.cumsum(routed, 0) - routed
+            position = torch.arange(n * k, device=x.device) - torch.repeat_interleave(starts, routed, output_size=n * k)
+            kept = position < capacity
+            order, counts, splits = order[kept], routed.clamp(max=capacity), None
+            dropped = (~kept).sum()
+        source = order // k  # the token each kept slot belongs to
+        slot_weights = weights.reshape(-1)[order]
+        if self.ep_group is None:
+            out = self.experts(tokens[source], counts, splits)
+        else:
+            out = _expert_parallel(self.experts, tokens[source], counts, self.ep_group)
+        y = torch.zeros_like(tokens).index_add_(0, source, out * slot_weights[:, None].to(out.dtype))
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        # Load balancing: f_e from the routing decisions (no gradient), P_e from the probabilities.
+        share = routed.to(torch.float32) / (n * k)
+        balance = e * (share * probs.mean(dim=0)).sum()
+        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        aux = self.aux_weight * balance + self.z_weight * z
+        extra = torch.stack([dropped.float(), aux.detach(), torch.tensor(float(n), device=x.device)])
+        stats = torch.cat([routed.detach().float(), extra])
+        return y.reshape(b, t, d), aux, stats
+
+
+def _expert_parallel(experts: GroupedExperts, slots: torch.Tensor, counts: torch.Tensor, group: Any) -> torch.Tensor:
+    """Each slot (sorted by global expert) to its expert's rank, through the local experts,
+    and back in the same order. Rank j of the ep group holds experts [j*E/ep, (j+1)*E/ep)."""
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    ep = dist.get_world_size(group)
+    local = counts.numel() // ep
+    # How many slots every rank sends to each of my experts: [source rank, local expert].
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    sent_to = counts.view(ep, local).sum(1).tolist()  # the host needs the split sizes
+    received = received.view(ep, local)
+    from_each = received.sum(1).tolist()
+    arrived = all_to_all_single_autograd(slots, from_each, sent_to, group)
+    # Arrived slots are grouped by source rank, then by local expert: regroup by expert
+    # (stable, so each expert sees rank 0's slots, then rank 1's: token order within each).
+    device = slots.device
+    key = (torch.arange(local, device=device).view(1, local) * ep + torch.arange(ep, device=device).view(ep, 1)).reshape(-1)
+    by_expert = torch.repeat_interleave(key, received.reshape(-1)).argsort(stable=True)
+    per_expert = received.sum(0)
+    out = experts(arrived[by_expert], per_expert, per_expert.tolist())
+    back = torch.empty_like(by_expert)
+    back[by_expert] = torch.arange(by_expert.numel(), device=device)
+    return all_to_all_single_autograd(out[back], sent_to, from_each, group)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """An expert-parallel weight's own experts (its DTensor shard on dim 0); a plain one as is."""
+    from torch.distributed.tensor import DTensor
+
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def _counts(flat: torch.Tensor, experts: int, slots: int, like: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
+    """Token slots per expert (and, when known without reading the device, as a list);
+    balanced under FakeTensorMode (see the module's docstring)."""
+    if isinstance(like, torch._subclasses.FakeTensor) or like.is_meta:
+        base, extra = divmod(slots, experts)
+        splits = [base + (i < extra) for i in range(experts)]
+        return torch.tensor(splits, device=flat.device), splits
+    return torch.bincount(flat, minlength=experts), None
+
+
+def _grouped_mm_applies(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch._grouped_mm: CUDA, bf16, and rows whose byte strides are multiples of 16."""
+    return (
+        tokens.is_cuda
+        and tokens.dtype == weight.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and tokens.shape[-1] % 8 == 0
+        and weight.shape[-1] % 8 == 0
+    )
+
+
+def take_stats(model: nn.Module) -> torch.Tensor | None:
+    """The routing statistics the model's training forwards summed since the last call
+    ([MoE layers, experts + EXTRA_STATS], on the device), reset; None for a dense model.
+    Found by attribute, through any engine's wrappers (DDP, FSDP, DeepSpeed)."""
+    for module in model.modules():
+        stats = getattr(module, "moe_stats", None)
+        if stats is not None:
+            setattr(module, "moe_stats", None)  # noqa: B010  # any module holding them, typed or not
+            return stats
+    return None
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The model's mixture-of-experts layers, in order (none in a dense model)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]

@@ -1,0 +1,160 @@
+"""Mixture of experts in the built-in model (models/moe.py): the routing computes what its
+definition says, the presets have their published sizes, tiny-moe learns, and it trains on
+ddp, fsdp and zero3 at world 2 equal to one process."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from scaletrain.config import load_config
+from scaletrain.models.moe import STAT_DROPPED, MoE
+from scaletrain.models.presets import resolve_shape
+from scaletrain.models.spec import LlamaSpec
+
+from helpers import GRAD_NORM_RTOL, LOSS_RTOL, base_overrides, check, metric_rows, train
+
+
+def _shape(*overrides: str, vocab: int | None = None):
+    return resolve_shape(load_config([], list(overrides)).model, vocab)
+
+
+def _moe(*overrides: str, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    layer = MoE(_shape("model.preset=tiny-moe", "model.dim=16", "model.n_heads=2", "model.n_kv_heads=2", *overrides, vocab=64))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.5)
+    return layer
+
+
+def _reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token, as the definition reads: its top-k experts' SwiGLU outputs, weighted."""
+    out = torch.zeros_like(x)
+    for i, token in enumerate(x):
+        probs = layer.router(token).float().softmax(-1)
+        weights, chosen = probs.topk(layer.top_k)
+        if layer.normalize:
+            weights = weights / weights.sum()
+        for w, e in zip(weights, chosen.tolist()):
+            ex = layer.experts
+            expert = (torch.nn.functional.silu(token @ ex.w1[e]) * (token @ ex.w3[e])) @ ex.w2[e]
+            out[i] += w * expert
+    return out
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides", [(), ("model.moe.shared_experts=1", "model.moe.normalize_top_k=false")])
+def test_the_routed_output_is_each_tokens_top_k_experts_weighted(overrides):
+    layer = _moe(*overrides)
+    x = torch.randn(2, 5, 16)
+    y, aux, stats = layer(x)
+    want = _reference(layer, x.reshape(-1, 16))
+    if layer.shared is not None:
+        want = want + layer.shared(x.reshape(-1, 16))
+    # fp32 sums of at most top_k products in another order: a few ulps of values ~1.
+    torch.testing.assert_close(y.reshape(-1, 16), want, rtol=1e-5, atol=1e-5)
+    assert int(stats[: layer.n_experts].sum()) == 10 * layer.top_k
+    assert aux.shape == () and aux.item() > 0
+
+
+@pytest.mark.unit
+def test_the_balance_loss_is_one_when_balanced_and_its_gradient_reaches_the_router():
+    layer = _moe("model.moe.z_loss_weight=0", "model.moe.aux_loss_weight=1")
+    with torch.no_grad():
+        layer.router.weight.zero_()  # uniform probabilities; top-k then takes the first experts
+    _, aux, _ = layer(torch.randn(1, 8, 16))
+    # f = top_k/E... on the experts taken, P = 1/E everywhere: E x sum_e f_e / E = 1 exactly.
+    assert aux.item() == pytest.approx(1.0, rel=1e-6)
+    layer = _moe("model.moe.z_loss_weight=0", "model.moe.aux_loss_weight=1")
+    _, aux, _ = layer(torch.randn(1, 8, 16))
+    aux.backward()
+    assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+    assert layer.experts.w1.grad is None  # the balance term depends on the router only
+
+
+@pytest.mark.unit
+def test_a_capacity_drops_the_slots_past_it_in_token_order():
+    layer = _moe("model.moe.capacity_factor=0.5")
+    x = torch.randn(1, 16, 16)
+    _, _, stats = layer(x)
+    n, k, e = 16, layer.top_k, layer.n_experts
+    capacity = math.ceil(0.5 * n * k / e)
+    load = stats[:e]
+    assert int(stats[e + STAT_DROPPED]) == int((load - capacity).clamp(min=0).sum()) > 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "preset, total, active",
+    [
+        # Mixtral-8x7B as published (Hugging Face's count of its weights): 46,702,792,704;
+        # active per token 12.9B. DeepSeekMoE-16B (its paper): 16.4B and 2.8B.
+        ("mixtral-8x7b", 46_702_792_704, 12.9e9),
+        ("deepseek-moe-16b", 16.4e9, 2.8e9),
+    ],
+)
+def test_the_planning_presets_have_their_published_total_and_active_parameters(preset, total, active):
+    spec = LlamaSpec(_shape(f"model.preset={preset}"))
+    if isinstance(total, int):
+        assert spec.counts().total == total
+    else:  # published to three figures
+        assert spec.counts().total == pytest.approx(total, rel=0.005)
+    assert spec.active_params() == pytest.approx(active, rel=0.015)
+    # FLOPs per token count the active experts, not all of them (and no matmul for the
+    # embedding lookup); the attention scores at seq 1 are negligible.
+    assert spec.flops_per_token(1) == pytest.approx(6 * (spec.active_params() - spec.counts().embedding), rel=0.001)
+
+
+@pytest.mark.unit
+def test_tensor_or_pipeline_parallel_with_experts_is_one_line():
+    with pytest.raises(Exception) as err:
+        load_config([], ["model.preset=tiny-moe", "parallel.strategy=fsdp", "parallel.tp=2"])
+    assert "mixture of experts" in str(err.value) and "accepted: parallel.tp=1" in str(err.value)
+
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def one_process(small_dataset, tmp_path_factory):
+    """World 1 at micro-batch 4 x 2 accumulated: the same micro-batches as two ranks of 4
+    (data/loader.py), so each balance term sees the same tokens (it is per micro-batch)."""
+    run = tmp_path_factory.mktemp("moe-ref") / "w1"
+    overrides = [*base_overrides(small_dataset, run, steps=STEPS), "model.preset=tiny-moe", "train.micro_batch=4"]
+    check(train([*overrides, "train.grad_accum=2", "checkpoint.every=4"]))
+    return run
+
+
+def assert_same_run(got: Path, want: Path, steps: int = STEPS) -> None:
+    # The standing tolerances (helpers.py): summation order only (the experts see the same
+    # tokens in the same order, on whichever rank); measured <= 3.7e-6 (loss) and 4.3e-5
+    # (grad norm, zero3) here.
+    a, b = metric_rows(got)[:steps], metric_rows(want)[:steps]
+    assert len(a) == len(b) == steps
+    np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=LOSS_RTOL)
+    np.testing.assert_allclose([r["grad_norm"] for r in a], [r["grad_norm"] for r in b], rtol=GRAD_NORM_RTOL)
+
+
+LAYOUTS = {
+    "ddp": ["parallel.strategy=ddp"],
+    "fsdp": ["parallel.strategy=fsdp"],
+    "zero3": ["parallel.strategy=zero3"],
+    # Each rank holds 4 of the 8 experts; tokens travel by all-to-all.
+    "fsdp-ep2": ["parallel.strategy=fsdp", "parallel.ep=2"],
+}
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_experts_at_world_2_equal_one_process(one_process, small_dataset, tmp_path, layout):
+    run = tmp_path / layout
+    overrides = [*base_overrides(small_dataset, run, steps=STEPS), "model.preset=tiny-moe", "train.micro_batch=4"]
+    check(train([*overrides, *LAYOUTS[layout]], nproc=2))
+    assert_same_run(run, one_process)
