@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from scaletrain.config import load_config
+from scaletrain.errors import UserError
 from scaletrain.models.moe import STAT_DROPPED, MoE
 from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
+from scaletrain.parallel import parallel_dims
 
 from helpers import GRAD_NORM_RTOL, LOSS_RTOL, base_overrides, check, metric_rows, train
 
@@ -63,6 +65,31 @@ def test_the_routed_output_is_each_tokens_top_k_experts_weighted(overrides):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_matmul_path_gives_the_loops_numbers(monkeypatch, dtype):
+    """CUDA runs the experts as one torch._grouped_mm; torch 2.13 has it on the CPU too, so
+    the path (its offsets, the stacked weights) is checked here against the loop: outputs
+    and gradients, an expert with no token included."""
+    runs = []
+    for grouped in (False, True):
+        monkeypatch.setattr("scaletrain.models.moe._grouped_mm_applies", lambda tokens, weight, grouped=grouped: grouped)
+        layer = _moe().to(dtype)
+        with torch.no_grad():
+            layer.router.weight[3] = -50  # expert 3 never chosen: an empty group
+        x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1)).abs().to(dtype)  # positive: row 3 scores lowest
+        y, _, stats = layer(x)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(dtype))
+        runs.append((y, [p.grad for p in layer.experts.parameters()], stats))
+    assert runs[0][2][3] == 0
+    # Each output row is the same sum of products over the model width, in whatever order
+    # each kernel blocks it: a few ulps of the dtype (bf16 rounds to 8 bits).
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(runs[1][0], runs[0][0], **tol)
+    for got, want in zip(runs[1][1], runs[0][1]):
+        torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.unit
 def test_the_balance_loss_is_one_when_balanced_and_its_gradient_reaches_the_router():
     layer = _moe("model.moe.z_loss_weight=0", "model.moe.aux_loss_weight=1")
     with torch.no_grad():
@@ -75,6 +102,38 @@ def test_the_balance_loss_is_one_when_balanced_and_its_gradient_reaches_the_rout
     aux.backward()
     assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
     assert layer.experts.w1.grad is None  # the balance term depends on the router only
+
+
+@pytest.mark.unit
+def test_the_models_loss_carries_the_routers_auxiliary_gradient():
+    """The spec's loss adds each layer's auxiliary terms, gradient included: the router's
+    gradient with the terms on, minus with them off (the forward is the same), equals the
+    gradient of the terms written out here from their definitions (one MoE block, so the
+    router's input does not itself depend on a router)."""
+    over = ["model.preset=tiny-moe", "model.n_layers=1", "model.dim=32", "model.n_heads=2", "model.n_kv_heads=2"]
+    inputs, captured, grads = torch.randint(0, 64, (2, 9)), {}, {}
+    for weights in ((0.0, 0.0), (0.5, 0.25)):
+        spec = LlamaSpec(
+            _shape(*over, f"model.moe.aux_loss_weight={weights[0]}", f"model.moe.z_loss_weight={weights[1]}", vocab=64)
+        )
+        model = spec.build_meta(8)
+        spec.materialize(model, torch.device("cpu"), seed=0)
+        (layer,) = [m for m in model.modules() if isinstance(m, MoE)]
+        layer.register_forward_hook(lambda _m, args, _out: captured.update(x=args[0].detach()))
+        loss = spec.loss(model(inputs[:, :-1]), inputs[:, 1:])
+        (grads[weights],) = torch.autograd.grad(loss, [layer.router.weight])
+    router = layer.router.weight.detach().clone().requires_grad_()
+    x = captured["x"].reshape(-1, 32)
+    logits = (x @ router.t()).float()
+    probs = logits.softmax(-1)
+    e, k = probs.shape[1], layer.top_k
+    share = torch.bincount(probs.topk(k, -1).indices.reshape(-1), minlength=e).float() / (x.shape[0] * k)
+    terms = 0.5 * e * (share * probs.mean(0)).sum() + 0.25 * torch.logsumexp(logits, -1).pow(2).mean()
+    (want,) = torch.autograd.grad(terms, [router])
+    # The same fp32 operations in another grouping: rounding of values ~1e-2, so a few ulps
+    # of the gradient's largest entry; a missing term is off by the whole of `want`.
+    torch.testing.assert_close(grads[(0.5, 0.25)] - grads[(0.0, 0.0)], want, rtol=1e-4, atol=1e-6 * want.abs().max().item())
+    assert want.abs().max() > 1e-3
 
 
 @pytest.mark.unit
@@ -108,6 +167,35 @@ def test_the_planning_presets_have_their_published_total_and_active_parameters(p
     # FLOPs per token count the active experts, not all of them (and no matmul for the
     # embedding lookup); the attention scores at seq 1 are negligible.
     assert spec.flops_per_token(1) == pytest.approx(6 * (spec.active_params() - spec.counts().embedding), rel=0.001)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["model.preset=tiny-moe", "parallel.strategy=zero2", "parallel.ep=2"], "DeepSpeed's expert parallel needs its own"),
+        (["model.preset=tiny-moe", "parallel.strategy=ddp", "parallel.ep=2"], "accepted: parallel.strategy=fsdp"),
+        (["model.preset=tiny", "parallel.strategy=fsdp", "parallel.ep=2"], "model.preset=tiny (dense) has none to split"),
+        (["model.preset=tiny-moe", "parallel.strategy=fsdp", "parallel.ep=2", "parallel.dp_replicate=2"], "not built yet"),
+        (["model.preset=tiny-moe", "parallel.strategy=fsdp", "parallel.ep=2", "train.compile=true"], "not built yet"),
+    ],
+)
+def test_expert_parallel_where_it_is_not_is_one_line(overrides, said):
+    with pytest.raises(UserError) as err:
+        load_config([], overrides)
+    assert said in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.unit
+def test_ep_must_divide_the_experts_and_the_data_parallel_ranks():
+    with pytest.raises(
+        UserError, match=r"must divide the experts per layer \(8: model.moe.experts\); accepted: parallel.ep=1, 2, 4, 8"
+    ):
+        LlamaSpec(_shape("model.preset=tiny-moe", vocab=64)).check_ep(3)
+    with pytest.raises(UserError, match="parallel.ep=4 must divide the data-parallel shard size 2 .*accepted: 1, 2"):
+        parallel_dims("fsdp", 2, ep=4)
+    dims = parallel_dims("fsdp", 4, ep=2)
+    assert (dims.dp_shard, dims.ep, dims.dp_size) == (4, 2, 4)
 
 
 @pytest.mark.unit

@@ -424,10 +424,11 @@ def _expert_parallel_problem(cfg: Config, experts: bool) -> None:
             f"parallel.ep=1, or a built-in mixture of experts (model.preset={'|'.join(MOE_PRESETS)}, or model.moe)"
         )
     if not _can(par.strategy, "ep"):
+        why = TABLE[par.strategy].no_ep_why if par.strategy in TABLE else "auto does not choose ep yet"
         raise ValueError(
             f"parallel.ep={par.ep} needs parallel.strategy={said(where)} (the expert weights sharded by FSDP2 over the "
-            f"data-parallel ranks beside the ep group), not {par.strategy}; accepted: parallel.strategy={said(where)}, "
-            "or parallel.ep=1"
+            f"data-parallel ranks beside the ep group), not {par.strategy} ({why}); accepted: "
+            f"parallel.strategy={said(where)}, or parallel.ep=1"
         )
     unchecked = [
         (par.dp_replicate > 1, f"parallel.dp_replicate={par.dp_replicate}", "parallel.dp_replicate=1"),

@@ -69,6 +69,7 @@ class Strategy:
     # ranks, tokens sent to them by all-to-all (engines/expert_parallel.py); the expert
     # weights sharded over the data-parallel ranks that remain.
     ep: bool = False
+    no_ep_why: str = ""  # why a strategy without ep has none, for the refusal
     keeps_gathered: bool = False  # parallel.reshard_after_forward=false (weights gathered from forward to backward)
     compile: bool = False  # train.compile (checked with these engines only)
     teacher: bool = True  # model.teacher (engines/teacher.py holds it like the model)
@@ -133,6 +134,7 @@ TABLE: dict[str, Strategy] = {
             doc="torch DDP: every rank a whole replica, gradients all-reduced",
             compile=True,
             grad_compression=True,
+            no_ep_why="DDP keeps every weight whole on every rank, and split experts are not",
             forward16="autocast",
             grads_persist="distributed",
             complexity=0,
@@ -174,6 +176,12 @@ TABLE: dict[str, Strategy] = {
                 + ("optimizer state", "optimizer state and gradients", "parameters, gradients and optimizer state")[stage - 1]
                 + " partitioned",
                 deepspeed_json=True,
+                # DeepSpeed's own expert parallel is its deepspeed.moe.layer.MoE: one module
+                # per expert and its own gate (capacity-bound, second expert sampled), a
+                # model other than ours with other numbers; and its engine refuses it under
+                # ZeRO-3 (runtime/engine.py: "Native DeepSpeed MoE is not supported with ZeRO Stage 3").
+                no_ep_why="DeepSpeed's expert parallel needs its own MoE layer (one module per expert, its own "
+                "capacity-bound gate; refused under ZeRO-3), not scaletrain's",
                 offload_optimizer=("cpu", "nvme"),
                 offload_params=("cpu", "nvme") if stage == 3 else (),
                 partitions=stage,

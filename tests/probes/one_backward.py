@@ -57,6 +57,18 @@ PIPELINE_VARIANTS = {
 }  # fmt: skip
 
 
+# A mixture of experts (8 experts, top-2), without its auxiliary terms: the balance term is
+# a mean over each micro-batch's tokens, so only the cross entropy's gradient is the same
+# for one backward over the whole batch and for any split of it.
+MOE = ["model.preset=tiny-moe", "model.moe.aux_loss_weight=0", "model.moe.z_loss_weight=0"]
+MOE_VARIANTS = {
+    "moe_fsdp_accum": [*MOE, "parallel.strategy=fsdp", "train.micro_batch=1", "train.grad_accum=2"],
+    "moe_fsdp_ep2": [*MOE, "parallel.strategy=fsdp", "parallel.ep=2", "train.micro_batch=2"],
+    "moe_fsdp_ep2_accum": [*MOE, "parallel.strategy=fsdp", "parallel.ep=2", "train.micro_batch=1", "train.grad_accum=2"],
+    "moe_zero3_accum": [*MOE, "parallel.strategy=zero3", "train.micro_batch=1", "train.grad_accum=2", Z3_PARTITION_ALL],
+}
+
+
 class FixedBatch:
     """Stands in for PackedTokens: global sample g is row g of one seeded token array."""
 
@@ -93,7 +105,7 @@ def main() -> None:
     world = init_distributed("cpu", "gloo")
     results = {}
     for variant in args.variants:
-        engine, spec, cfg = build([*MODEL, *(VARIANTS | PIPELINE_VARIANTS)[variant]], world)
+        engine, spec, cfg = build([*MODEL, *(VARIANTS | PIPELINE_VARIANTS | MOE_VARIANTS)[variant]], world)
         dims = dims_for(cfg.parallel, world.world_size)
         batches = RankBatches(FixedBatch(), cfg.train.micro_batch, cfg.train.grad_accum, dims.dp_rank(world.rank), dims.dp_size)
         loss = engine.forward_backward(batches.next_step(), spec.loss)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -61,3 +62,10 @@ def shard_experts(experts: list[nn.Module], mesh: DeviceMesh, dp_size: int, **kw
         placement = (lambda _: Shard(1)) if local < mesh.size() else None
         fully_shard(module, mesh=mesh, shard_placement_fn=placement, **kwargs)
         module.set_gradient_divide_factor(float(dp_size))  # type: ignore[operator]
+        if mesh.size() > 1 and dist.get_backend(mesh.get_group()) == "gloo":
+            # A divide factor other than the mesh size makes FSDP reduce with NCCL's
+            # PREMUL_SUM, which gloo lacks: a plain sum, divided after, gives the same mean.
+            # Not on a mesh of one rank: there torch 2.13's FSDP divides by the factor while
+            # copying the gradient and again after it in sum mode (a gradient halved at ep =
+            # dp = 2: tests/test_gradients.py saw it), and it needs no collective anyway.
+            module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]

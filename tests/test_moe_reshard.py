@@ -1,0 +1,66 @@
+"""A mixture of experts moves between expert-parallel layouts, world sizes and engines
+mid-training (issue 27, item 4), the way tests/test_reshard.py moves a dense model.
+
+One run directory is trained 2 steps at a time, each link on another layout, killed right
+after its checkpoint and resumed on the next: world 4 with ep 2 (2 ranks hold each half of
+the experts, their weights FSDP-sharded over the other 2), then world 2 with ep 2 (DCP
+resharding of the expert DTensors), world 1 without ep (ep 2 -> 1), zero3 at world 2 (the
+DCP checkpoint converted into DeepSpeed's), and back to fsdp with ep 2 from DeepSpeed's.
+All 10 steps must equal one process trained straight through (loss and grad norm every
+step, the final weights), with the standing tolerances (helpers.py).
+
+Every layout keeps micro-batches of 2 samples (global batch 8, the accumulation making up
+the rest): the routers' balance term is computed per micro-batch, so only micro-batches of
+the same samples give the same loss (the loader cuts the global batch into the same
+consecutive micro-batches at any world size).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import assert_same_training, base_overrides, check, metric_rows, train
+
+pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
+
+MOE = ["model.preset=tiny-moe", "train.global_batch=8", "train.micro_batch=2"]
+# (strategy, world size, ep) of each link of 2 steps.
+CHAIN = [
+    ("fsdp", 4, 2),  # ep 2 x 2 data-parallel ranks per expert group
+    ("fsdp", 2, 2),  # world 4 -> 2 at the same ep
+    ("fsdp", 1, 1),  # ep 2 -> 1
+    ("zero3", 2, 1),  # fsdp -> ZeRO-3 (through the engine-neutral state)
+    ("fsdp", 2, 2),  # ZeRO-3 -> fsdp with ep 2
+]
+STEPS = 2 * len(CHAIN)
+
+
+@pytest.fixture(scope="module")
+def straight(small_dataset, tmp_path_factory):
+    run = tmp_path_factory.mktemp("moe-straight") / "run"
+    check(train([*base_overrides(small_dataset, run, steps=STEPS), *MOE, f"checkpoint.every={STEPS}"]))
+    return run
+
+
+@pytest.mark.timeout(600)
+def test_experts_move_between_ep_world_sizes_and_engines(small_dataset, straight, tmp_path):
+    run = tmp_path / "run"
+    for i, (strategy, world, ep) in enumerate(CHAIN):
+        stop = 2 * (i + 1)
+        args = [
+            *base_overrides(small_dataset, run, steps=STEPS),
+            *MOE,
+            f"parallel.strategy={strategy}",
+            f"parallel.ep={ep}",
+            "checkpoint.every=2",
+        ]
+        last = i == len(CHAIN) - 1
+        proc = train(args, nproc=world, env={} if last else {"SCALETRAIN_KILL_AT": f"step:{stop}"}, timeout=240)
+        if last:
+            check(proc)
+        else:
+            assert proc.returncode != 0 and (run / "checkpoints" / f"step_{stop}" / "COMPLETE").is_file(), proc.stderr[-2000:]
+        if i > 0:
+            assert f"step_{stop - 2} (" in proc.stdout and "; verified" in proc.stdout, proc.stdout[-2000:]
+        assert [r["step"] for r in metric_rows(run)] == list(range(1, stop + 1))
+    assert_same_training(run, straight, steps=STEPS)
