@@ -17,6 +17,7 @@ from scaletrain.models.moe import STAT_DROPPED, MoE
 from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
 from scaletrain.parallel import parallel_dims
+from scaletrain.telemetry.metrics import read_metrics
 
 from helpers import GRAD_NORM_RTOL, LOSS_RTOL, base_overrides, check, metric_rows, train
 
@@ -246,3 +247,17 @@ def test_experts_at_world_2_equal_one_process(one_process, small_dataset, tmp_pa
     overrides = [*base_overrides(small_dataset, run, steps=STEPS), "model.preset=tiny-moe", "train.micro_batch=4"]
     check(train([*overrides, *LAYOUTS[layout]], nproc=2))
     assert_same_run(run, one_process)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_capacity_trains_planned_and_counts_what_it_dropped(small_dataset, tmp_path):
+    # The planner traces the block on fake tensors (balanced routing, each expert's first
+    # slots kept), then the run drops the slots past each expert's capacity and says how many.
+    run = tmp_path / "capacity"
+    check(train([*base_overrides(small_dataset, run, steps=5), "model.preset=tiny-moe", "model.moe.capacity_factor=1.0"]))
+    (interval,) = [r for r in read_metrics(run / "metrics.jsonl", events=True) if r.get("event") == "interval"]
+    layers = interval["moe"]["layers"]
+    assert len(layers) == 4 and all(layer["dropped"] > 0 for layer in layers), layers
+    # The loads count the routing's decisions, before the drop: top_k slots per token.
+    assert all(sum(layer["load"]) == interval["moe"]["tokens"] * 2 for layer in layers)

@@ -424,7 +424,7 @@ def _expert_parallel_problem(cfg: Config, experts: bool) -> None:
             f"parallel.ep=1, or a built-in mixture of experts (model.preset={'|'.join(MOE_PRESETS)}, or model.moe)"
         )
     if not _can(par.strategy, "ep"):
-        why = TABLE[par.strategy].no_ep_why if par.strategy in TABLE else "auto does not choose ep yet"
+        why = TABLE[par.strategy].no_ep_why if par.strategy in TABLE else "auto chooses ep itself: leave parallel.ep at 1"
         raise ValueError(
             f"parallel.ep={par.ep} needs parallel.strategy={said(where)} (the expert weights sharded by FSDP2 over the "
             f"data-parallel ranks beside the ep group), not {par.strategy} ({why}); accepted: "

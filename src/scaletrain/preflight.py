@@ -58,6 +58,7 @@ def plan_run(cfg: Config, world: World, model: ModelSpec) -> tuple[Config, list[
                 sequence_parallel=s.sequence_parallel,
                 pp=s.pp,
                 pp_schedule=s.pp_schedule,
+                ep=s.ep,
                 offload_optimizer=s.offload_optimizer,
                 offload_params=s.offload_params,
                 reshard_after_forward=s.reshard_after_forward,

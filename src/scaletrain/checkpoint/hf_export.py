@@ -2,13 +2,15 @@
 config.json, generation_config.json and the run's tokenizer.
 
 The built-in Llama becomes a LlamaForCausalLM: it uses rotate-half RoPE, HF Llama's
-layout, so tensors are renamed, never permuted. A Hugging Face model (model.source=hf)
-keeps its own names and config. Peak memory stays near the largest tensor, not the model: each shard's header is
-computed from shapes alone, then every tensor is read from the checkpoint (one DCP key,
-or one DeepSpeed universal file), converted and appended to its shard, and dropped. The
-safetensors format (an 8-byte little-endian header length, a JSON header of dtype, shape
-and byte offsets, then the raw bytes) is written directly for that reason: the package's
-writer needs every tensor of a file in memory at once. The package reads the result back
+layout, so tensors are renamed, never permuted; its mixture of experts a MixtralForCausalLM
+(checkpoint/hf_moe.py), each stacked expert weight written as one tensor per expert. A
+Hugging Face model (model.source=hf) keeps its own names and config. Peak memory stays
+near the largest tensor, not the model: each shard's header is computed from shapes
+alone, then every tensor is read from the checkpoint (one DCP key, or one DeepSpeed
+universal file), converted and appended to its shard, and dropped. The safetensors
+format (an 8-byte little-endian header length, a JSON header of dtype, shape and byte
+offsets, then the raw bytes) is written directly for that reason: the package's writer
+needs every tensor of a file in memory at once. The package reads the result back
 as the last step of every export, so a malformed file never leaves this module.
 """
 
@@ -19,17 +21,18 @@ import re
 import shutil
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from scaletrain.checkpoint import hf_moe
 from scaletrain.checkpoint.formats import read_stamp
 from scaletrain.checkpoint.neutral import ParamLayout, WeightStream
 from scaletrain.errors import UserError
 from scaletrain.models.lora import LoraSpec, merge, merged_names
-from scaletrain.models.presets import ModelShape
+from scaletrain.models.presets import ModelShape, resolve_shape
 from scaletrain.models.spec import LlamaSpec, ModelSpec
 
 DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16"), "fp16": (torch.float16, "F16")}
@@ -99,11 +102,17 @@ class ExportTarget:
     config: Callable[[str, int | None], dict[str, Any]]
     tied: bool
     lora: LoraSpec | None = None  # adapters to fold into their base weights
+    # A checkpoint tensor written as several (name, shape) -> its pieces; None: as one, renamed.
+    split: Callable[[str, torch.Size], list[hf_moe.Piece] | None] | None = None
 
 
-def export_target(spec: ModelSpec, max_positions: int) -> ExportTarget:
+def export_target(spec: ModelSpec, max_positions: int, model: Any = None) -> ExportTarget:
+    """`model`: the checkpoint's config.yaml model section, for what a checkpoint's
+    trainer.json leaves out as not shaping a tensor (a mixture's routing)."""
     if isinstance(spec, LlamaSpec):
         shape = spec.shape
+        if shape.experts:
+            return _mixtral_target(_with_routing(shape, model), max_positions, spec.lora)
         return ExportTarget(
             hf_name, lambda dtype, eos: hf_config(shape, max_positions, dtype, eos), shape.tie_embeddings, spec.lora
         )
@@ -111,6 +120,27 @@ def export_target(spec: ModelSpec, max_positions: int) -> ExportTarget:
 
     assert isinstance(spec, HFSpec)
     return ExportTarget(lambda name: name, spec.export_config, spec.tied, spec.lora)
+
+
+def _with_routing(shape: ModelShape, model: Any) -> ModelShape:
+    """The saved shape with the routing fields of the run's config (top-k renormalization,
+    capacity, loss weights): the checkpoint's model entry holds only tensor shapes."""
+    if model is None or model.source != "builtin":
+        return shape
+    run = resolve_shape(model, shape.vocab_size)
+    fields = ("capacity_factor", "normalize_top_k", "aux_loss_weight", "z_loss_weight")
+    return replace(shape, **{k: getattr(run, k) for k in fields})
+
+
+def _mixtral_target(shape: ModelShape, max_positions: int, lora: LoraSpec | None) -> ExportTarget:
+    hf_moe.check_expressible(shape)
+    return ExportTarget(
+        lambda name: hf_moe.mixtral_name(name) or hf_name(name),
+        lambda dtype, eos: hf_moe.mixtral_config(hf_config(shape, max_positions, dtype, eos), shape),
+        shape.tie_embeddings,
+        lora,
+        hf_moe.expert_pieces,
+    )
 
 
 def export_hf(
@@ -164,13 +194,31 @@ def export_hf(
                 return tensor(src)
             return merge(tensor(src), tensor(pair[0]), tensor(pair[1]), target.lora)
 
-        shards = _plan_shards(list(sources), shapes, torch_dtype, max_shard_bytes)
+        # Each Hugging Face tensor -> the exported tensor it is (part of). A tensor split in
+        # pieces is read once: its pieces follow each other, and the last one read is kept.
+        pieces: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        hf_shapes: dict[str, torch.Size] = {}
+        for name in sources:
+            split = target.split(name, shapes[name]) if target.split else None
+            for hf, shape, take in split or [(target.rename(name), shapes[name], _whole)]:
+                pieces[hf], hf_shapes[hf] = (name, take), shape
+        last: dict[str, torch.Tensor] = {}
+
+        def piece(hf: str) -> torch.Tensor:
+            name, take = pieces[hf]
+            if name not in last:
+                last.clear()  # before reading the next: one full tensor in memory
+                last[name] = value(name)
+            return take(last[name])
+
+        shards = _plan_shards(list(pieces), hf_shapes, torch_dtype, max_shard_bytes)
         weight_map: dict[str, str] = {}
         total = 0
         for i, shard in enumerate(shards):
             file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            total += _write_shard(tmp / file, shard, shapes, value, torch_dtype, st_dtype, target.rename)
-            weight_map |= {target.rename(n): file for n in shard}
+            total += _write_shard(tmp / file, shard, hf_shapes, piece, torch_dtype, st_dtype)
+            weight_map |= dict.fromkeys(shard, file)
+        last.clear()
     index = {"metadata": {"total_size": total, "format": "pt"}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     eos = _write_tokenizer(tmp, tokenizer) if tokenizer else None
@@ -182,6 +230,10 @@ def export_hf(
     tmp.rename(out)  # whole or not at all
     stamp = read_stamp(ckpt)
     return {"tensors": len(weight_map), "bytes": total, "files": len(shards), "engine": stamp["engine"]}
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _plan_shards(names: list[str], shapes: dict[str, torch.Size], dtype: torch.dtype, limit: int) -> list[list[str]]:
@@ -205,14 +257,13 @@ def _write_shard(
     value: Callable[[str], torch.Tensor],
     dtype: torch.dtype,
     st_dtype: str,
-    rename: Callable[[str], str],
 ) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name in names:
         nbytes = shapes[name].numel() * itemsize
-        header[rename(name)] = {"dtype": st_dtype, "shape": list(shapes[name]), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": st_dtype, "shape": list(shapes[name]), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned

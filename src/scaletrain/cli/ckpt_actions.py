@@ -117,7 +117,7 @@ def export(args: argparse.Namespace) -> int:
         path,
         Path(args.out),
         layout,
-        export_target(spec, max_positions=cfg.data.seq_len),
+        export_target(spec, max_positions=cfg.data.seq_len, model=cfg.model),
         dtype=args.dtype,
         trainable_only=args.trainable_only,
         tokenizer=tokenizer,

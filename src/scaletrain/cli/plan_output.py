@@ -34,6 +34,8 @@ def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
     if opts.emit_deepspeed:
         path = emit_deepspeed(cfg, plan.chosen.setup, world, Path(opts.emit_deepspeed))
         plan.notes.append(f"DeepSpeed JSON ({plan.chosen.setup.label}) for Hugging Face Trainer written to {path}")
+        if plan.chosen.setup.ep > 1:  # ZeRO's JSON has no expert parallel: the layout is written without it
+            plan.notes.append(f"that JSON has no expert parallel: parallel.ep={plan.chosen.setup.ep} is scaletrain's fsdp only")
     if opts.json:
         print(json.dumps(plan.as_dict(), indent=1))
     else:

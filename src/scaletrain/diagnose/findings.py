@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from scaletrain.diagnose.experts import router_collapse
 from scaletrain.diagnose.run import Finding, Run, gib, hours_unit, median_of, pct
 from scaletrain.errors import UserError
 from scaletrain.strategies import TABLE, Strategy
@@ -449,6 +450,7 @@ RULES: tuple[Callable[[Run], list[Finding]], ...] = (
     comm_bound,
     data_bound,
     pipeline_bubble,
+    router_collapse,
     checkpoint_blocking,
     profile,
     summary,

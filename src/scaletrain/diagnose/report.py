@@ -1,4 +1,5 @@
-"""report.html: the findings and four plots in one file that needs nothing at view time.
+"""report.html: the findings and four plots in one file that needs nothing at view time (a
+fifth for a mixture of experts: the expert load per layer over the run, as a heat map).
 
 Plots are matplotlib SVG inlined into the page (glyphs as paths, so no font is loaded) and
 a Content-Security-Policy forbids every fetch: the report opens the same on an air-gapped
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import html
 import io
+import math
 import os
 from collections import defaultdict
 from collections.abc import Callable
@@ -16,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from scaletrain.diagnose.experts import moe_intervals
 from scaletrain.diagnose.run import Finding, GiB, Run, load_run
 
 if TYPE_CHECKING:
@@ -24,6 +27,12 @@ if TYPE_CHECKING:
 PHASES = ("data_s", "forward_s", "backward_s", "optimizer_s", "comm_s")
 COLORS = ("#8c564b", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#7f7f7f")  # the phases, then other
 MAX_LEGEND = 8  # more ranks than this: lines without a legend, which would hide the plot
+# The heat map is vector (a path per cell: an embedded raster would be a data: URI, which
+# the page's policy forbids). A cell is ~290 bytes of SVG: past MAX_CELLS (about 1 MB),
+# neighbouring intervals merge into one column; past MAX_ROWS (layers x experts), the
+# most imbalanced layers are shown.
+MAX_CELLS = 3500
+MAX_ROWS = 256
 
 _CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 1100px; color: #222; }
@@ -60,7 +69,7 @@ def render(run: Run, findings: list[Finding]) -> str:
     )
     parts = [head, '<section id="findings"><h2>Findings</h2>\n', *(_finding(f) for f in findings), "</section>\n"]
     parts.append('<section id="plots"><h2>Plots</h2>\n')
-    for plot_id, caption, draw in PLOTS:
+    for plot_id, caption, draw in PLOTS + (EXPERT_PLOT if moe_intervals(run) else ()):
         parts.append(
             f'<figure class="plot" id="{plot_id}"><figcaption>{e(caption)}</figcaption>\n{_plot(plot_id, draw, run)}</figure>\n'
         )
@@ -86,10 +95,11 @@ def _plot(plot_id: str, draw: Callable[[Axes, Run], str | None], run: Run) -> st
 
     fig = Figure(figsize=(9, 3.4), layout="constrained")
     ax = fig.add_subplot()
+    ax.grid(True, alpha=0.3)  # before drawing, so that a plot can turn it off
     missing = draw(ax, run)
     if missing:
         return f'<p class="nodata">no data: {html.escape(missing)}</p>\n'
-    ax.grid(True, alpha=0.3)
+
     buf = io.StringIO()
     # A salt per plot: ids (clip paths) stay unique across the SVGs sharing one document.
     with matplotlib.rc_context({"svg.fonttype": "path", "svg.hashsalt": plot_id}):
@@ -176,9 +186,55 @@ def _memory(ax: Axes, run: Run) -> str | None:
     return None
 
 
+def _expert_load(ax: Axes, run: Run) -> str | None:
+    """Rows: each MoE layer's experts; columns: log intervals; colour: the expert's token
+    slots over the layer's mean (1 = its fair share, 0 = idle)."""
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    series = moe_intervals(run)
+    if not series:
+        return "no interval events with an expert load (not a mixture of experts)"
+    n_layers = min(len(e["moe"]["layers"]) for e in series)
+    experts = len(series[-1]["moe"]["layers"][0]["load"])
+    layers = list(range(n_layers))
+    if n_layers * experts > MAX_ROWS:
+        last = series[-1]["moe"]["layers"]
+        layers = sorted(sorted(layers, key=lambda i: -(last[i].get("imbalance") or 0.0))[: max(1, MAX_ROWS // experts)])
+        ax.set_title(f"the {len(layers)} most imbalanced of {n_layers} layers (last interval)", fontsize=9)
+    per = math.ceil(len(series) * len(layers) * experts / MAX_CELLS)
+    columns = [series[i : i + per] for i in range(0, len(series), per)]
+    edges = [series[0]["step"] - (series[0].get("steps") or 1)] + [c[-1]["step"] for c in columns]
+    if any(b <= a for a, b in zip(edges, edges[1:])):
+        edges = list(range(len(columns) + 1))  # steps out of order (hand-edited rows): columns by position
+    grid = np.full((len(layers) * experts, len(columns)), np.nan)
+    for c, column in enumerate(columns):
+        for r, i in enumerate(layers):
+            load = np.sum([e["moe"]["layers"][i]["load"] for e in column], axis=0, dtype=float)
+            if load.sum() > 0:
+                grid[r * experts : (r + 1) * experts, c] = load * experts / load.sum()
+    # Blue: starved, white: fair, red: overloaded (up to experts / top_k, every token).
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(2.0, float(np.nanmax(grid))) if np.isfinite(grid).any() else 2.0)
+    mesh = ax.pcolormesh(edges, np.arange(len(layers) * experts + 1), grid, cmap="RdBu_r", norm=norm, shading="flat")
+    ax.grid(False)
+    ax.invert_yaxis()
+    for b in range(1, len(layers)):
+        ax.axhline(b * experts, color="black", lw=0.8)
+    ax.set_yticks([(r + 0.5) * experts for r in range(len(layers))], [f"layer {i}" for i in layers])
+    ax.set(xlabel="step (log intervals)", ylabel=f"MoE layer: experts 0-{experts - 1} top down")
+    fig = ax.get_figure(root=True)
+    assert fig is not None  # _plot's Figure
+    fig.colorbar(mesh, ax=ax, label="token slots / fair share")
+    fig.set_size_inches(9, min(14.0, max(3.4, 1.2 + 0.09 * len(layers) * experts)))  # rows stay readable
+    return None
+
+
 PLOTS: tuple[tuple[str, str, Callable[[Axes, Run], str | None]], ...] = (
     ("plot-loss", "Loss per optimizer step", _loss),
     ("plot-throughput", "Throughput per log interval", _throughput),
     ("plot-breakdown", "Step time by phase per rank (mean over log intervals after the first)", _breakdown),
     ("plot-memory", "Peak memory per rank", _memory),
+)
+EXPERT_PLOT: tuple[tuple[str, str, Callable[[Axes, Run], str | None]], ...] = (
+    ("plot-experts", "Expert load per MoE layer over the run (token slots over the fair share)", _expert_load),
 )

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -194,7 +196,18 @@ class HFSpec:
             init_adapters(model, seed)
 
     def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits_of(output), targets, self.loss_chunk_tokens)
+        loss = cross_entropy(logits_of(output), targets, self.loss_chunk_tokens)
+        # A mixture of experts adds its router's load-balancing term exactly where
+        # transformers adds it to the loss it computes from labels: when the model's config
+        # sets output_router_logits (then the output holds aux_loss), weighted by its
+        # router_aux_loss_coef. The model's own config decides, as in a transformers
+        # fine-tune (MixtralConfig's default leaves it off): a run trains the objective the
+        # model's config.json states, and a directory we export states ours. The term is
+        # over this rank's micro-batch, as transformers computes it.
+        aux = getattr(output, "aux_loss", None)
+        if aux is None:
+            return loss
+        return loss + float(getattr(self._conf, "router_aux_loss_coef", 0.0)) * aux.to(loss.dtype)
 
     def config(self) -> dict[str, Any]:
         return {"source": "hf", "hf_config": json.loads(self.hf_config)} | ({"lora": self.lora.as_dict()} if self.lora else {})
@@ -319,12 +332,19 @@ def _seeded_init(model: nn.Module, seed: int, std: float) -> None:
 
 @torch.no_grad()
 def _load_weights(model: nn.Module, directory: Path, seed: int, std: float) -> None:
-    """Each parameter from the directory's safetensors, one tensor at a time."""
+    """Each parameter from the directory's safetensors, one tensor at a time (a parameter
+    saved in another layout: from its source tensors, converted)."""
     from safetensors import safe_open
 
     where = weight_files(directory)
     with ExitStack() as stack:
         files = {n: stack.enter_context(safe_open(str(directory / n), framework="pt")) for n in sorted(set(where.values()))}
+
+        def read(key: str) -> torch.Tensor:
+            return files[where[key]].get_tensor(key)
+
+        names = {base_name(canonical_name(n)) for n, _ in model.named_parameters()}
+        converted = _saved_layout(model, [k for k in where if k not in names], names)
         for name, param in model.named_parameters():
             name = base_name(canonical_name(name))
             if is_adapter(name):
@@ -332,17 +352,61 @@ def _load_weights(model: nn.Module, directory: Path, seed: int, std: float) -> N
             if name.startswith(PROJECTION + "."):  # distillation's projection is not the model's: seeded
                 copy_full(param, torch.empty(param.shape).normal_(0.0, std, generator=name_generator(seed, name)))
                 continue
-            if name not in where:
+            if name not in where and name not in converted:
                 raise UserError(
                     f"model.path {str(directory)!r} has no weight {name!r}; accepted: a directory saved by save_pretrained "
                     f"for this architecture ({len(where)} tensors there, e.g. {next(iter(where))!r})"
                 )
-            full = files[where[name]].get_tensor(name)
+            full = read(name) if name in where else converted[name](read)
             if tuple(full.shape) != tuple(param.shape):
                 raise UserError(
                     f"model.path: {name!r} has shape {tuple(full.shape)} there, the config makes {tuple(param.shape)}"
                 )
             copy_full(param, full.to(param.dtype))
+
+
+def _saved_layout(
+    model: nn.Module, keys: list[str], names: set[str]
+) -> dict[str, Callable[[Callable[[str], torch.Tensor]], torch.Tensor]]:
+    """Parameters the directory holds in another layout -> how to build each from the
+    tensors there (given a reader). save_pretrained writes a mixture of experts as one
+    tensor per expert and projection (`experts.0.w1.weight`, the published checkpoints'
+    layout) while transformers 5's model holds them stacked (`experts.gate_up_proj`):
+    transformers' own conversion table for the architecture, which from_pretrained applies,
+    maps the one to the other, so no architecture needs a case here. One parameter at a
+    time: its source tensors are read, converted and dropped."""
+    if not keys:
+        return {}
+    from copy import deepcopy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    mapping = get_model_conversion_mapping(model)  # type: ignore[arg-type]  # a PreTrainedModel, wrapped or not
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    wanted = dict.fromkeys(names, True)
+    sources: dict[str, list[tuple[str, str | None]]] = {}
+    for key in sorted(keys, key=dot_natural_key):  # experts in their order: 2 before 10
+        target, pattern = rename_source_key(key, renamings, converters, str(model.base_model_prefix), wanted)
+        if target in names:
+            sources.setdefault(target, []).append((key, pattern))
+
+    def build(target: str, found: list[tuple[str, str | None]]) -> Callable[[Callable[[str], torch.Tensor]], torch.Tensor]:
+        def convert(read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+            if found[0][1] is None:  # renamed only
+                return read(found[0][0])
+            converter = deepcopy(by_pattern[found[0][1]])
+            for key, pattern in found:
+                # A callable where from_pretrained passes a Future: its synchronous loading
+                # path, where the converter calls it when it converts (not before).
+                converter.add_tensor(target, key, str(pattern), lambda key=key: read(key))  # type: ignore[arg-type]
+            return converter.convert(target)[target]
+
+        return convert
+
+    return {target: build(target, found) for target, found in sources.items()}
 
 
 def weight_files(directory: Path) -> dict[str, str]:
@@ -375,8 +439,22 @@ class _CapturedCall(nn.Module):
         self.kwargs = kwargs
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.layer(hidden, *self.args, **self.kwargs)
+        with _fake_friendly_experts():
+            out = self.layer(hidden, *self.args, **self.kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+
+@contextmanager
+def _fake_friendly_experts() -> Iterator[None]:
+    """transformers' stacked experts multiply through torch's grouped_mm, whose fake-tensor
+    kernel takes bf16 only while its CPU kernel takes fp32 too: the planner's trace of an
+    fp32 block would fail. For the trace, transformers' own fallback runs instead (the same
+    products one expert at a time, with a fake kernel for any dtype), which keeps the same
+    tensors for backward as grouped_mm: the sorted token rows (the weights are parameters)."""
+    from transformers.integrations import moe
+
+    with mock.patch.object(moe, "_can_use_grouped_mm", lambda *args: False):
+        yield
 
 
 def _captured_block(spec: HFSpec, seq_len: int) -> nn.Module:

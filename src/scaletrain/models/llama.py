@@ -130,7 +130,7 @@ class Llama(nn.Module):
             cos = sin = torch.empty(max_seq_len, shape.head_dim // 2)
         else:
             cos, sin = rope_tables(shape.head_dim, max_seq_len, shape.rope_theta)
-        # Routing statistics of the training forwards since the last take_moe_stats:
+        # Routing statistics of the training forwards since the last models.moe.take_stats:
         # [MoE layers, experts + EXTRA_STATS] (models/moe.py), on the device, no sync.
         self.moe_stats: torch.Tensor | None = None
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -167,7 +167,7 @@ class Llama(nn.Module):
         if stats and torch.is_grad_enabled():
             # Summed here, not in the layers: activation checkpointing runs a block's
             # forward again in backward, and only the first run returns to this loop.
-            seen = torch.stack(stats)
+            seen = torch.stack(stats).double()  # counts stay whole numbers past 2**24 per interval
             self.moe_stats = seen if self.moe_stats is None else self.moe_stats + seen
         if self.output is None or self.norm is None:
             return h

@@ -107,7 +107,14 @@ class MoE(nn.Module):
         routed, splits = _counts(flat, e, n * k, x)
         counts = routed
         dropped = torch.zeros((), device=x.device)
-        if self.capacity_factor:
+        if self.capacity_factor and splits is not None:
+            # Fake tensors (the planner): balanced routing, each expert's first slots kept.
+            # Which slots does not matter to a trace; their number does.
+            capacity = math.ceil(self.capacity_factor * n * k / e)
+            splits = [min(s, capacity) for s in splits]
+            order, counts = order[: sum(splits)], torch.tensor(splits, device=x.device)
+            dropped = torch.tensor(float(n * k - sum(splits)), device=x.device)
+        elif self.capacity_factor:
             capacity = math.ceil(self.capacity_factor * n * k / e)
             starts = torch.cumsum(routed, 0) - routed
             position = torch.arange(n * k, device=x.device) - torch.repeat_interleave(starts, routed, output_size=n * k)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from scaletrain.config import Config
 from scaletrain.models import PRESETS, ModelSpec, model_spec
+from scaletrain.plan.candidate import Candidate, Plan
 from scaletrain.plan.memory import Memory, estimate
-from scaletrain.plan.planner import Candidate, Plan, make_plan
+from scaletrain.plan.planner import make_plan
 from scaletrain.plan.setup import Setup
 
 

@@ -98,3 +98,7 @@ def this_cpu(memory: float | None = None) -> Device:
     peak = measured_cpu_peak()
     # gloo over loopback / shared memory: a few GB/s is what it sustains here.
     return Device("CPU (measured)", total, peak, peak, 2e9, 1e9, 10e9, assumed_mfu=0.8, collective_latency=2e-3)
+
+
+def fmt(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB / 10 else f"{nbytes / 2**20:.1f} MiB"

@@ -19,6 +19,7 @@ import torch
 
 from scaletrain.models.spec import ModelSpec
 from scaletrain.plan.activations import block_activations, head_activations
+from scaletrain.plan.experts import ungathered
 from scaletrain.plan.pipeline import gathered_stage_bytes, in_flight, rank_share
 from scaletrain.plan.setup import Setup
 from scaletrain.strategies import TABLE
@@ -260,10 +261,12 @@ def engine_buffers(model: ModelSpec, s: Setup) -> float:
         return gathered_stage_bytes(rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0], s.precision)
     if row.buffers == "fsdp_units":
         gathered = 2 if s.precision != "fp32" else 4  # MixedPrecisionPolicy param dtype
+        # Under expert parallel a block's gathered experts are this rank's E/ep only.
+        per_block, in_all = ungathered(model, s)
         if not s.reshard_after_forward:
-            return float(n_params * gathered)  # every unit stays gathered until its backward
+            return float((n_params - in_all) * gathered)  # every unit stays gathered until its backward
         # Root unit gathered throughout, plus the current and the prefetched block.
-        return float((root_params + 2 * block_params) * gathered)
+        return float((root_params + 2 * (block_params - per_block)) * gathered)
     if row.buffers == "zero3_gather":
         # DeepSpeed gathers per module; its estimator: 4 bytes x the largest layer. Plus the
         # gradient reduce bucket: stage3.py's __init__ allocates one per communication dtype

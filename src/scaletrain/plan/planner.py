@@ -8,7 +8,7 @@ point is a ranking between strategies on the same model, not a promise of wall t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, is_dataclass, replace
+from dataclasses import is_dataclass, replace
 from typing import Any
 
 from scaletrain.batch import described, micro_batches, settle
@@ -17,8 +17,19 @@ from scaletrain.errors import UserError
 from scaletrain.models.factory import distill_spec
 from scaletrain.models.spec import ModelSpec, with_fields
 from scaletrain.parallel import dims_for
-from scaletrain.plan.hardware import Device, GiB
-from scaletrain.plan.memory import Memory, estimate, trainable_share
+from scaletrain.plan.candidate import Candidate, Plan
+from scaletrain.plan.expert_choice import why_ep
+from scaletrain.plan.experts import (
+    a2a_bytes_per_step,
+    a2a_seconds,
+    ep_options,
+    experts_of,
+    moe_note,
+    moe_summary,
+    sharded_traffic,
+)
+from scaletrain.plan.hardware import Device, fmt
+from scaletrain.plan.memory import estimate, trainable_share
 from scaletrain.plan.pipeline import bubble, pp_comm_bytes_per_step, pp_options, rank_share, why_pp
 from scaletrain.plan.setup import Setup
 from scaletrain.stages import SCHEDULES
@@ -34,71 +45,10 @@ LONG_SEQUENCE = 16384
 LOSS_CHUNK = 4096
 
 
-@dataclass
-class Candidate:
-    setup: Setup
-    memory: Memory
-    comm_bytes: float  # per device per optimizer step, sent over the network
-    step_time: float  # seconds, estimated
-    fits: bool
-    why_not: str = ""
-    tp_comm_bytes: float = 0.0  # of comm_bytes: tensor parallel's own, inside a node
-    pp_comm_bytes: float = 0.0  # of comm_bytes: pipeline activations between stages
-    # Not fitting at the configured micro-batch: the same setup at the largest smaller one
-    # that fits, at the same global batch (also among the plan's candidates).
-    smaller: Candidate | None = None
-
-    def as_dict(self) -> dict:
-        return {
-            "strategy": self.setup.label,
-            "fits": self.fits,
-            "memory": self.memory.as_dict(),
-            "comm_bytes_per_step": self.comm_bytes,
-            "tp_comm_bytes_per_step": self.tp_comm_bytes,
-            "pp_comm_bytes_per_step": self.pp_comm_bytes,
-            "step_time_s": self.step_time,
-            "why_not": self.why_not,
-            "micro_batch": self.setup.micro_batch,
-            "grad_accum": self.setup.grad_accum,
-            "fits_with_micro_batch": self.smaller.setup.micro_batch if self.smaller else None,
-        }
-
-
-@dataclass
-class Plan:
-    world: int
-    nodes: int
-    device: Device
-    usable: float  # bytes per device the plan may use (memory minus headroom)
-    candidates: list[Candidate]
-    chosen: Candidate
-    reasons: list[str]
-    max_micro_batch: int
-    notes: list[str] = field(default_factory=list)
-    batch_choice: str = ""  # why the chosen micro-batch, when the planner chose it
-
-    def as_dict(self) -> dict:
-        return {
-            "world": self.world,
-            "nodes": self.nodes,
-            "device": self.device.name,
-            "device_memory": self.device.memory,
-            "usable_memory": self.usable,
-            "chosen": self.chosen.setup.label,
-            "chosen_strategy": self.chosen.setup.strategy,
-            "reasons": self.reasons,
-            "max_micro_batch": self.max_micro_batch,
-            "micro_batch": self.chosen.setup.micro_batch,
-            "grad_accum": self.chosen.setup.grad_accum,
-            "batch_choice": self.batch_choice,
-            "notes": self.notes,
-            "candidates": [c.as_dict() for c in self.candidates],
-        }
-
-
 def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model: ModelSpec | None = None) -> list[Setup]:
     """The configured strategy first, then (auto / planning) every strategy this world
-    allows, with `model` also fsdp x tensor parallel layouts."""
+    allows, with `model` also fsdp x tensor parallel layouts (a mixture of experts: fsdp x
+    expert parallel layouts instead)."""
     p = cfg.parallel
     dims = dims_for(p, world)  # the one validation of the layout
     base = Setup.from_config(cfg, dims)
@@ -108,7 +58,10 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
     if not all_strategies:
         return [base]
     options = _data_parallel_options(base, world, nodes)
-    if dims.tp == 1 and dims.pp == 1 and model is not None and distill is None:  # a teacher: data parallel only
+    if model is not None and experts_of(model) is not None:
+        # A mixture of experts trains without tp or pp (config.py): expert parallel instead.
+        options += ep_options(options, model)
+    elif dims.tp == 1 and dims.pp == 1 and model is not None and distill is None:  # a teacher: data parallel only
         mp = replace(base, strategy=_MODEL_PARALLEL.name, **_PLAIN)
         tps = _tp_sizes(model, world, nodes)
         options += [replace(mp, tp=tp, dp=mp.dp // tp, grad_accum=mp.grad_accum * tp, sequence_parallel=True) for tp in tps]
@@ -125,7 +78,7 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
 
 # Every candidate starts from the plain setup: no offload, weights resharded after forward,
 # no hybrid sharding; the variants below add those back where a strategy takes them.
-_PLAIN: dict[str, Any] = dict(offload_optimizer="none", offload_params="none", reshard_after_forward=True, dp_replicate=1)
+_PLAIN: dict[str, Any] = dict(offload_optimizer="none", offload_params="none", reshard_after_forward=True, dp_replicate=1, ep=1)
 # In the order of fewer moving parts: _fastest settles ties by it.
 _BY_COMPLEXITY = sorted(TABLE.values(), key=lambda r: r.complexity)
 # The strategy tensor and pipeline parallel layouts are planned on.
@@ -175,14 +128,15 @@ def evaluate(
     comm = comm_bytes_per_step(model, s, s.grad_accum)
     tp_comm = tp_comm_bytes_per_step(model, s, s.grad_accum)
     pp_comm = pp_comm_bytes_per_step(model, s)
+    ep_comm = a2a_bytes_per_step(model, s)
     time = step_time(model, s, cfg, device, nodes, comm, tp_comm, pp_comm)
-    comm += tp_comm + pp_comm
+    comm += tp_comm + pp_comm + ep_comm
     why_not = ""
     if mem.peak > usable:
         why_not = f"needs {fmt(mem.peak)} per device > {fmt(usable)} usable"
     elif cpu_per_node is not None and mem.cpu * (s.dp // nodes) > cpu_per_node:
         why_not = f"offload needs {fmt(mem.cpu * (s.dp // nodes))} host memory per node > {fmt(cpu_per_node)}"
-    return Candidate(s, mem, comm, time, not why_not, why_not, tp_comm, pp_comm)
+    return Candidate(s, mem, comm, time, not why_not, why_not, tp_comm, pp_comm, ep_comm_bytes=ep_comm)
 
 
 def tp_comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
@@ -230,6 +184,8 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
     # reduce-scattered once. Under a pipeline a stage stays gathered for the step: one gather.
     gathers = 1 if s.pp > 1 else grad_accum * (1 if (row.keeps_gathered and not s.reshard_after_forward) else 2)
     shard = s.shard
+    if s.ep > 1:  # each rank's experts over the ranks holding the same ones (plan/experts.py)
+        return sharded_traffic(model, s, psi, trainable_share(model), gathers, param_bytes, grad_bytes)
     total = (shard - 1) / shard * (psi * gathers * param_bytes + train * grad_bytes)
     if s.dp_replicate > 1:  # hybrid: all-reduce the gradient shards across replicas
         r = s.dp_replicate
@@ -260,6 +216,8 @@ def step_time(
     exposed += tp_comm / (device.intra_node_bw if s.tp <= per_node else device.inter_node_bw)
     if s.tp > 1:  # and the start-up of each of those many small collectives
         exposed += tp_collectives(model, s) * device.collective_latency
+    if s.ep > 1:  # the routed tokens' all-to-alls sit between the block's matmuls: exposed too
+        exposed += a2a_seconds(model, s, device, per_node)
     offload = 0.0
     psi = model.counts().total
     if s.offload_optimizer != "none":
@@ -303,13 +261,16 @@ def make_plan(
         reasons = _as_configured(chosen, best, candidates)
     else:
         assert best is not None
-        chosen, reasons = best, _reasons(best, candidates)
+        ep = [why_ep(model, best, candidates, world // nodes, judge)] if experts_of(model) is not None else []
+        chosen, reasons = best, _reasons(best, candidates, ep)
     batch_choice = _why_micro_batch(chosen, cfg.train.micro_batch, cfg.train.global_batch or 0)
     plan = Plan(world, nodes, device, usable, candidates, chosen, reasons + batch_choice, 0)
     plan.batch_choice = batch_choice[0] if batch_choice else ""
     plan.max_micro_batch = largest_micro_batch(model, chosen.setup, usable)
     plan.notes += _what_cp_buys(chosen, cfg.data.seq_len)
     plan.notes += _what_chunking_buys(model, chosen)
+    plan.notes += moe_note(model, cfg.data.seq_len)
+    plan.moe = moe_summary(model, cfg.data.seq_len)
     return plan
 
 
@@ -439,7 +400,7 @@ def largest_micro_batch(model: ModelSpec, s: Setup, usable: float, limit: int = 
     return lo
 
 
-def _reasons(chosen: Candidate, candidates: list[Candidate]) -> list[str]:
+def _reasons(chosen: Candidate, candidates: list[Candidate], expert_reasons: list[str] | None = None) -> list[str]:
     reasons = []
     # The plain replicated candidate (ddp), against which the others' traffic is told.
     ddp = next((c for c in candidates if c.setup.label == c.setup.strategy and TABLE[c.setup.strategy].partitions == 0), None)
@@ -456,17 +417,13 @@ def _reasons(chosen: Candidate, candidates: list[Candidate]) -> list[str]:
     if chosen.setup.pp > 1:
         plain = [c for c in candidates if c.setup.pp == 1 and c.fits]
         other = min(plain, key=lambda c: c.step_time) if plain else None
-        ratio = _dp_bytes(other) / max(_dp_bytes(chosen), 1.0) if other else 0.0
+        ratio = other.dp_bytes / max(chosen.dp_bytes, 1.0) if other else 0.0
         reasons.append(
             why_pp(chosen.step_time, chosen.setup, other.setup.label if other else None, other.step_time if other else 0, ratio)
         )
+    reasons += expert_reasons or []  # a mixture of experts: why ep or not (expert_choice.py)
     reasons.append(text)
     return reasons
-
-
-def _dp_bytes(c: Candidate) -> float:
-    """What a candidate moves over its data-parallel ranks: its traffic less tp's and pp's own."""
-    return c.comm_bytes - c.tp_comm_bytes - c.pp_comm_bytes
 
 
 def _why_tp(chosen: Candidate, candidates: list[Candidate]) -> str:
@@ -477,9 +434,9 @@ def _why_tp(chosen: Candidate, candidates: list[Candidate]) -> str:
     if not plain:
         return text + ": no layout without tensor parallel fits"
     other = min(plain, key=lambda c: c.step_time)
-    mine = _dp_bytes(chosen)
+    mine = chosen.dp_bytes
     traffic = (
-        f"its data-parallel traffic over {s.dp} ranks is {_dp_bytes(other) / mine:.1f}x smaller than "
+        f"its data-parallel traffic over {s.dp} ranks is {other.dp_bytes / mine:.1f}x smaller than "
         f"{other.setup.label}'s over {other.setup.dp}"
         if mine > 0
         else f"it needs no data-parallel traffic, where {other.setup.label} moves its states over {other.setup.dp} ranks"
@@ -533,7 +490,3 @@ def _at_smallest(
     if smallest == s.micro_batch:
         return c
     return evaluate(model, at_micro_batch(s, smallest), cfg, device, nodes, usable, cpu_per_node)
-
-
-def fmt(nbytes: float) -> str:
-    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB / 10 else f"{nbytes / 2**20:.1f} MiB"

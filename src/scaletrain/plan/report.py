@@ -14,8 +14,10 @@ from scaletrain.plan.planner import Plan, fmt
 
 def print_plan(console: Console, plan: Plan, model: ModelSpec, title: str) -> None:
     params = model.counts().total
+    # A mixture of experts: the active count is what its FLOPs (and MFU) follow.
+    active = f" ({plan.moe['active_params'] / 1e9:.3g}B active per token)" if plan.moe else ""
     console.print(
-        f"[bold]{title}[/]: {params / 1e9:.3g}B parameters | {plan.world} x {plan.device.name} "
+        f"[bold]{title}[/]: {params / 1e9:.3g}B parameters{active} | {plan.world} x {plan.device.name} "
         f"({plan.nodes} node{'s' if plan.nodes > 1 else ''}), {fmt(plan.device.memory)} each, "
         f"{fmt(plan.usable)} usable",
         highlight=False,

@@ -31,6 +31,9 @@ class Setup:
     sequence_parallel: bool = True  # with tp: norms and residual split over the sequence too
     pp: int = 1  # pipeline stages' ranks (fsdp): each holds its stages' blocks (plan/pipeline.py)
     pp_schedule: str = "1f1b"
+    # Expert parallel (fsdp, a mixture of experts): each MoE layer's experts split over ep of
+    # the shard ranks, their weights sharded over shard / ep (plan/experts.py).
+    ep: int = 1
     teacher: ModelSpec | None = None  # model.teacher: a frozen model beside the trained one
     # The planner chose the micro-batch (train.micro_batch=auto, or a smaller one than
     # configured at the same global batch): the label says which.
@@ -51,6 +54,8 @@ class Setup:
             parts.append(f"tp {self.tp}" + ("" if self.sequence_parallel else " (no SP)"))
         if self.pp > 1:
             parts.append(f"pp {self.pp} ({self.pp_schedule})")
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
         if self.activation_checkpointing:
             parts.append("AC")
         if self.searched:
@@ -87,5 +92,6 @@ class Setup:
             sequence_parallel=p.sequence_parallel,
             pp=dims.pp,
             pp_schedule=p.pp_schedule,
+            ep=dims.ep,
             teacher=teacher,
         )

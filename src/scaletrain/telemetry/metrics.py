@@ -1,9 +1,10 @@
 """Per-step metrics: recorded without host syncs, gathered across ranks once per interval.
 
 Losses and grad norms stay on the device as 0-d tensors until `flush`, which does one
-device-to-host copy and one all_gather_object (on a gloo side group, so nothing of it
-touches the GPU) of everything the interval needs from every rank: losses, the phase
-times, memory, the communication sample. metrics.jsonl still gets one JSON object per
+device-to-host copy (a second for a mixture of experts' routing sums) and one
+all_gather_object (on a gloo side group, so nothing of it touches the GPU) of everything
+the interval needs from every rank: losses, the phase times, memory, the communication
+sample, the expert load (experts.py). metrics.jsonl still gets one JSON object per
 optimizer step, and event rows: the interval's figures and its stragglers.
 """
 
@@ -13,6 +14,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from scaletrain import faults
 from scaletrain.distributed import World, side_group
 from scaletrain.telemetry.clock import PhaseClock
 from scaletrain.telemetry.device import gpu_utilisation, memory_peak
+from scaletrain.telemetry.experts import expert_load
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Rates:
     memory_bytes: float  # per device
     cost_per_gpu_hour: float
     straggler_threshold: float
+    micro_batches: int = 1  # forwards per optimizer step on each rank (train.grad_accum)
 
 
 @dataclass
@@ -61,6 +65,9 @@ class StepRecorder:
         self._norms: list[torch.Tensor] = []
         self._rows: list[dict[str, Any]] = []
         self._since = time.perf_counter()
+        # The routing statistics the model summed since the last call (models.moe.take_stats),
+        # None for a dense model; set by whoever holds the model (Telemetry.watch_routing).
+        self.routing: Callable[[], torch.Tensor | None] = lambda: None
 
     def record(self, local_loss: torch.Tensor, grad_norm: torch.Tensor, **fields: Any) -> None:
         self._losses.append(local_loss.detach().float())
@@ -76,6 +83,7 @@ class StepRecorder:
         phases = self.clock.take()
         peak, reserved = memory_peak(self.world.device)
         n = len(self._rows)
+        routing = self.routing()  # taken here, once per interval: no host sync per step
         mine: dict[str, Any] = {
             "losses": both[0],
             "phases": {f"{k}_s": v / n for k, v in phases.items()},
@@ -83,6 +91,7 @@ class StepRecorder:
             "mem_reserved_bytes": reserved,
             "gpu_util": gpu_utilisation(self.world.device),
             "comm": comm,
+            "moe": routing.cpu() if routing is not None else None,
         }
         everyone = [mine] * self.world.world_size
         if self._group is not None:
@@ -100,7 +109,11 @@ class StepRecorder:
         self._losses, self._norms, self._rows = [], [], []
         step = rows[-1]["step"]
         ranks = [self._rank_row(step, rank, n, wall, r) for rank, r in enumerate(everyone)]
-        return Flushed(rows, [self._interval(step, n, wall, ranks), *self._stragglers(step, ranks)], ranks)
+        interval = self._interval(step, n, wall, ranks)
+        moe = expert_load([r["moe"] for r in everyone], n * self.rates.micro_batches)
+        if moe is not None:
+            interval["moe"] = moe
+        return Flushed(rows, [interval, *self._stragglers(step, ranks)], ranks)
 
     def _rank_row(self, step: int, rank: int, n: int, wall: float, r: dict[str, Any]) -> dict[str, Any]:
         row = {"step": step, "rank": rank, "host": self.hosts[rank], "steps": n, "step_s": wall / n, **r["phases"]}

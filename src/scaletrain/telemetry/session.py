@@ -1,10 +1,11 @@
 """Everything the loop tells telemetry, behind one object: phase marks, the sampled
-communication, the profiler window, per-interval figures from every rank, and the sinks."""
+communication, the profiler window, per-interval figures from every rank (a mixture of
+experts' routing among them), and the sinks."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ class Telemetry:
             memory_bytes=self.info.memory_bytes,
             cost_per_gpu_hour=t.cost_per_gpu_hour,
             straggler_threshold=t.straggler_threshold,
+            micro_batches=cfg.train.grad_accum,
         )
         self.metrics = metrics
         self.clock = PhaseClock(world.device)
@@ -56,6 +58,14 @@ class Telemetry:
             from scaletrain.telemetry.sinks import Sinks  # imports its packages only when asked for
 
             self.sinks = Sinks(t, run_dir, cfg.model_dump(mode="json"), start_step)
+
+    def watch_routing(self, take: Callable[[], torch.Tensor | None]) -> None:
+        """Each interval's expert load from `take` (models.moe.take_stats of the model: its
+        routing statistics since the last call, reset; None for a dense model). What it
+        holds now is dropped: forwards before the first step (a resumed checkpoint's
+        verification, say) are no training step's."""
+        take()
+        self.recorder.routing = take
 
     def run_info(self) -> dict[str, Any]:
         return {**as_json(self.info), "flops_per_token": self.flops_per_token}

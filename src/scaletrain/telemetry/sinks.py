@@ -2,10 +2,11 @@
 
 Both get the same tags: a step row's fields under train/ (train/loss, train/grad_norm,
 train/lr, ...), the interval event's under throughput/, memory/, system/, cost/ and
-phases/ (phases/comm_s ...), any other event's numbers under <event>/<key>
-(checkpoint/blocking_s, straggler/excess). The trainer hands rows over once per log
-interval, as it writes metrics.jsonl; neither sink is flushed here beyond what its library
-does by itself (tensorboardX: every 120 s or 10 queued events, from its own thread).
+phases/ (phases/comm_s ...), a mixture of experts' under moe/layer<i>/ (imbalance, aux,
+dropped: the per-expert loads stay in metrics.jsonl), any other event's numbers under
+<event>/<key> (checkpoint/blocking_s, straggler/excess). The trainer hands rows over once
+per log interval, as it writes metrics.jsonl; neither sink is flushed here beyond what its
+library does by itself (tensorboardX: every 120 s or 10 queued events, from its own thread).
 
 W&B never touches the network: offline mode, no system-stats sampling, no metadata, git or
 code capture, and wandb.setup(mode="offline") first, because wandb 0.31 decides whether
@@ -119,6 +120,8 @@ class Sinks:
                 continue
             if kind == "interval" and k == "phases" and isinstance(v, dict):
                 scalars.update({f"phases/{name}": x for name, x in v.items()})
+            elif kind == "interval" and k == "moe" and isinstance(v, dict):
+                scalars.update(_moe_scalars(v))
             elif kind == "interval":
                 scalars[INTERVAL_TAGS.get(k, f"interval/{k}")] = v
             else:
@@ -193,6 +196,16 @@ def _require(module: str, key: str) -> Any:
             f"telemetry.{key}=true needs the {module} package, which is not installed; "
             f"install it with: pip install 'scaletrain[{EXTRAS[key]}]' (or set telemetry.{key}=false)"
         ) from None
+
+
+def _moe_scalars(moe: dict[str, Any]) -> dict[str, Any]:
+    # A few numbers per layer: a scalar per expert (64 experts x 27 layers in DeepSeekMoE)
+    # would bury the dashboard; diagnose's heat map shows the loads (report.html).
+    return {
+        f"moe/layer{i}/{key}": layer.get(key)
+        for i, layer in enumerate(moe.get("layers") or [])
+        for key in ("imbalance", "aux", "dropped")
+    }
 
 
 def _flatten(prefix: str, value: Any) -> dict[str, Any]:

@@ -1,0 +1,53 @@
+"""Expert load per log interval: what each mixture-of-experts router did, on every rank.
+
+The model sums its routing statistics per MoE layer on the device, forward after forward
+(models/moe.py: token slots routed to each expert, dropped slots, the weighted auxiliary
+loss, tokens seen). Each rank takes them once per interval, at the metrics flush (no host
+sync per step), and sends them in the flush's one all_gather_object; this turns every
+rank's sums into the interval event's "moe" field (docs/telemetry.md):
+
+    {"tokens": tokens routed (all ranks), "layers": [{"load": [slots per expert],
+     "imbalance": max / mean load, "aux": auxiliary loss per micro-batch forward,
+     "dropped": slots dropped by the capacity (0 when dropless)}, ...]}
+
+Every rank counts the routing decisions of its own tokens (under expert parallelism too:
+where a slot is computed does not matter), so the interval's load is the sum over ranks.
+That holds while no two ranks see the same tokens, which is why a mixture of experts
+trains without tensor or pipeline parallelism for now (config.py): tensor-parallel ranks
+would count their group's tokens once each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from scaletrain.models.moe import EXTRA_STATS, STAT_AUX, STAT_DROPPED, STAT_TOKENS
+
+
+def expert_load(per_rank: list[torch.Tensor | None], forwards: int) -> dict[str, Any] | None:
+    """The interval's "moe" field from each rank's statistics ([MoE layers, experts +
+    EXTRA_STATS], on the CPU; None from a dense model) and `forwards`, the micro-batch
+    forwards each rank ran in the interval; None when there is no mixture of experts."""
+    seen = [s for s in per_rank if s is not None]
+    if not seen:
+        return None
+    # float64, as the model sums them: slot counts stay whole numbers however long the interval.
+    total = torch.stack([s.double() for s in seen]).sum(0)
+    experts = total.shape[1] - EXTRA_STATS
+    layers = []
+    for row in total.tolist():
+        load = [round(x) for x in row[:experts]]
+        mean = sum(load) / experts
+        layers.append(
+            {
+                "load": load,
+                "imbalance": round(max(load) / mean, 4) if mean > 0 else None,
+                # Each forward adds its micro-batch's auxiliary loss: the mean per forward is
+                # what the loss added, comparable across micro-batch sizes and world sizes.
+                "aux": float(f"{row[experts + STAT_AUX] / (forwards * len(seen)):.6g}") if forwards else None,
+                "dropped": round(row[experts + STAT_DROPPED]),
+            }
+        )
+    return {"tokens": round(total[0, experts + STAT_TOKENS].item()), "layers": layers}

@@ -1,0 +1,252 @@
+"""Mixtures of experts and Hugging Face: a built-in tiny-moe checkpoint (written by fsdp
+with the experts split over 2 ranks) exports as a MixtralForCausalLM that transformers
+loads with the same loss; what Mixtral cannot express is refused in one line; a Hugging
+Face Mixtral (fsdp and zero3) or Qwen2-MoE (fsdp), saved as save_pretrained saves them
+(one tensor per expert), trains at world 2 equal to one process, the router's
+load-balancing term in the loss as transformers adds it, and exports back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from scaletrain.checkpoint import read_model_weights
+from scaletrain.checkpoint.hf_export import export_target
+from scaletrain.errors import UserError
+from scaletrain.models.presets import ModelShape
+from scaletrain.models.spec import LlamaSpec
+
+from helpers import (
+    GRAD_NORM_RTOL,
+    LOSS_RTOL,
+    STDLIB,
+    Z3_PARTITION_ALL,
+    check,
+    metric_rows,
+    one_line_error,
+    scaletrain,
+    train,
+)
+
+SEQ = 32
+
+
+def builtin_run(data: Path, run: Path, *extra: str) -> list[str]:
+    return ["model.preset=tiny-moe", f"data.paths={data}", f"data.seq_len={SEQ}", "train.steps=2", "train.warmup_steps=0",
+            "train.lr=3e-3", "checkpoint.every=2", "run.device=cpu", f"run.dir={run}", *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_run(small_dataset, tmp_path_factory):
+    """fsdp at world 2 with each rank holding 4 of the 8 experts (parallel.ep=2): a DCP
+    checkpoint whose expert tensors were DTensors sharded on the expert dimension, the
+    hardest for an export to read whole (a one-process checkpoint reads the same way)."""
+    run = tmp_path_factory.mktemp("moe-export") / "fsdp-ep2"
+    extra = ["train.micro_batch=1", "parallel.strategy=fsdp", "parallel.ep=2"]
+    check(train(builtin_run(small_dataset, run, *extra), nproc=2))
+    return run
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of ids[:, 1:] from the logits at ids[:, :-1]: no auxiliary term."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_tiny_moe_checkpoint_exports_as_a_mixtral_transformers_loads_with_the_same_loss(moe_run, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scaletrain.models.llama import Llama
+
+    run, out = moe_run, tmp_path / "hf"
+    ckpt = run / "checkpoints" / "step_2"
+    proc = check(scaletrain(["ckpt", "export", str(run), str(out), "--dtype", "fp32"]))
+    # 4 blocks x (4 attention + 2 norms + router + 3 x 8 experts) + embedding + final norm (head tied).
+    assert "126 tensors" in proc.stdout, proc.stdout
+    config = json.loads((out / "config.json").read_text())
+    shape = ModelShape(**json.loads((ckpt / "trainer.json").read_text())["model"])
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["model_type"] == "mixtral"
+    want = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 384, "hidden_size": 128,
+            "router_aux_loss_coef": 0.02, "tie_word_embeddings": True, "rope_theta": 10000.0, "rms_norm_eps": 1e-5}  # fmt: skip
+    assert {k: config[k] for k in want} == want
+
+    weights = read_model_weights(ckpt)
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert type(theirs).__name__ == "MixtralForCausalLM"
+    ours = Llama(shape, max_seq_len=SEQ)
+    ours.load_state_dict(weights)
+    text = (STDLIB / "json" / "decoder.py").read_text()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(str(out)).encode(text)[: SEQ + 1]])
+    with torch.no_grad():
+        logits, _aux = ours(ids[:, :-1])
+        hf_logits = theirs(ids[:, :-1]).logits
+    # fp32 both sides, the same weights (an fp32 export slices and transposes, no arithmetic):
+    # only summation order differs (SDPA, RMSNorm's mean, grouped_mm against one matmul per
+    # expert, the top-k sum), a few ulps of logits of size ~2: atol 1e-5 is ~100 ulps
+    # (measured <= 4.8e-7). The cross entropy's gradient in the logits (softmax - one-hot)
+    # has an L1 norm <= 2 per token, so the loss moves by <= 2 x 1e-5 (measured 0). A
+    # routing the export got wrong (an expert, a projection, the renormalization) is off by
+    # orders of magnitude more.
+    torch.testing.assert_close(hf_logits, logits, rtol=0, atol=1e-5)
+    assert abs(lm_loss(hf_logits, ids).item() - lm_loss(logits, ids).item()) <= 2e-5
+    # Trained routers: the tokens do not all go to the same experts.
+    routed = ours.layers[0].feed_forward.router(ours.tok_embeddings(ids)).topk(2).indices
+    assert routed.unique().numel() >= 4
+
+
+def refused_shape(**moe) -> ModelShape:
+    base = dict(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=64, tie_embeddings=True,
+                rope_theta=10000.0, norm_eps=1e-5, experts=4, top_k=2, expert_ffn_dim=64)  # fmt: skip
+    return ModelShape(**(base | moe))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("moe", "named"),
+    [
+        ({"shared_experts": 2, "dense_layers": 1}, ["model.moe.shared_experts=2", "model.moe.dense_layers=1"]),
+        ({"normalize_top_k": False}, ["model.moe.normalize_top_k=false"]),
+        ({"capacity_factor": 1.25}, ["model.moe.capacity_factor=1.25"]),
+    ],
+)
+def test_what_mixtral_cannot_express_is_named_in_one_line(moe, named):
+    with pytest.raises(UserError) as err:
+        export_target(LlamaSpec(refused_shape(**moe)), 16)
+    message = str(err.value)
+    assert "\n" not in message and "no Hugging Face Mixtral equivalent" in message, message
+    assert all(n in message for n in named) and "accepted: a mixture of experts with shared_experts=0" in message
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_an_export_of_unnormalized_routing_is_refused_in_one_line(moe_run, tmp_path):
+    # normalize_top_k shapes no tensor, so only the run's config.yaml holds it: the same
+    # checkpoint, its config saying the top-k weights were not renormalized.
+    ckpt = tmp_path / "step_2"
+    shutil.copytree(moe_run / "checkpoints" / "step_2", ckpt)
+    config = yaml.safe_load((ckpt / "config.yaml").read_text())
+    config["model"]["moe"] = {"normalize_top_k": False}
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = scaletrain(["ckpt", "export", str(ckpt), str(tmp_path / "hf")])
+    one_line_error(proc, "model.moe.normalize_top_k=false has no Hugging Face Mixtral equivalent", "accepted:")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+
+
+# ---------------------------------------------------------------------------- HF models
+
+# output_router_logits: transformers (and so training here) adds router_aux_loss_coef x
+# its load-balancing term to the loss.
+# Qwen2-MoE besides: a shared expert, top-k weights not renormalized (its default).
+QWEN2_MOE = {"model_type": "qwen2_moe", "num_experts": 4, "moe_intermediate_size": 24, "intermediate_size": 48,
+             "shared_expert_intermediate_size": 32}  # fmt: skip
+HF_MOE = {"mixtral": {"model_type": "mixtral", "num_local_experts": 4, "intermediate_size": 48}, "qwen2_moe": QWEN2_MOE}
+COMMON = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 64, "num_experts_per_tok": 2, "output_router_logits": True,
+          "router_aux_loss_coef": 0.02}  # fmt: skip
+ENGINES = {
+    # The decoder layers wrapped for activation checkpointing too: the routers run again in
+    # backward, and their logits must not be recorded twice.
+    "mixtral-fsdp": ("mixtral", ["parallel.strategy=fsdp", "parallel.activation_checkpointing=true"]),
+    "mixtral-zero3": ("mixtral", ["parallel.strategy=zero3", Z3_PARTITION_ALL]),
+    "qwen2_moe-fsdp": ("qwen2_moe", ["parallel.strategy=fsdp"]),
+}
+HF_STEPS = 3
+
+
+def hf_run(model_dir: Path, data: Path, run: Path, *extra: str) -> list[str]:
+    return ["model.source=hf", f"model.path={model_dir}", f"data.paths={data}", f"data.seq_len={SEQ}",
+            f"train.steps={HF_STEPS}", "train.micro_batch=2", "train.warmup_steps=0", "train.lr=1e-2",
+            f"checkpoint.every={HF_STEPS}", "run.device=cpu", f"run.dir={run}", *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_moe(small_dataset, tmp_path_factory):
+    """Each architecture saved by save_pretrained (bf16, the vocabulary of the data's
+    tokenizer, which goes along as the model's own), and its one-process run at micro-batch
+    2 x 2 accumulated: the micro-batches of two ranks of 2, so each balance term (per
+    micro-batch, as transformers computes it) sees the same tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("hf-moe")
+    vocab = json.loads((small_dataset / "manifest.json").read_text())["vocab_size"]
+    made = {}
+    for arch, fields in HF_MOE.items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**(fields | COMMON | {"vocab_size": vocab})))
+        model.to(torch.bfloat16).save_pretrained(str(root / arch))
+        shutil.copyfile(small_dataset / "tokenizer.json", root / arch / "tokenizer.json")
+        check(train(hf_run(root / arch, small_dataset, root / f"{arch}-ref", "train.grad_accum=2")))
+        made[arch] = (root / arch, root / f"{arch}-ref", model.float())
+    return made
+
+
+def losses_and_norms(run: Path) -> tuple[list[float], list[float]]:
+    rows = metric_rows(run)
+    assert len(rows) == HF_STEPS
+    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(ENGINES))
+def test_an_hf_mixture_of_experts_trains_at_world_2_as_in_one_process(hf_moe, small_dataset, tmp_path, case):
+    arch, engine = ENGINES[case]
+    model_dir, reference, _ = hf_moe[arch]
+    check(train(hf_run(model_dir, small_dataset, tmp_path / case, *engine), nproc=2))
+    (ref_loss, ref_norm), (loss, norm) = losses_and_norms(reference), losses_and_norms(tmp_path / case)
+    # The standing tolerances (helpers.py): each rank's micro-batch is one of the reference's,
+    # routed to the same experts, so only summation order differs, and Adam's amplification
+    # of it after step 1. Measured: equal losses, grad norms <= 2e-7 apart (relative).
+    np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
+    np.testing.assert_allclose(norm, ref_norm, rtol=GRAD_NORM_RTOL)
+    assert ref_loss[-1] < ref_loss[0]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", list(HF_MOE))
+def test_the_first_loss_is_the_saved_models_own_with_its_balance_term(hf_moe, arch):
+    from scaletrain.config import load_config
+    from scaletrain.data import PackedTokens, RankBatches, resolve_dataset_dir
+
+    model_dir, reference, saved = hf_moe[arch]
+    cfg = load_config([str(reference / "config.yaml")])
+    assert cfg.data.tokenizer == str(model_dir / "tokenizer.json")  # the model's own
+    data_dir, _ = resolve_dataset_dir(cfg.data)
+    batches = RankBatches(PackedTokens(data_dir, SEQ, cfg.train.seed), 2, 2, 0, 1).next_step()
+    coef = saved.config.router_aux_loss_coef
+    with torch.no_grad():
+        ce, balance = [], []
+        for inputs, targets in batches:
+            out = saved(inputs)
+            ce.append(torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten()).item())
+            balance.append(coef * out.aux_loss.item())
+    # Loaded, not initialized: the expert tensors, saved one per expert, were stacked as
+    # the model holds them. Same weights and code: fp32 rounding of the sums only.
+    got = losses_and_norms(reference)[0][0]
+    np.testing.assert_allclose(got, np.mean(ce) + np.mean(balance), rtol=1e-6)
+    assert np.mean(balance) > 1000 * 1e-6 * got  # the balance term is in it, far above the tolerance
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_trained_hf_mixtral_exports_back_and_loads(hf_moe, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _, reference, _ = hf_moe["mixtral"]
+    out = tmp_path / "hf"
+    check(scaletrain(["ckpt", "export", str(reference), str(out), "--dtype", "fp32"]))
+    trained = read_model_weights(reference / "checkpoints" / f"step_{HF_STEPS}")
+    again = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert type(again).__name__ == "MixtralForCausalLM"
+    params = dict(again.named_parameters())
+    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.gate.weight"):
+        assert torch.equal(params[name], trained[name]), name
