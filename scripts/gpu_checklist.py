@@ -99,6 +99,16 @@ CHECKS = [
           judge="ds_optimizer", needs=CUDA),
     *(Check(f"{e}-{p}", 2, f"{e} trains in {p} on CUDA", ("scaletrain", "train", *SMALL, *o, f"precision={p}"),
             "trains", CUDA, GPU_STEPS) for p in ("bf16", "fp16") for e, o in ENGINES.items()),
+    # A mixture of experts (issue 27): on CUDA in bf16 its experts run as one torch._grouped_mm; the
+    # small preset with 8 experts, top-2 (model.moe={}); its MFU counts the active experts only.
+    Check("moe-small-bf16", 2, "a mixture of experts trains in bf16 on CUDA (the grouped matmul)",
+          ("scaletrain", "train", *SMALL, "model.moe={{}}", "parallel.strategy=fsdp", "precision=bf16"), "trains", CUDA,
+          GPU_STEPS),
+    # A real out-of-memory error (issue 26): micro-batch 64 of the 1b preset cannot fit; one process retries
+    # in place at half the micro-batch (same global batch) until it does, and trains.
+    Check("oom-1b-mb64", 2, "a real out-of-memory error survived: micro-batch 64 halved until it fits",
+          ("scaletrain", "train", *BIG_CUDA, "parallel.strategy=fsdp", "train.global_batch=64", "train.micro_batch=64"),
+          "trains", CUDA, 10),
     *(Check(f"{e}-cpu", 2, f"{e} trains on CPU (stand-in)", ("scaletrain", "train", *TINY, "train.log_every=5", *o),
             "trains", NO_CUDA, CPU_STEPS)
       for e, o in {"ddp": ("parallel.strategy=ddp",), "fsdp": ("parallel.strategy=fsdp",),

@@ -264,6 +264,25 @@ def assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         assert rel <= rtol, f"{k}: relative difference {rel:.2e} (up to {rtol:.0e} allowed)"
 
 
+def train_through(run: Path, links: list[tuple[list[str], int, str]], every: int, timeout: int = 240) -> None:
+    """Train `run` link by link, `every` steps each: a link is (overrides, world size, how
+    the resume names its layout, e.g. "fsdp at world 3"). Every link but the last is
+    killed right after its checkpoint (what a preempted job leaves) and the next resumes it
+    on its own layout, verified; the last runs to the end."""
+    for i, (args, world, _) in enumerate(links):
+        stop = every * (i + 1)
+        last = i == len(links) - 1
+        proc = train(args, nproc=world, env={} if last else {"SCALETRAIN_KILL_AT": f"step:{stop}"}, timeout=timeout)
+        if last:
+            check(proc)
+        else:
+            assert proc.returncode != 0 and (run / "checkpoints" / f"step_{stop}" / "COMPLETE").is_file(), proc.stderr[-2000:]
+        if i > 0:
+            said = f"step_{stop - every} ({links[i - 1][2]})"
+            assert said in proc.stdout and "; verified" in proc.stdout, proc.stdout[-2000:]
+        assert [r["step"] for r in metric_rows(run)] == list(range(1, stop + 1))
+
+
 def copy_until(run: Path, to: Path, step: int) -> None:
     """A run directory as `run` was after its checkpoint at `step`: what a kill right after it leaves."""
     (to / "checkpoints").mkdir(parents=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_same_training, base_overrides, check, metric_rows, train
+from helpers import assert_same_training, base_overrides, check, train, train_through
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 
@@ -45,22 +45,14 @@ def straight(small_dataset, tmp_path_factory):
 @pytest.mark.timeout(600)
 def test_experts_move_between_ep_world_sizes_and_engines(small_dataset, straight, tmp_path):
     run = tmp_path / "run"
-    for i, (strategy, world, ep) in enumerate(CHAIN):
-        stop = 2 * (i + 1)
-        args = [
-            *base_overrides(small_dataset, run, steps=STEPS),
-            *MOE,
-            f"parallel.strategy={strategy}",
-            f"parallel.ep={ep}",
-            "checkpoint.every=2",
-        ]
-        last = i == len(CHAIN) - 1
-        proc = train(args, nproc=world, env={} if last else {"SCALETRAIN_KILL_AT": f"step:{stop}"}, timeout=240)
-        if last:
-            check(proc)
-        else:
-            assert proc.returncode != 0 and (run / "checkpoints" / f"step_{stop}" / "COMPLETE").is_file(), proc.stderr[-2000:]
-        if i > 0:
-            assert f"step_{stop - 2} (" in proc.stdout and "; verified" in proc.stdout, proc.stdout[-2000:]
-        assert [r["step"] for r in metric_rows(run)] == list(range(1, stop + 1))
+    base = [*base_overrides(small_dataset, run, steps=STEPS), *MOE, "checkpoint.every=2"]
+    links = [
+        (
+            [*base, f"parallel.strategy={strategy}", f"parallel.ep={ep}"],
+            world,
+            f"{strategy} at world {world}" + (f" (ep {ep})" if ep > 1 else ""),
+        )
+        for strategy, world, ep in CHAIN
+    ]
+    train_through(run, links, every=2)
     assert_same_training(run, straight, steps=STEPS)

@@ -34,7 +34,7 @@ from scaletrain.faults import Drills
 from scaletrain.guards import ReplicaCheck, Watchdog
 from scaletrain.models import ModelSpec, distill_spec, model_spec
 from scaletrain.models.distill import Distill
-from scaletrain.models.moe import take_stats
+from scaletrain.models.moe import routing_stats
 from scaletrain.nonfinite import NonfiniteGuard
 from scaletrain.optim import decay_groups, lr_at, scaled_lr
 from scaletrain.parallel import ParallelDims, describe, dims_for
@@ -260,8 +260,8 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
         guard, replicas, watchdog, watch, progress, saves, drills, peak_lr, global_batch * cfg.data.seq_len, step,
         resumed.tokens_seen if resumed else 0,
     )  # fmt: skip
-    # A mixture of experts' load per interval, read through run.engine, which _release drops.
-    telemetry.watch_routing(lambda: take_stats(run.engine.model) if run.engine is not None else None)
+    # A mixture of experts' load per interval (a weak reference: _release still frees the model).
+    telemetry.watch_routing(routing_stats(run.engine.model))
     # The engine (a DDP wrapper, say) must not outlive the process group (see train()),
     # whatever an exception's traceback still holds.
     stack.callback(_release, run)

@@ -130,7 +130,7 @@ class Llama(nn.Module):
             cos = sin = torch.empty(max_seq_len, shape.head_dim // 2)
         else:
             cos, sin = rope_tables(shape.head_dim, max_seq_len, shape.rope_theta)
-        # Routing statistics of the training forwards since the last models.moe.take_stats:
+        # Routing statistics of the training forwards since routing_stats took them
         # [MoE layers, experts + EXTRA_STATS] (models/moe.py), on the device, no sync.
         self.moe_stats: torch.Tensor | None = None
         self.register_buffer("rope_cos", cos, persistent=False)

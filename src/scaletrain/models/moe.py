@@ -33,6 +33,8 @@ tracer does not have, and balanced routing is what the planner assumes.
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -195,16 +197,28 @@ def _grouped_mm_applies(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def take_stats(model: nn.Module) -> torch.Tensor | None:
-    """The routing statistics the model's training forwards summed since the last call
-    ([MoE layers, experts + EXTRA_STATS], on the device), reset; None for a dense model.
-    Found by attribute, through any engine's wrappers (DDP, FSDP, DeepSpeed)."""
-    for module in model.modules():
-        stats = getattr(module, "moe_stats", None)
-        if stats is not None:
-            setattr(module, "moe_stats", None)  # noqa: B010  # any module holding them, typed or not
-            return stats
-    return None
+def routing_stats(model: nn.Module) -> Callable[[], torch.Tensor | None]:
+    """A function that returns the routing statistics the model's training forwards summed
+    since its last call ([MoE layers, experts + EXTRA_STATS], on the device) and resets
+    them; None for a dense model, or once the model is gone. The module that holds them
+    is found once, through any engine's wrappers (DDP, FSDP, DeepSpeed), and held by a
+    weak reference: telemetry must not keep a released model (and its process group) alive."""
+    # The module's own attribute, not one reached through a wrapper's forwarding __getattr__
+    # (DeepSpeed's engine answers for its module, and a reset there would shadow the model's).
+    holder = next((m for m in model.modules() if "moe_stats" in vars(m)), None) if isinstance(model, nn.Module) else None
+    if holder is None:  # a model without them (Hugging Face's)
+        return lambda: None
+    ref = weakref.ref(holder)
+
+    def take() -> torch.Tensor | None:
+        module = ref()
+        if module is None:
+            return None
+        stats = getattr(module, "moe_stats")  # noqa: B009  # set by Llama, absent from the type nn.Module
+        setattr(module, "moe_stats", None)  # noqa: B010
+        return stats
+
+    return take
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

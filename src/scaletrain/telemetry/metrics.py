@@ -65,7 +65,7 @@ class StepRecorder:
         self._norms: list[torch.Tensor] = []
         self._rows: list[dict[str, Any]] = []
         self._since = time.perf_counter()
-        # The routing statistics the model summed since the last call (models.moe.take_stats),
+        # The routing statistics the model summed since the last call (models.moe.routing_stats),
         # None for a dense model; set by whoever holds the model (Telemetry.watch_routing).
         self.routing: Callable[[], torch.Tensor | None] = lambda: None
 

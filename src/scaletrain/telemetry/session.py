@@ -60,7 +60,7 @@ class Telemetry:
             self.sinks = Sinks(t, run_dir, cfg.model_dump(mode="json"), start_step)
 
     def watch_routing(self, take: Callable[[], torch.Tensor | None]) -> None:
-        """Each interval's expert load from `take` (models.moe.take_stats of the model: its
+        """Each interval's expert load from `take` (models.moe.routing_stats of the model: its
         routing statistics since the last call, reset; None for a dense model). What it
         holds now is dropped: forwards before the first step (a resumed checkpoint's
         verification, say) are no training step's."""
