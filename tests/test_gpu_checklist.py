@@ -58,6 +58,7 @@ def test_the_list_is_well_formed(checklist):
         *("nvidia-smi", "DeepSpeed optimizer", *CPU_CHECKS),
         *("small-ddp-fp32", "small-fsdp-bf16", "small-zero2-bf16", "small-zero3-bf16"),
         *("1b-fsdp-bf16-AC-mb4", "1b-fsdp-bf16-mb2", "1b-zero3-bf16-AC-mb4"),
+        *("moe-small-bf16", "oom-1b-mb64"),  # a mixture of experts (issue 27), a real out-of-memory error (issue 26)
         *(
             "plan 1b AC=false",
             "plan 1b AC=true",
@@ -184,7 +185,9 @@ def test_gpu_mode_with_faked_processes(checklist, monkeypatch, tmp_path):
     assert "| small-zero3-bf16 | zero3 | 1.86 GiB | 1.77 GiB | +5.3% | 1.49 GiB | +25.0% |" in summary
     assert "| 1b-compiled-mb8 | 40,000 | 42.0% | 400.0 | 60.00 GiB | 989 TFLOP/s (table) | PASS |" in summary
     assert "| 1b-eager-mb8-AC | - | 100.0 (25%) | 250.0 (62%) | 50.0 (12%) | - | - | 400.0 |" in summary
-    assert sum(1 for argv in commands if "train" in argv) == 14 + 4
+    assert got["moe-small-bf16"]["status"] == got["oom-1b-mb64"]["status"] == "PASS"
+    assert "model.moe={}" in got["moe-small-bf16"]["cmd"] and "train.micro_batch=64" in got["oom-1b-mb64"]["cmd"]
+    assert sum(1 for argv in commands if "train" in argv) == 14 + 2 + 4
 
 
 @pytest.mark.e2e
