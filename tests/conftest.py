@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 import helpers
-from helpers import SMALL_CORPUS, base_overrides, check, scaletrain, train
+from helpers import SMALL_CORPUS, base_overrides, check, eval_overrides, scaletrain, train
 
 TIERS = ("unit", "dist", "e2e")
 
@@ -43,10 +43,13 @@ def small_dataset(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_run(small_dataset, tmp_path_factory):
-    """One process, ddp, global batch 4, 10 fp32 steps, a checkpoint every 5: what every
-    engine at world 2 (2 ranks x micro-batch 2, or 2 x 1 x 2 accumulated) must reproduce."""
+    """One process, ddp, global batch 4, 10 fp32 steps, a checkpoint every 5, evaluated
+    at steps 4, 8 and 10 (helpers.eval_overrides): what every engine at world 2 (2 ranks x
+    micro-batch 2, or 2 x 1 x 2 accumulated) must reproduce."""
     run = tmp_path_factory.mktemp("reference") / "ddp"
-    check(train([*base_overrides(small_dataset, run), "train.micro_batch=4", "checkpoint.every=5"]))
+    check(
+        train([*base_overrides(small_dataset, run), "train.micro_batch=4", "checkpoint.every=5", *eval_overrides(small_dataset)])
+    )
     return run
 
 
@@ -54,5 +57,10 @@ def reference_run(small_dataset, tmp_path_factory):
 def ddp2_run(small_dataset, tmp_path_factory):
     """DDP at world 2 (2 x 2), same global batch as the reference, a checkpoint every 5."""
     run = tmp_path_factory.mktemp("ddp2") / "run"
-    check(train([*base_overrides(small_dataset, run), "train.micro_batch=2", "checkpoint.every=5"], nproc=2))
+    check(
+        train(
+            [*base_overrides(small_dataset, run), "train.micro_batch=2", "checkpoint.every=5", *eval_overrides(small_dataset)],
+            nproc=2,
+        )
+    )
     return run

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from scaletrain.checkpoint import TrainerState, read_model_weights
+from scaletrain.models import saved_spec
 from scaletrain.telemetry import read_metrics
 
 TESTS = Path(__file__).resolve().parent
@@ -190,6 +191,22 @@ def base_overrides(data_dir: Path, run_dir: Path, steps: int = 10) -> list[str]:
     ]
 
 
+# Evaluation during the equivalence runs (evaluation.py): every 4 steps and after the last
+# (steps 4, 8, 10 of 10), 2 global batches of the reference's 4 sequences. On the training
+# corpus itself, read in its file order: a fixed set of windows is all an equivalence
+# needs, and eval.data (unlike eval.split) leaves the training stream as it was, so every
+# resume of the shared runs goes on meaning what it meant.
+EVAL_BATCHES = 2
+
+
+def eval_overrides(data_dir: Path, every: int = 4) -> list[str]:
+    return [f"eval.every={every}", f"eval.data={data_dir}", f"eval.batches={EVAL_BATCHES}"]
+
+
+def eval_rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_metrics(run_dir / "metrics.jsonl", events=True) if r.get("event") == "eval"]
+
+
 def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "one row per optimizer step, in order"
@@ -212,6 +229,34 @@ def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return read_model_weights(run_dir / "checkpoints" / f"step_{step}")
 
 
+def checkpoint_model(ckpt: Path, seq_len: int) -> torch.nn.Module:
+    """The model a checkpoint holds (the spec its trainer.json names, its weights), in eval mode."""
+    saved = json.loads((ckpt / "trainer.json").read_text())
+    spec = saved_spec(saved["model"])
+    model = spec.build_meta(seq_len)
+    spec.materialize(model, torch.device("cpu"), seed=0)  # buffers (rotary tables) and ties as in training
+    missing, unexpected = model.load_state_dict(read_model_weights(ckpt), strict=False)
+    assert not unexpected and set(missing) <= {"output.weight", "lm_head.weight"}  # a tied head is the embedding
+    return model.eval()
+
+
+def loss_of(model: torch.nn.Module, windows: torch.Tensor) -> float:
+    """The mean next-token cross entropy of `model` over `windows` (n, seq_len + 1): what
+    an evaluation of those windows computes, here in one forward, without the engines."""
+    with torch.no_grad():
+        out = model.eval()(windows[:, :-1])
+    logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", out)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), windows[:, 1:].reshape(-1)).item()
+
+
+def dataset_windows(data_dir: Path, count: int, seq_len: int) -> torch.Tensor:
+    """The first `count` windows of a prepared dataset's tokens in file order, read from its
+    shard files: what eval.data=<that directory> evaluates on."""
+    m = json.loads((data_dir / "manifest.json").read_text())
+    stream = np.concatenate([np.fromfile(data_dir / s["file"], dtype=m["dtype"]).astype(np.int64) for s in m["shards"]])
+    return torch.from_numpy(np.stack([stream[k * seq_len : k * seq_len + seq_len + 1] for k in range(count)]))
+
+
 # ---------------------------------------------------------------------------- equivalence
 #
 # What a correct engine guarantees against one process on the same global batch, in fp32.
@@ -231,6 +276,15 @@ def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 #   it: measured <= 4.9e-7, rtol 1e-5 at every step. The grad norm does at some steps (the
 #   norm of a few dominant entries): measured <= 5.7e-4 (world 3), rtol 5e-3, still 200x
 #   below a factor-of-two bug.
+# * The eval loss at step N is the same kind of number as the training loss of step N + 1:
+#   a mean next-token cross entropy over a fixed set of tokens (2 x 4 x 64 here), computed
+#   from the weights after step N, which two correct engines hold up to the drift above.
+#   What the evaluation adds is summation order only: each micro-batch's mean back to its
+#   sum in fp64, summed over micro-batches and ranks (exact to ~1e-16). So the loss
+#   tolerance holds for it too: measured <= 9.6e-8 (zero1-3, fsdp, tp 2, tp 2 x dp 2,
+#   pp 2 x dp 2, a teacher on zero3, experts on ep 2). A rank's own mean reported as the
+#   whole set's (no reduction over the ranks) was off by 1.3e-3 at world 2, 127x the
+#   tolerance; sums reduced without the token counts would be off by a factor of 2.
 # * Weights, per tensor, as a relative (Frobenius) difference, not elementwise: the rare
 #   amplified elements leave a tensor <= 2.8e-5 apart (measured, world 3); a tensor the
 #   optimizer skipped is off by ~0.5, one decayed wrongly by >= 2e-3 (lr 3e-3 x decay 0.1
@@ -243,7 +297,9 @@ GRAD_NORM_RTOL = 5e-3
 WEIGHTS_RTOL = 2e-4
 
 
-def assert_same_training(run: Path, ref: Path, steps: int = 10) -> None:
+def assert_same_training(run: Path, ref: Path, steps: int = 10, evals: bool = True) -> None:
+    if evals:
+        assert_same_evals(run, ref)
     a, b = metric_rows(ref), metric_rows(run)
     assert len(a) == len(b) == steps
     losses_a, losses_b = [r["loss"] for r in a], [r["loss"] for r in b]
@@ -253,6 +309,13 @@ def assert_same_training(run: Path, ref: Path, steps: int = 10) -> None:
     np.testing.assert_allclose(norms_b, norms_a, rtol=GRAD_NORM_RTOL, err_msg="grad norm per step")
     assert losses_a[-1] < losses_a[0]  # it trained, not just agreed
     assert_weights_close(final_weights(run, steps), final_weights(ref, steps))
+
+
+def assert_same_evals(run: Path, ref: Path) -> None:
+    want, got = eval_rows(ref), eval_rows(run)
+    assert want, f"{ref} has no eval rows to compare with"
+    assert [(r["step"], r["tokens"]) for r in got] == [(r["step"], r["tokens"]) for r in want]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=LOSS_RTOL, err_msg="eval loss")
 
 
 def assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float = WEIGHTS_RTOL) -> None:
@@ -287,15 +350,18 @@ def copy_until(run: Path, to: Path, step: int) -> None:
     """A run directory as `run` was after its checkpoint at `step`: what a kill right after it leaves."""
     (to / "checkpoints").mkdir(parents=True)
     shutil.copytree(run / "checkpoints" / f"step_{step}", to / "checkpoints" / f"step_{step}")
-    (to / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metric_rows(run)[:step]))
+    # The step rows and the evaluations up to it (a resumed run keeps those, evaluation.py).
+    rows = [r for r in read_metrics(run / "metrics.jsonl", events=True) if r["step"] <= step and r.get("event", "eval") == "eval"]
+    (to / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def assert_bit_exact(run: Path, straight: Path, step: int) -> None:
-    """A resumed run equals the uninterrupted one: every metric of every step, every weight."""
-    keys = ("step", "loss", "grad_norm", "lr", "tokens", "loss_scale", "skipped")
+    """A resumed run equals the uninterrupted one: every metric of every step, every
+    evaluation (none lost, none twice), every weight."""
+    keys = ("step", "loss", "grad_norm", "lr", "tokens", "loss_scale", "skipped", "perplexity")
     pick = lambda rows: [{k: r[k] for k in keys if k in r} for r in rows]  # noqa: E731
     # As JSON text: a skipped fp16 step's grad norm may be NaN, which equals nothing as a float.
-    got, want = (list(map(json.dumps, pick(metric_rows(r)))) for r in (run, straight))
+    got, want = (list(map(json.dumps, pick(metric_rows(r) + eval_rows(r)))) for r in (run, straight))
     assert len(got) == len(want), (len(got), len(want))
     for g, w in zip(got, want):
         assert g == w, f"first difference:\n  resumed  {g}\n  straight {w}"

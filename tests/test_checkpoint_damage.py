@@ -15,7 +15,7 @@ from scaletrain import checkpoint
 from scaletrain.checkpoint.restore import first_difference
 from scaletrain.distributed import ALONE
 
-from helpers import assert_bit_exact, base_overrides, check, copy_until, run_info, train, trainer_state
+from helpers import assert_bit_exact, base_overrides, check, copy_until, eval_overrides, run_info, train, trainer_state
 
 
 def save(root, step):
@@ -113,7 +113,9 @@ def test_resume_skips_a_damaged_newest_checkpoint(small_dataset, reference_run, 
     shutil.copytree(copy_until_10, run / "checkpoints" / "step_10")
     shard = next((run / "checkpoints" / "step_10" / "state").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a disk that filled up
-    proc = check(train([*base_overrides(small_dataset, run), "train.micro_batch=4", "checkpoint.every=5"]))
+    proc = check(
+        train([*base_overrides(small_dataset, run), "train.micro_batch=4", "checkpoint.every=5", *eval_overrides(small_dataset)])
+    )
     skipped = [line for line in proc.stdout.splitlines() if "skipping" in line]
     assert len(skipped) == 1 and "step_10" in skipped[0] and "bytes" in skipped[0], proc.stdout[-2000:]
     assert run_info(run)["resumed_from"].endswith("step_5")

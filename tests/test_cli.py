@@ -11,7 +11,18 @@ import pytest
 
 from scaletrain.cli import main
 
-from helpers import SMALL_CORPUS, base_overrides, check, metric_rows, one_line_error, run, run_info, scaletrain, train
+from helpers import (
+    SMALL_CORPUS,
+    base_overrides,
+    check,
+    eval_overrides,
+    metric_rows,
+    one_line_error,
+    run,
+    run_info,
+    scaletrain,
+    train,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -31,8 +42,10 @@ pytestmark = pytest.mark.e2e
         (["launch", "--nproc", "2", "train.steps=zero"], ["train.steps", "'zero'", "valid integer"]),
         # Checked before any process starts: no rank would find the data either.
         (["launch", "--nproc", "2", "data.paths=/nonexistent/*.txt"], ["data.paths", "/nonexistent/*.txt", "matches no file"]),
+        (["train", "eval.every=4", "eval.split=0"], ["eval.every=4", "eval.split=0", "accepted: eval.split in (0, 1)"]),
+        (["launch", "--nproc", "2", "eval", "/nonexistent/run"], ["eval /nonexistent/run: no such run or checkpoint"]),
     ],
-    ids=["value", "file", "choice", "data", "cross-key", "plan", "launch-config", "launch-missing-data"],
+    ids=["value", "file", "choice", "data", "cross-key", "plan", "launch-config", "launch-missing-data", "eval", "launch-eval"],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, args, fragments):
     proc = scaletrain([*args, f"run.dir={tmp_path / 'run'}"] if args[0] != "plan" else args, timeout=120)
@@ -105,8 +118,10 @@ def test_plan_cli_json_and_huggingface_deepspeed_json(tmp_path):
         ("model.dim=256", ["model.dim is 256", "trained with 128", "accepted: model.dim=128"]),
         ("data.seq_len=32", ["data.seq_len is 32", "trained with 64", "accepted: data.seq_len=64"]),
         ("train.seed=7", ["train.seed is 7", "trained with 1234"]),
+        # Another held-out split: the training stream skips other documents.
+        ("eval.split=0.1", ["eval.split is 0.1", "trained with 0.0", "accepted: eval.split=0.0"]),
     ],
-    ids=["shape", "seq_len", "seed"],
+    ids=["shape", "seq_len", "seed", "eval_split"],
 )
 def test_resume_that_changes_the_meaning_of_the_state_is_one_line(small_dataset, reference_run, override, fragments):
     before = sorted(p.name for p in reference_run.iterdir())
@@ -127,6 +142,7 @@ def test_resume_with_safe_changes_continues_and_says_what_changed(small_dataset,
                 "train.lr=1e-3",
                 "parallel.strategy=fsdp",
                 "checkpoint.every=6",
+                *eval_overrides(small_dataset),  # as the reference's: no change
             ]
         )
     )

@@ -27,7 +27,7 @@ def test_a_compiled_fsdp_run_with_activation_checkpointing_trains_as_the_eager_o
     # Inductor fuses and reorders fp32 arithmetic (the norms, the SwiGLU, the loss) where
     # eager runs op by op: like another engine's summation order, a few ulps per op, so the
     # engines' own tolerances apply (tests/helpers.py), weights compared by the same names.
-    assert_same_training(run, reference_run)
+    assert_same_training(run, reference_run, evals=False)  # not evaluated: a no-grad forward compiles each block again
 
 
 @pytest.mark.unit

@@ -63,6 +63,7 @@ def build_run(
     ranks: bool = True,
     hosts: list[str] | None = None,
     pipeline: dict[str, Any] | None = None,  # run.json's "pipeline" (the engine's layout)
+    eval_every: int = 0,  # steps between eval rows (evaluation.py), their loss 0.3 above training's
 ) -> Path:
     root.mkdir(parents=True)
     hosts = hosts or [f"node{r // 4}" for r in range(world)]
@@ -103,6 +104,9 @@ def build_run(
         tokens = step * tokens_per_step
         rows.append({"step": step, "loss": loss(tokens), "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1000.0,
                      "step_time_s": 1.0, "tokens": tokens, "nonfinite_steps": int(bad), "rollbacks": 0})  # fmt: skip
+        if eval_every and step % eval_every == 0:
+            rows.append({"step": step, "event": "eval", "loss": loss(tokens) + 0.3, "perplexity": math.exp(loss(tokens) + 0.3),
+                         "tokens": 4096, "samples": 64, "data": "eval.split=0.01 (30 of 3000 documents)", "eval_s": 0.5})  # fmt: skip
         if step % log_every:
             continue
         i = step // log_every - 1
@@ -392,3 +396,27 @@ def test_breakdown_weights_intervals_by_steps(make_run):
     got = breakdown(run)[0]
     assert got["forward_s"] == pytest.approx((10 * 0.2 + 2 * 0.8) / 12) and got["comm_s"] == 0.0
     assert got["other_s"] == pytest.approx((10 * 0.3 + 2 * 0.3) / 12)
+
+
+@pytest.mark.unit
+def test_the_loss_plot_shows_the_eval_curve_beside_training(make_run):
+    from matplotlib.figure import Figure
+
+    from scaletrain.diagnose import load_run
+    from scaletrain.diagnose.report import _loss
+
+    path = make_run(eval_every=15, intervals=3)
+    ax = Figure().add_subplot()
+    assert _loss(ax, load_run(path)) is None
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"training (each step's batch)", "eval (the fixed held-out windows)"}
+    evaluated = lines["eval (the fixed held-out windows)"]
+    steps = [15, 30]
+    assert list(evaluated.get_xdata()) == steps and list(lines["training (each step's batch)"].get_xdata()) == list(range(1, 31))
+    want = [2.0 + 8.0 * math.exp(-s * 1000 / 20_000) + 0.3 for s in steps]
+    assert list(evaluated.get_ydata()) == pytest.approx(want)
+    # In the page: the legend's text (glyphs drawn as paths; matplotlib keeps the text in a comment).
+    page = write_report(path, diagnose(path)).read_text()
+    assert "eval (the fixed held-out windows)" in figure(page, "plot-loss")
+    bare = make_run("bare")  # no evaluation: the training curve alone, no legend
+    assert "eval (" not in figure(write_report(bare, diagnose(bare)).read_text(), "plot-loss")

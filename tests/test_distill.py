@@ -16,7 +16,20 @@ from scaletrain.models import distill_spec, model_spec
 from scaletrain.models.distill import kl_to_teacher
 from scaletrain.plan.memory import Setup, estimate
 
-from helpers import assert_bit_exact, base_overrides, check, copy_until, run_info, train, trainer_state
+from helpers import (
+    assert_bit_exact,
+    base_overrides,
+    check,
+    checkpoint_model,
+    copy_until,
+    dataset_windows,
+    eval_overrides,
+    eval_rows,
+    loss_of,
+    run_info,
+    train,
+    trainer_state,
+)
 
 TEACHER = ["model.teacher.preset=tiny", "model.teacher.n_layers=3"]
 
@@ -130,14 +143,21 @@ def test_the_planner_counts_the_teacher_as_each_engine_holds_it(strategy, copies
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_killed_distillation_resumes_bit_exactly_and_its_checkpoints_hold_only_the_student(small_dataset, tmp_path):
-    args = lambda run: [*base_overrides(small_dataset, run, steps=6), "checkpoint.every=3", *TEACHER]  # noqa: E731
+    evaluated = eval_overrides(small_dataset, every=3)
+    args = lambda run: [*base_overrides(small_dataset, run, steps=6), "checkpoint.every=3", *TEACHER, *evaluated]  # noqa: E731
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     check(train(args(straight)))
     # What a kill after step 4 leaves (real kills: test_train_equivalence.py), without its launch.
     copy_until(straight, killed, step=3)
     check(train(args(killed)))  # the teacher is rebuilt from the config: the same seeded weights
     assert run_info(killed)["resumed_from"].endswith("step_3")
-    assert_bit_exact(killed, straight, 6)
+    assert_bit_exact(killed, straight, 6)  # the evaluations of steps 3 and 6 included
+    # What is evaluated is the student alone, by its cross entropy (no KL to the teacher):
+    # its checkpoint's own loss on the eval windows (2 global batches of 16), computed here.
+    windows = dataset_windows(small_dataset, 2 * 16, 64)
+    assert eval_rows(straight)[-1]["loss"] == pytest.approx(
+        loss_of(checkpoint_model(straight / "checkpoints" / "step_6", 64), windows), rel=1e-5
+    )
     student = model_spec(load_config([], args(straight)), 512).build_meta(64)  # the data's vocabulary (conftest.py)
     assert set(read_model_weights(killed / "checkpoints" / "step_6")) == {
         n for n, _ in student.named_parameters(remove_duplicate=False)

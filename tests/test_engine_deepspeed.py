@@ -32,6 +32,7 @@ from helpers import (
     base_overrides,
     check,
     copy_until,
+    eval_overrides,
     metric_rows,
     one_line_error,
     probe,
@@ -207,7 +208,8 @@ def zero_runs(small_dataset, tmp_path_factory):
     def get(case: str):
         if case not in made:
             run = tmp_path_factory.mktemp(case) / "straight"
-            check(train([*base_overrides(small_dataset, run), *CASES[case], "checkpoint.every=5"], nproc=2, timeout=LAUNCH_S))
+            args = [*base_overrides(small_dataset, run), *CASES[case], "checkpoint.every=5", *eval_overrides(small_dataset)]
+            check(train(args, nproc=2, timeout=LAUNCH_S))
             made[case] = run
         return made[case]
 
@@ -259,7 +261,8 @@ def test_zero_matches_one_process(reference_run, zero_runs, case):
 def test_zero_run_resumes_bit_exactly(small_dataset, zero_runs, tmp_path, case):
     straight, resumed = zero_runs(case), tmp_path / "resumed"
     copy_until(straight, resumed, step=5)
-    check(train([*base_overrides(small_dataset, resumed), *CASES[case], "checkpoint.every=5"], nproc=2, timeout=LAUNCH_S))
+    args = [*base_overrides(small_dataset, resumed), *CASES[case], "checkpoint.every=5", *eval_overrides(small_dataset)]
+    check(train(args, nproc=2, timeout=LAUNCH_S))
     assert run_info(resumed)["resumed_from"].endswith("step_5")
     assert_bit_exact(resumed, straight, 10)
 

@@ -19,6 +19,7 @@ from helpers import (
     base_overrides,
     check,
     copy_until,
+    eval_overrides,
     final_weights,
     metric_rows,
     one_line_error,
@@ -29,11 +30,16 @@ from helpers import (
 FSDP = "parallel.strategy=fsdp"
 
 
+def fsdp(data, run, *extra: str) -> list[str]:
+    """An fsdp run's arguments, evaluated as the reference is (helpers.eval_overrides)."""
+    return [*base_overrides(data, run), FSDP, *eval_overrides(data), *extra]
+
+
 @pytest.fixture(scope="module")
 def fsdp_run(small_dataset, tmp_path_factory):
     """Full shard at world 2 (2 x 2 samples), checkpointing every 5 steps for the resume test."""
     run = tmp_path_factory.mktemp("fsdp") / "run"
-    check(train([*base_overrides(small_dataset, run), FSDP, "train.micro_batch=2", "checkpoint.every=5"], nproc=2))
+    check(train(fsdp(small_dataset, run, "train.micro_batch=2", "checkpoint.every=5"), nproc=2))
     return run
 
 
@@ -55,7 +61,7 @@ def test_fsdp_without_torchrun_with_cpu_offload_matches_one_process(small_datase
     # One process, no launcher: the engine makes its own single-rank group (fully_shard needs
     # one). Offloading parameters on one device is what FSDP at world 1 is for.
     run = tmp_path / "one"
-    proc = check(train([*base_overrides(small_dataset, run), FSDP, "train.micro_batch=4", "parallel.offload_params=cpu"]))
+    proc = check(train(fsdp(small_dataset, run, "train.micro_batch=4", "parallel.offload_params=cpu")))
     assert "Warning" not in proc.stderr
     assert (run_info(run)["engine"], run_info(run)["world_size"]) == ("fsdp", 1)
     assert_same_training(run, reference_run)
@@ -68,7 +74,7 @@ def test_fsdp_run_resumes_bit_exactly(small_dataset, fsdp_run, tmp_path):
     # (FSDP runs are killed for real in every link of test_reshard.py's chain).
     killed = tmp_path / "killed"
     copy_until(fsdp_run, killed, step=5)
-    check(train([*base_overrides(small_dataset, killed), FSDP, "train.micro_batch=2", "checkpoint.every=5"], nproc=2))
+    check(train(fsdp(small_dataset, killed, "train.micro_batch=2", "checkpoint.every=5"), nproc=2))
     assert run_info(killed)["resumed_from"].endswith("step_5")
     assert_bit_exact(killed, fsdp_run, 10)
 
@@ -88,7 +94,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_sharding_variant_matches_one_process(small_dataset, reference_run, tmp_path, variant):
     run = tmp_path / variant
-    check(train([*base_overrides(small_dataset, run), FSDP, *VARIANTS[variant]], nproc=2))
+    check(train(fsdp(small_dataset, run, *VARIANTS[variant]), nproc=2))
     assert_same_training(run, reference_run)
 
 

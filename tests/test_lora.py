@@ -16,7 +16,7 @@ from scaletrain.config import load_config
 from scaletrain.errors import UserError
 from scaletrain.models import model_spec, saved_spec
 
-from helpers import base_overrides, check, train
+from helpers import base_overrides, check, dataset_windows, eval_overrides, eval_rows, loss_of, train
 
 # fp32 on both sides and the same weights: the merged weight W + (alpha/r) B A rounds once
 # per element (~1e-7 relative), and the implementations differ in summation order only
@@ -57,8 +57,13 @@ def test_merged_export_and_peft_adapter_give_the_adapted_model_logits(small_data
     run_dir = tmp_path / "run"
     model = ["model.source=hf", f"model.hf_config={json.dumps(LLAMA)}"] if source == "hf" else []  # else the tiny preset
     args = [*base_overrides(small_dataset, run_dir, steps=4), *model]
-    check(train([*args, "data.seq_len=32", "train.lr=1e-2", "checkpoint.every=4", "model.lora={r: 4, alpha: 8}"]))
+    lora = ["data.seq_len=32", "train.lr=1e-2", "checkpoint.every=4", "model.lora={r: 4, alpha: 8}"]
+    check(train([*args, *lora, *eval_overrides(small_dataset)]))
     ckpt = run_dir / "checkpoints" / "step_4"
+    # The evaluation after step 4 is the adapted model's loss on its windows (2 global
+    # batches of 16), as computed here from the checkpoint.
+    [row] = eval_rows(run_dir)
+    assert row["loss"] == pytest.approx(loss_of(adapted_model(ckpt), dataset_windows(small_dataset, 2 * 16, 32)), rel=1e-5)
     # In this process (the CLI's own entry point; a subprocess would only add its start-up).
     assert cli(["ckpt", "export", str(run_dir), str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
     assert cli(["ckpt", "export", str(run_dir), str(tmp_path / "adapter"), "--lora", "adapter", "--dtype", "fp32"]) == 0

@@ -17,7 +17,7 @@ from scaletrain.models.spec import LlamaSpec
 from scaletrain.parallel import parallel_dims
 from scaletrain.telemetry.metrics import read_metrics
 
-from helpers import assert_same_training, base_overrides, check, train
+from helpers import assert_same_training, base_overrides, check, eval_overrides, train
 
 
 def _shape(*overrides: str, vocab: int | None = None):
@@ -213,7 +213,7 @@ def one_process(small_dataset, tmp_path_factory):
     (data/loader.py), so each balance term sees the same tokens (it is per micro-batch)."""
     run = tmp_path_factory.mktemp("moe-ref") / "w1"
     overrides = [*base_overrides(small_dataset, run, steps=STEPS), "model.preset=tiny-moe", "train.micro_batch=4"]
-    check(train([*overrides, "train.grad_accum=2", "checkpoint.every=4"]))
+    check(train([*overrides, "train.grad_accum=2", "checkpoint.every=4", *eval_overrides(small_dataset)]))
     return run
 
 
@@ -233,13 +233,14 @@ LAYOUTS = {
 def test_experts_at_world_2_equal_one_process(one_process, small_dataset, tmp_path, layout):
     run = tmp_path / layout
     overrides = [*base_overrides(small_dataset, run, steps=STEPS), "model.preset=tiny-moe", "train.micro_batch=4"]
-    check(train([*overrides, *LAYOUTS[layout]], nproc=2))
+    check(train([*overrides, *LAYOUTS[layout], *eval_overrides(small_dataset)], nproc=2))
     # The standing tolerances (helpers.py), final weights included: summation order only,
     # as each token meets the same experts in the same order among their slots, on
     # whichever rank they sit.
     assert_same_training(run, one_process, steps=STEPS)
     # Every engine reports the routing (found through its wrappers: DDP, FSDP, DeepSpeed's
-    # engine): each interval's loads count top_k slots per token of every rank.
+    # engine): each interval's loads count top_k slots per token of every rank, of training
+    # steps only (the evaluations' forwards route too, and are not counted).
     intervals = [r for r in read_metrics(run / "metrics.jsonl", events=True) if r.get("event") == "interval"]
     assert intervals and all(sum(layer["load"]) == 2 * r["moe"]["tokens"] for r in intervals for layer in r["moe"]["layers"])
     assert sum(r["moe"]["tokens"] for r in intervals) == STEPS * 2 * 4 * 64  # ranks x micro-batch x seq_len

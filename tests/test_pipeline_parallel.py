@@ -34,6 +34,7 @@ from helpers import (
     base_overrides,
     check,
     copy_until,
+    eval_overrides,
     one_line_error,
     run_info,
     scaletrain,
@@ -47,7 +48,8 @@ PP2_DP2 = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "train.micr
 
 
 def pp_run(data, run, nproc: int, *extra: str):
-    return check(train([*base_overrides(data, run), *UNTIED, *extra], nproc=nproc, timeout=240))
+    # Evaluated as the reference (helpers.eval_overrides): through the schedule's eval path.
+    return check(train([*base_overrides(data, run), *UNTIED, *eval_overrides(data), *extra], nproc=nproc, timeout=240))
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +115,11 @@ def test_one_process_reshards_into_a_v_shaped_pipeline(small_dataset, untied_ref
     # gathered over the stages.
     run = tmp_path / "zbv"
     copy_until(untied_reference, run, 5)
-    proc = pp_run(small_dataset, run, 2, "parallel.pp=2", "parallel.pp_schedule=zbv", "train.micro_batch=1", "train.grad_accum=4")
+    # Not evaluated: torch 2.13's eval path of the V-shaped schedules fails (config_eval.py).
+    zbv = ["parallel.pp=2", "parallel.pp_schedule=zbv", "train.micro_batch=1", "train.grad_accum=4", "eval.every=0"]
+    proc = pp_run(small_dataset, run, 2, *zbv)
     assert "step_5 (fsdp at world 1) resharded onto fsdp at world 2 (pp 2); verified" in proc.stdout
-    assert_same_training(run, untied_reference)
+    assert_same_training(run, untied_reference, evals=False)
 
 
 @pytest.mark.dist

@@ -37,6 +37,11 @@ INTERVAL = {
 }  # fmt: skip
 
 
+# An evaluation's row (evaluation.py): its numbers become eval/<key>.
+EVAL = {"step": 4, "event": "eval", "loss": 4.75, "perplexity": 115.58428452718766, "tokens": 512, "samples": 8,
+        "data": "eval.split=0.01 (3 of 300 documents)", "eval_s": 0.125}  # fmt: skip
+
+
 # ---------------------------------------------------------------------------- tests
 
 
@@ -50,6 +55,7 @@ def test_both_sinks_write_what_metrics_jsonl_holds(tmp_path):
     sinks.log_event({"step": 4, "event": "checkpoint", "async": True, "blocking_s": 0.25, "waited_for_previous_s": 0.0})
     sinks.log_event({"step": 4, "event": "straggler", "rank": 1, "host": "node7", "step_s": 0.8, "excess": 0.3})
     sinks.log_event({"step": 4, "event": "replicas_disagree", "what": "weights", "ranks": [0, 1], "groups": [[0], [1]]})
+    sinks.log_event(EVAL)
     sinks.close()
 
     tb = tensorboard_scalars(run / "tensorboard")
@@ -62,6 +68,8 @@ def test_both_sinks_write_what_metrics_jsonl_holds(tmp_path):
     assert tb["phases/comm_s"] == pytest.approx({4: 0.06}, rel=1e-6)
     assert {t for t in tb if t.startswith("phases/")} == {f"phases/{k}" for k in INTERVAL["phases"]}
     assert tb["checkpoint/blocking_s"] == {4: 0.25} and tb["straggler/excess"] == pytest.approx({4: 0.3})
+    assert tb["eval/loss"] == {4: 4.75} and tb["eval/perplexity"] == pytest.approx({4: 115.58428452718766}, rel=1e-6)
+    assert tb["eval/tokens"] == {4: 512} and "eval/data" not in tb
     assert "throughput/mfu" not in tb and "system/gpu_util" not in tb  # null: unknown, not zero
     assert not [t for t in tb if t.startswith("replicas_disagree/") or t == "straggler/host"]  # no numbers in them
 
@@ -80,6 +88,7 @@ def test_both_sinks_write_what_metrics_jsonl_holds(tmp_path):
     # Step 4's row holds the step row and the events logged at step 4, in one history row.
     assert history[4]["phases/comm_s"] == 0.06 and history[4]["throughput/tokens_per_s"] == 1638.4
     assert history[4]["checkpoint/async"] == 1 and "throughput/mfu" not in history[4]
+    assert history[4]["eval/loss"] == 4.75 and history[4]["eval/perplexity"] == pytest.approx(115.58428452718766)
 
 
 def test_resume_neither_sink_keeps_undone_steps(tmp_path):

@@ -20,11 +20,11 @@ from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
 from scaletrain.telemetry import read_metrics
 
-from helpers import assert_bit_exact, assert_same_training, base_overrides, check, copy_until, run_info, train
+from helpers import assert_bit_exact, assert_same_training, base_overrides, check, copy_until, eval_overrides, run_info, train
 
 
 def tp_run(data, run, nproc: int, *extra: str, env: dict[str, str] | None = None):
-    args = [*base_overrides(data, run), "parallel.strategy=fsdp", "checkpoint.every=5", *extra]
+    args = [*base_overrides(data, run), "parallel.strategy=fsdp", "checkpoint.every=5", *eval_overrides(data), *extra]
     return check(train(args, nproc=nproc, timeout=240, env=env or {}))
 
 

@@ -22,6 +22,7 @@ from helpers import (
     base_overrides,
     check,
     copy_until,
+    eval_overrides,
     run_info,
     train,
 )
@@ -45,7 +46,9 @@ def test_ddp_world_2_matches_one_process_on_the_same_global_batch(reference_run,
 @pytest.mark.timeout(300)
 def test_accumulation_4_x_1_equals_one_batch_of_4(small_dataset, reference_run, tmp_path):
     run = tmp_path / "accum"
-    check(train([*base_overrides(small_dataset, run), "train.micro_batch=1", "train.grad_accum=4"]))
+    check(
+        train([*base_overrides(small_dataset, run), "train.micro_batch=1", "train.grad_accum=4", *eval_overrides(small_dataset)])
+    )
     assert_same_training(run, reference_run)
 
 
@@ -54,7 +57,12 @@ def test_accumulation_4_x_1_equals_one_batch_of_4(small_dataset, reference_run, 
 @pytest.mark.timeout(300)
 def test_ddp_with_accumulation_matches_one_process(small_dataset, reference_run, tmp_path):
     run = tmp_path / "ddp"
-    check(train([*base_overrides(small_dataset, run), "train.micro_batch=1", "train.grad_accum=2"], nproc=2))
+    check(
+        train(
+            [*base_overrides(small_dataset, run), "train.micro_batch=1", "train.grad_accum=2", *eval_overrides(small_dataset)],
+            nproc=2,
+        )
+    )
     assert_same_training(run, reference_run)
 
 
@@ -74,7 +82,15 @@ KILLS = {
 def test_killed_run_resumes_bit_exactly(small_dataset, reference_run, tmp_path, point):
     extra, left, resumed_at = KILLS[point]
     run = tmp_path / "killed"
-    args = [*base_overrides(small_dataset, run), "train.micro_batch=4", "checkpoint.every=5", *extra]
+    # Evaluated as the reference is: the evaluation of step 8 (at save:10 also step 10's),
+    # written before the kill, goes with the steps after step_5 and is made again.
+    args = [
+        *base_overrides(small_dataset, run),
+        "train.micro_batch=4",
+        "checkpoint.every=5",
+        *eval_overrides(small_dataset),
+        *extra,
+    ]
     proc = train(args, env={"SCALETRAIN_KILL_AT": point})
     assert proc.returncode == -9, proc.stderr[-3000:]  # SIGKILL: no handler, no chance to clean up
     assert completed(run) == left
@@ -96,7 +112,7 @@ def test_killed_run_resumes_bit_exactly(small_dataset, reference_run, tmp_path, 
 @pytest.mark.timeout(300)
 def test_killed_ddp_world_2_resumes_bit_exactly(small_dataset, ddp2_run, tmp_path):
     run = tmp_path / "killed"
-    args = [*base_overrides(small_dataset, run), "train.micro_batch=2", "checkpoint.every=5"]
+    args = [*base_overrides(small_dataset, run), "train.micro_batch=2", "checkpoint.every=5", *eval_overrides(small_dataset)]
     proc = train(args, nproc=2, env={"SCALETRAIN_KILL_AT": "step:7"})
     assert proc.returncode == 1 and "failed with signal SIGKILL" in proc.stderr, proc.stderr[-3000:]
     assert completed(run) == [5]

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import difflib
 import math
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_serializer, field_validator, model_validator
 
+from scaletrain.config_data import DataConfig, MixSource  # noqa: F401  # re-exported: the schema's data section
+from scaletrain.config_eval import EvalConfig
 from scaletrain.config_model import (  # noqa: F401  # re-exported: the schema's model sections
     MODEL_PRESETS,
     MOE_PRESETS,
@@ -31,28 +34,6 @@ from scaletrain.strategies import STRATEGIES, TABLE, names_where, said
 
 # train.micro_batch=auto before a run resolves it (scaletrain/batch.py).
 AUTO_MICRO_BATCH = 0
-
-
-class DataConfig(Section):
-    # Globs of .txt/.jsonl/.parquet files, or a directory made by `scaletrain data prepare`.
-    # Empty: the embedded default, the Python standard library's own source files.
-    paths: list[str] = Field(default_factory=list)
-    seq_len: int = Field(128, ge=8)
-    dir: str = "data"  # where prepared shards and the locally trained tokenizer are cached
-    vocab_size: int = Field(4096, ge=257, le=1_000_000)  # for a tokenizer trained here
-    tokenizer: str | None = None  # an existing tokenizer.json instead of training one
-    text_field: str = "text"  # the field holding the text in .jsonl/.parquet records
-    # Tokens per shard file. Shards are what an epoch reorders, so the default keeps even
-    # the 3M-token embedded corpus in several of them.
-    shard_tokens: int = Field(1 << 20, ge=1024)
-    # Rank 0 alone tokenizes; the other ranks wait this long for it (not in a collective,
-    # so a big corpus never trips the process-group timeout).
-    prepare_timeout_s: float = Field(7200.0, gt=0)
-
-    @field_validator("paths", mode="before")
-    @classmethod
-    def _one_path_is_a_list(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
 
 
 class TrainConfig(Section):
@@ -313,6 +294,7 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)  # evaluation during training (config_eval.py)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -541,6 +523,9 @@ def _describe(err: ValidationError, raw: dict[str, Any]) -> str:
         if e["type"] == "extra_forbidden":
             lines.append(_unknown_key_message(loc))
             continue
+        if e["type"] == "missing":  # e.g. a data.mix source without its weight
+            lines.append(f"config key {key} is missing; accepted: a value for it (it has no default)")
+            continue
         if e["type"] == "value_error":  # a cross-key check: its message already names the keys
             lines.append(f"config: {e['msg'].removeprefix('Value error, ')}")
             continue
@@ -555,8 +540,12 @@ def _describe(err: ValidationError, raw: dict[str, Any]) -> str:
 def _unknown_key_message(loc: list[str]) -> str:
     section: type[BaseModel] = Config
     for part in loc[:-1]:
+        if part.isdigit():  # an item of a list of sections (data.mix.0)
+            continue
         field = section.model_fields.get(part)
         annotation = field.annotation if field else None
+        if typing.get_origin(annotation) is list:
+            annotation = typing.get_args(annotation)[0]
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             break
         section = annotation

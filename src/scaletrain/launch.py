@@ -41,7 +41,8 @@ class LaunchOptions:
     hostfile: str | None = None
     launcher: str = "torchrun"
     max_restarts: int = 0
-    train_args: tuple[str, ...] = ()
+    train_args: tuple[str, ...] = ()  # the command's words
+    command: str = "train"  # the scaletrain command each rank runs: train, or eval (of a checkpoint)
     # torchrun's c10d rendezvous: every node runs the same command and the agents meet at
     # HOST:PORT (the store runs on whichever node HOST is), so no node needs a rank of its
     # own; what a Slurm script or a Kubernetes pod can give every node alike (cluster.py).
@@ -120,7 +121,7 @@ def launch_command(opts: LaunchOptions) -> list[str]:
             f"--master-addr={opts.master_addr}",
             f"--master-port={opts.master_port or 29500}",
         ]
-    return cmd + ["-m", "scaletrain", "train", *opts.train_args]
+    return cmd + ["-m", "scaletrain", opts.command, *opts.train_args]
 
 
 def parse_endpoint(value: str) -> tuple[str, int]:
@@ -171,7 +172,7 @@ def _deepspeed_command(opts: LaunchOptions) -> list[str]:
         ds += ["--master_addr", opts.master_addr]
     if opts.master_port:
         ds += ["--master_port", str(opts.master_port)]
-    return ds + ["--module", "scaletrain", "train", *opts.train_args]
+    return ds + ["--module", "scaletrain", opts.command, *opts.train_args]
 
 
 def _from_hostfile(opts: LaunchOptions) -> LaunchOptions:
@@ -205,6 +206,7 @@ def _from_hostfile(opts: LaunchOptions) -> LaunchOptions:
         launcher=opts.launcher,
         max_restarts=opts.max_restarts,
         train_args=opts.train_args,
+        command=opts.command,
     )
 
 

@@ -32,7 +32,7 @@ from scaletrain.checkpoint.manager import PendingSave
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
-from scaletrain.data import PackedTokens
+from scaletrain.data import DataMix, PackedTokens
 from scaletrain.distributed import World, barrier
 from scaletrain.engines import Engine
 from scaletrain.models import ModelSpec
@@ -52,7 +52,7 @@ class Saves:
     dims: ParallelDims
     engine: Engine
     spec: ModelSpec
-    data: PackedTokens
+    data: PackedTokens | DataMix
     paths: RunPaths
     guard: NonfiniteGuard
     metrics: MetricsLog

@@ -26,10 +26,21 @@ from scaletrain import checkpoint, oom
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
-from scaletrain.data import PackedTokens, RankBatches, ensure_prepared, resolve_dataset_dir
+from scaletrain.data import (
+    DataMix,
+    MixShares,
+    PackedTokens,
+    RankBatches,
+    ensure_prepared,
+    mix_to_prepare,
+    open_mix,
+    prepare_mix,
+    resolve_dataset_dir,
+)
 from scaletrain.distributed import World, all_hostnames, init_distributed, rank0_first, shutdown
 from scaletrain.engines import Engine, build_engine
 from scaletrain.errors import OutOfMemoryRestart, Preempted, UserError
+from scaletrain.evaluation import Evaluation, eval_loss, open_eval_set
 from scaletrain.faults import Drills
 from scaletrain.guards import ReplicaCheck, Watchdog
 from scaletrain.models import ModelSpec, distill_spec, model_spec
@@ -80,6 +91,7 @@ class Run:
     progress: TrainProgress
     saves: Saves
     drills: Drills
+    evaluation: Evaluation
     peak_lr: float
     tokens_per_step: int
     step: int = 0  # optimizer steps done
@@ -119,6 +131,7 @@ def loop(run: Run) -> None:
             run.progress.show(run.telemetry.flush())
         if run.replicas.due(run.step):
             check_replicas(run)
+        run.evaluation.after_step(run.step, run.step == last)  # before the save: no checkpoint without its eval row
         run.saves.after_step(run.step, run.step == last, run.tokens_seen)
         run.drills.after_step(run.step)
         stop = run.watch.agreed()  # a preemption signal on any rank stops all after the same step
@@ -209,6 +222,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
         make_dir(cfg.parallel.nvme_path, "parallel.nvme_path")
     resume_from = resume_point(cfg.train.resume, paths, world, say)  # the newest whole checkpoint
     cfg, data, spec, distill, dims = _checked_plan(cfg, world, paths, resume_from, say)
+    evalset = open_eval_set(cfg, world, data, dims.dp_size) if cfg.eval.every > 0 else None  # too few windows: said now
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay), distill.teacher if distill else None)
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
@@ -237,6 +251,8 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     batches = RankBatches(
         data, cfg.train.micro_batch, cfg.train.grad_accum, dims.dp_rank(world.rank), dims.dp_size, start=position
     )
+    if isinstance(data, DataMix):  # each interval's realised shares (data/mix.py), computed, not gathered
+        telemetry.recorder.mix = MixShares(data, lambda: batches.position).take
     progress = TrainProgress(console, cfg.train.steps, step, cfg.train.log_every, enabled=main)
     stack.callback(progress.close)
     watch = PreemptionWatch(world)
@@ -255,9 +271,13 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     stack.callback(watchdog.close)  # first: a long wait at the end is no hang
     replicas = ReplicaCheck(world, engine.name, cfg.guards.weight_hash_every, hosts, dims)
     drills = Drills(lambda: engine.model, saves.wait, lambda: watch.signum != 0)
+    evaluation = Evaluation(
+        cfg, world, engine, evalset, eval_loss(spec), dims, flush, [telemetry.event, progress.evaluated], watchdog.beat,
+        telemetry.drop_routing,
+    )  # fmt: skip
     run = Run(
         cfg, world, say, paths, resume_from, engine, batches, distill.loss if distill else spec.loss, telemetry, metrics,
-        guard, replicas, watchdog, watch, progress, saves, drills, peak_lr, global_batch * cfg.data.seq_len, step,
+        guard, replicas, watchdog, watch, progress, saves, drills, evaluation, peak_lr, global_batch * cfg.data.seq_len, step,
         resumed.tokens_seen if resumed else 0,
     )  # fmt: skip
     # A mixture of experts' load per interval (a weak reference: _release still frees the model).
@@ -270,10 +290,10 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
 
 def _checked_plan(
     cfg: Config, world: World, paths: RunPaths, resume_from: Path | None, say: Any
-) -> tuple[Config, PackedTokens, ModelSpec, Distill | None, ParallelDims]:
+) -> tuple[Config, PackedTokens | DataMix, ModelSpec, Distill | None, ParallelDims]:
     """The data, the model spec, the plan (strategy auto resolved) and the layout, and
     whether the checkpoint may be continued: all checked before anything is allocated."""
-    data = PackedTokens(_prepared_data(cfg, world), cfg.data.seq_len, cfg.train.seed)
+    data = _training_data(cfg, world)
     spec = model_spec(cfg, data.vocab_size)
     spec.build_meta(cfg.data.seq_len)  # a model.trainable pattern that matches nothing stops here
     distill = distill_spec(cfg, spec)  # model.teacher, checked against the student
@@ -305,8 +325,20 @@ def _resume(ckpt: Path, world: World, engine: Engine, layout: ParamLayout, dims:
 
 
 def _release(run: Run) -> None:
-    run.engine = run.saves.engine = None  # type: ignore[assignment]
+    run.engine = run.saves.engine = run.evaluation.engine = None  # type: ignore[assignment]
     run.drills.model = lambda: None
+
+
+def _training_data(cfg: Config, world: World) -> PackedTokens | DataMix:
+    if not cfg.data.mix:
+        return PackedTokens(_prepared_data(cfg, world), cfg.data.seq_len, cfg.train.seed, held_out=cfg.eval.held_out)
+    if mix_to_prepare(cfg.data):  # every rank judges every source's paths: the same error everywhere
+        make_dir(cfg.data.dir, "data.dir", create=world.is_main)
+    rank0_first(world, lambda: prepare_mix(cfg.data), "preparing the data", cfg.data.prepare_timeout_s, hint=_PREPARE_HINT)
+    return open_mix(cfg.data, cfg.train.seed, held_out=cfg.eval.split or 0.0)
+
+
+_PREPARE_HINT = "accepted: a larger data.prepare_timeout_s, or `scaletrain data prepare` beforehand and data.paths=<its output>"
 
 
 def _prepared_data(cfg: Config, world: World) -> Path:
@@ -318,6 +350,6 @@ def _prepared_data(cfg: Config, world: World) -> Path:
         lambda: ensure_prepared(cfg.data, show_progress=True),
         "preparing the data",
         cfg.data.prepare_timeout_s,
-        hint="accepted: a larger data.prepare_timeout_s, or `scaletrain data prepare` beforehand and data.paths=<its output>",
+        hint=_PREPARE_HINT,
     )
     return resolve_dataset_dir(cfg.data)[0]

@@ -2,7 +2,7 @@
 
 A change that alters what the saved state or the data position mean is refused: the
 model's shape (the saved tensors would not fit, or mean something else), the tokens
-(another corpus, tokenizer or shard layout: the data fingerprint), data.seq_len (another
+(another corpus, tokenizer or shard layout, a mixture's weights: the data fingerprint), data.seq_len (another
 set of windows) and train.seed (another order of them). Anything else (steps, learning
 rate, logging, checkpointing, precision, batch layout, world size where the engine
 supports it) is allowed and reported, one line.
@@ -20,8 +20,9 @@ from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
 from scaletrain.errors import UserError
 
-# Config keys that change the meaning of the data position (besides the fingerprint).
-_DATA_KEYS = ("data.seq_len", "train.seed")
+# Config keys that change the meaning of the data position (besides the fingerprint):
+# eval.split decides which documents the training stream skips (data/heldout.py).
+_DATA_KEYS = ("data.seq_len", "train.seed", "eval.split")
 # Keys that are not settings of the run (where it lives; what auto chose last time).
 _IGNORED = ("run.dir", "train.resume", "parallel.auto_choice", "train.batch_choice")
 
@@ -46,15 +47,14 @@ def check_config(path: Path, cfg: Config, saved_state: TrainerState, model: dict
     for key, old in saved_model.items():
         if model.get(key) != old:
             raise refuse(f"model.{key}", old, model.get(key), "the saved weights have its shape")
-    saved_cfg = _flatten(yaml.safe_load((path / "config.yaml").read_text()))
+    # A key the checkpoint's version did not have yet: it ran as the key's default says.
+    saved_cfg = _flatten(Config().model_dump(mode="json")) | _flatten(yaml.safe_load((path / "config.yaml").read_text()))
     now = _flatten(cfg.model_dump(mode="json"))
     if saved_state.data_fingerprint != data_fingerprint:
-        raise refuse(
-            "data.paths",
-            saved_cfg.get("data.paths"),
-            now.get("data.paths"),
-            "other tokens: the data position would point elsewhere",
-        )
+        # A mixture's fingerprint covers its sources and weights (data/mix.py).
+        key = "data.mix" if saved_cfg.get("data.mix") or now.get("data.mix") else "data.paths"
+        what = "other tokens or weights" if key == "data.mix" else "other tokens"
+        raise refuse(key, saved_cfg.get(key), now.get(key), f"{what}: the data position would point elsewhere")
     if (saved_cfg.get("model.trainable") or []) != (now.get("model.trainable") or []):
         raise refuse(
             "model.trainable",

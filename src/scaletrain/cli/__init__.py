@@ -18,7 +18,7 @@ import threading
 from typing import Protocol
 
 from scaletrain import __version__
-from scaletrain.cli import bench, ckpt, compare, data, diagnose, launch, plan, train
+from scaletrain.cli import bench, ckpt, compare, data, diagnose, evaluate, launch, plan, train
 from scaletrain.errors import EXIT_PREEMPTED, Preempted, UserError
 from scaletrain.launch import launcher_rank, report_error, report_preempted
 
@@ -35,6 +35,7 @@ class Command(Protocol):
 
 COMMANDS: dict[str, Command] = {
     "train": train,
+    "eval": evaluate,
     "plan": plan,
     "launch": launch,
     "data": data,

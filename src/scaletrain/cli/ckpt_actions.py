@@ -16,7 +16,7 @@ from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.checkpoint.state import FILE, TrainerState
 from scaletrain.config import Config, load_config
 from scaletrain.convert import convert as convert_checkpoint
-from scaletrain.data import resolve_dataset_dir
+from scaletrain.data import tokens_dir
 from scaletrain.data.prepare import TOKENIZER_FILE
 from scaletrain.distributed import ALONE
 from scaletrain.errors import UserError
@@ -135,7 +135,7 @@ def export(args: argparse.Namespace) -> int:
 def _run_tokenizer(cfg: Config) -> Path | None:
     """The tokenizer.json of the run's prepared data, if that is still on disk."""
     try:
-        found = resolve_dataset_dir(cfg.data)[0] / TOKENIZER_FILE
+        found = tokens_dir(cfg.data) / TOKENIZER_FILE  # a mixture: its first source's, which all share
     except UserError:
         return None
     return found if found.is_file() else None

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from pathlib import Path
 
 from scaletrain.cli.cluster import check_cluster_args, write_cluster_file
 from scaletrain.config import load_config, split_args
+from scaletrain.errors import UserError
 from scaletrain.launch import LaunchOptions, exec_launcher, launch_command, run_torchrun
 from scaletrain.parallel import dims_for
 from scaletrain.paths import make_dir
@@ -17,8 +19,9 @@ from scaletrain.paths import make_dir
 def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
     la = sub.add_parser(
         name,
-        help="launch `train` on N processes per node via torchrun or the deepspeed launcher",
-        description="Launch `scaletrain train` under torchrun (default) or DeepSpeed's launcher. "
+        help="launch `train` (or `eval RUN`) on N processes per node via torchrun or the deepspeed launcher",
+        description="Launch `scaletrain train` under torchrun (default) or DeepSpeed's launcher; `eval RUN_OR_CHECKPOINT "
+        "[key=value ...]` as the first words launches `scaletrain eval` instead. "
         "Multi-node: run the same command on every node with its --node-rank, or give a --hostfile.",
     )
     la.add_argument("--nproc", type=int, required=True, help="processes (GPUs) per node")
@@ -45,21 +48,18 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
     cl.add_argument("--time", help="Slurm time limit, e.g. 24:00:00")
     cl.add_argument("--image", help="--k8s: container image with scaletrain installed (required)")
     cl.add_argument("--pvc", help="--k8s: PersistentVolumeClaim mounted as the working directory (run.dir, data.dir)")
-    la.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+    la.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value | eval RUN key=value")
     return la
 
 
 def run(args: argparse.Namespace) -> int:
     check_cluster_args(args)
+    command, words = ("eval", args.args[1:]) if args.args[:1] == ["eval"] else ("train", args.args)
     # One clear error here, not one per rank after N processes have started.
-    cfg = load_config(*split_args(args.args))
-    if not args.k8s:  # a pod's data and run directory are in its image or volume, not necessarily here
-        from scaletrain.data import resolve_dataset_dir  # numpy: only when the data is looked for
-
-        resolve_dataset_dir(cfg.data)
-        make_dir(cfg.run.dir, "run.dir", create=False)  # each rank makes it; refused here if it cannot be
-    if args.hostfile is None and args.nproc >= 1 and args.nnodes >= 1:
-        dims_for(cfg.parallel, args.nproc * args.nnodes)  # the layout fits the world it will get
+    if command == "eval":
+        _eval_args(words)
+    else:
+        _train_args(args, words)
     if args.slurm or args.k8s:
         return write_cluster_file(args)
     cmd = launch_command(
@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
             hostfile=args.hostfile,
             launcher=args.launcher,
             max_restarts=args.max_restarts,
-            train_args=tuple(args.args),
+            train_args=tuple(words),
+            command=command,
             rdzv_endpoint=args.rdzv_endpoint,
             rdzv_id=args.rdzv_id or "scaletrain",
         )
@@ -84,3 +85,26 @@ def run(args: argparse.Namespace) -> int:
         return run_torchrun(cmd)
     exec_launcher(cmd)
     return 0  # not reached: exec replaced this process
+
+
+def _train_args(args: argparse.Namespace, words: list[str]) -> None:
+    cfg = load_config(*split_args(words))
+    if not args.k8s:  # a pod's data and run directory are in its image or volume, not necessarily here
+        from scaletrain.data import mix_to_prepare, resolve_dataset_dir  # numpy: only when the data is looked for
+
+        mix_to_prepare(cfg.data) if cfg.data.mix else resolve_dataset_dir(cfg.data)  # judges every source's paths
+        make_dir(cfg.run.dir, "run.dir", create=False)  # each rank makes it; refused here if it cannot be
+    if args.hostfile is None and args.nproc >= 1 and args.nnodes >= 1:
+        dims_for(cfg.parallel, args.nproc * args.nnodes)  # the layout fits the world it will get
+
+
+def _eval_args(words: list[str]) -> None:
+    """`launch ... eval RUN_OR_CHECKPOINT key=value ...`: the words checked (the ranks read the
+    checkpoint's config themselves)."""
+    if not words or "=" in words[0]:
+        raise UserError("launch ... eval needs RUN_OR_CHECKPOINT first: a run directory or a checkpoints/step_<N> directory")
+    if not Path(words[0]).exists():
+        raise UserError(f"launch ... eval {words[0]}: no such run or checkpoint directory")
+    files, _ = split_args(words[1:])
+    if files:
+        raise UserError(f"scaletrain eval takes key=value overrides of the checkpoint's own config, not {files[0]}")

@@ -5,7 +5,8 @@ g // samples_per_epoch; within an epoch the shards are concatenated in a (seed, 
 permutation, cut into windows of seq_len + 1 tokens with stride seq_len, and the windows are
 visited in a second (seed, epoch) permutation. Every rank derives the same mapping from the
 same numbers, so no rank ever needs to talk to another about data, and resuming (with any
-data-parallel size) only needs the position.
+data-parallel size) only needs the position. Under eval.split the held-out documents are
+cut out of each shard first (data/heldout.py), by the same rule on every rank.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:  # torch is imported on first use: `scaletrain data prepare` never needs it
     import torch
 
+from scaletrain.data.heldout import split_documents
 from scaletrain.data.prepare import FORMAT, FORMAT_VERSION, MANIFEST
 from scaletrain.errors import UserError
 
@@ -27,7 +29,7 @@ from scaletrain.errors import UserError
 class PackedTokens:
     """Random access to the packed windows of a prepared dataset (memory-mapped, read-only)."""
 
-    def __init__(self, dataset_dir: Path, seq_len: int, seed: int):
+    def __init__(self, dataset_dir: Path, seq_len: int, seed: int, held_out: float = 0.0):
         self.dir = Path(dataset_dir)
         self.seq_len = int(seq_len)
         self.seed = int(seed)
@@ -60,12 +62,18 @@ class PackedTokens:
             raise UserError(
                 f"{self.dir}: shards hold {self.total_tokens} tokens but {MANIFEST} says {m['total_tokens']}; prepare the data again"
             )
+        # eval.split: the held-out documents leave each shard (data/heldout.py); without it
+        # every shard is one piece, and the stream is exactly what it always was.
+        self.split = split_documents(self._shards, self.eos_id, held_out, self.seed) if held_out > 0 else None
+        self._pieces = self.split.train if self.split else [[a] for a in self._shards]
+        self.train_tokens = sum(len(p) for pieces in self._pieces for p in pieces)
         # The last window needs one token beyond its seq_len inputs (the final target).
-        self.samples_per_epoch = (self.total_tokens - 1) // self.seq_len
+        self.samples_per_epoch = (self.train_tokens - 1) // self.seq_len
         if self.samples_per_epoch < 1:
+            left = f" ({self.train_tokens} once eval.split={held_out:g} held documents out)" if self.split else ""
             raise UserError(
-                f"{self.dir}: {self.total_tokens} tokens are too few for data.seq_len = {self.seq_len}; "
-                f"accepted: seq_len <= {max(self.total_tokens - 1, 0)} for this data, or more data"
+                f"{self.dir}: {self.total_tokens} tokens{left} are too few for data.seq_len = {self.seq_len}; "
+                f"accepted: seq_len <= {max(self.train_tokens - 1, 0)} for this data, or more data"
             )
         # The tokens themselves, not where they came from: the shards' checksums in order.
         self.fingerprint = hashlib.sha256("".join(s["sha256"] for s in m["shards"]).encode()).hexdigest()[:16]
@@ -83,11 +91,18 @@ class PackedTokens:
         # One generator per (seed, epoch): any rank, any time, derives the same layout.
         rng = np.random.default_rng([self.seed, epoch])
         shard_order = rng.permutation(len(self._shards))
-        self._order = [self._shards[i] for i in shard_order]
+        self._order = [piece for i in shard_order for piece in self._pieces[i] if len(piece)]
         self._shard_order = shard_order
-        self._starts = np.concatenate([[0], np.cumsum(self._lengths[shard_order])]).astype(np.int64)
+        self._starts = np.concatenate([[0], np.cumsum([len(piece) for piece in self._order])]).astype(np.int64)
         self._perm = rng.permutation(self.samples_per_epoch)
         self._epoch = epoch
+
+    def documents(self, held: bool) -> list[np.ndarray]:
+        """The held-out documents' tokens (eval.split; none without it), or else the tokens
+        training reads, in the manifest's order (slices of the shards, not copies)."""
+        if held:
+            return self.split.held if self.split else []
+        return [piece for pieces in self._pieces for piece in pieces]
 
     def shard_order(self, epoch: int) -> list[int]:
         """Indices into the manifest's shard list, in the order epoch `epoch` concatenates them."""
@@ -179,6 +194,12 @@ def _read_manifest(d: Path) -> dict[str, Any]:
     return m
 
 
+class Samples(Protocol):
+    """What RankBatches reads: a PackedTokens, or a mixture of them (data/mix.py's DataMix)."""
+
+    def batch(self, global_indices: range | list[int] | np.ndarray) -> np.ndarray: ...
+
+
 class RankBatches:
     """The micro-batches one data-parallel rank trains on, step by step.
 
@@ -189,7 +210,7 @@ class RankBatches:
     equals one micro-batch of 8, which keeps losses comparable across layouts.
     """
 
-    def __init__(self, data: PackedTokens, micro_batch: int, grad_accum: int, dp_rank: int, dp_size: int, start: int = 0):
+    def __init__(self, data: Samples, micro_batch: int, grad_accum: int, dp_rank: int, dp_size: int, start: int = 0):
         if micro_batch < 1 or grad_accum < 1 or dp_size < 1:
             raise ValueError(f"micro_batch={micro_batch}, grad_accum={grad_accum}, dp_size={dp_size} must all be >= 1")
         if not 0 <= dp_rank < dp_size:

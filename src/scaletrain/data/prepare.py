@@ -330,8 +330,9 @@ def _dataset_name(paths: list[str]) -> str:
     return name[:40]
 
 
-def resolve_dataset_dir(data_cfg: Any) -> tuple[Path, list[str] | None]:
+def resolve_dataset_dir(data_cfg: Any, what: str = "data.paths") -> tuple[Path, list[str] | None]:
     """Where the prepared data for `data_cfg` lives, and the inputs to prepare (None: ready).
+    `what`: the key its errors name (a data.mix source's own, data/mix.py).
 
     The cache key covers the resolved files with their sizes and mtimes, so editing or adding
     a file gives a fresh directory instead of silently training on stale shards.
@@ -342,10 +343,10 @@ def resolve_dataset_dir(data_cfg: Any) -> tuple[Path, list[str] | None]:
         if (d / MANIFEST).is_file():
             return d, None
         raise UserError(
-            f"data.paths: {paths[0]!r} is a directory without {MANIFEST}; use a glob such as '{paths[0].rstrip('/')}/**/*.txt' ({ACCEPTED})"
+            f"{what}: {paths[0]!r} is a directory without {MANIFEST}; use a glob such as '{paths[0].rstrip('/')}/**/*.txt' ({ACCEPTED})"
         )
     inputs = paths or default_corpus_globs()
-    files = expand_inputs(inputs, what="data.paths")
+    files = expand_inputs(inputs, what=what)
     tok_key: Any = None
     if data_cfg.tokenizer is not None:
         tp = tokenizer_file(data_cfg.tokenizer)
@@ -363,9 +364,9 @@ def resolve_dataset_dir(data_cfg: Any) -> tuple[Path, list[str] | None]:
     return Path(data_cfg.dir) / f"{_dataset_name(paths)}-{fingerprint}", inputs
 
 
-def ensure_prepared(data_cfg: Any, show_progress: bool = True) -> Path:
+def ensure_prepared(data_cfg: Any, show_progress: bool = True, what: str = "data.paths") -> Path:
     """Resolve and, if missing, prepare the dataset for `data_cfg`. Call on rank 0 only."""
-    out, inputs = resolve_dataset_dir(data_cfg)
+    out, inputs = resolve_dataset_dir(data_cfg, what)
     if inputs is None or (out / MANIFEST).is_file():
         return out
     try:

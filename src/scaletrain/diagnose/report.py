@@ -112,7 +112,13 @@ def _loss(ax: Axes, run: Run) -> str | None:
     pts = [(r["step"], r["loss"]) for r in run.steps if isinstance(r.get("loss"), int | float)]
     if not pts:
         return "metrics.jsonl has no step rows with a loss"
-    ax.plot(*zip(*pts), lw=1.2, color="#1f77b4")
+    ax.plot(*zip(*pts), lw=1.2, color="#1f77b4", label="training (each step's batch)")
+    # Evaluations (evaluation.py) on the same axes: the gap between the curves is what
+    # the held-out loss says about overfitting.
+    evals = [(e["step"], e["loss"]) for e in run.events_of("eval") if isinstance(e.get("loss"), int | float)]
+    if evals:
+        ax.plot(*zip(*evals), marker="o", ms=3, lw=1.2, color="#d62728", label="eval (the fixed held-out windows)")
+        ax.legend(loc="upper right", fontsize=8)
     ax.set(xlabel="step", ylabel="loss")
     return None
 
@@ -230,7 +236,7 @@ def _expert_load(ax: Axes, run: Run) -> str | None:
 
 
 PLOTS: tuple[tuple[str, str, Callable[[Axes, Run], str | None]], ...] = (
-    ("plot-loss", "Loss per optimizer step", _loss),
+    ("plot-loss", "Loss per optimizer step, and per evaluation", _loss),
     ("plot-throughput", "Throughput per log interval", _throughput),
     ("plot-breakdown", "Step time by phase per rank (mean over log intervals after the first)", _breakdown),
     ("plot-memory", "Peak memory per rank", _memory),

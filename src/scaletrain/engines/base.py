@@ -59,6 +59,13 @@ class Engine(Protocol):
         at its end. Returns this rank's mean loss over the window (on device, no sync).
         `mark(phase)` is called as each phase ends ("forward", "backward"), for telemetry."""
 
+    def evaluate(self, micro_batches: list[MicroBatch], loss: LossFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only, no gradient, the model in eval mode (dropout off) and its training
+        mode restored after: (this rank's sum of the per-token losses, its token count), fp64
+        0-d tensors on the device, no sync. `loss` gives a micro-batch's mean over its tokens.
+        The ranks of a tensor-parallel group each return their group's; a pipeline stage
+        that holds no loss returns zeros. A teacher does not run."""
+
     def step(self, lr: float) -> StepStats:
         """Unscale, clip, optimizer step at `lr` (x each group's lr_scale), zero gradients.
         A step whose global gradient norm is NaN or inf is not applied: weights and
@@ -138,6 +145,25 @@ class AccumulationWindow:
                 mark("backward")
             total += value.detach()
         return total / n
+
+    def evaluate(self, micro_batches: list[MicroBatch], loss: LossFn) -> tuple[torch.Tensor, torch.Tensor]:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = 0
+        was_training = self.model.training
+        self.model.eval()  # dropout off (a Hugging Face model's, LoRA's)
+        try:
+            with torch.no_grad():
+                for inputs, targets in micro_batches:
+                    inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+                    with self.autocast():
+                        value = loss(self.model(inputs), targets)
+                    # The micro-batch's mean back to its sum, in fp64: the mean over the whole
+                    # eval set is then exact whatever the micro-batches and ranks were.
+                    total += value.detach().double() * targets.numel()
+                    tokens += targets.numel()
+        finally:
+            self.model.train(was_training)
+        return total, torch.tensor(float(tokens), dtype=torch.float64, device=self.device)
 
     def _with_teacher(self, inputs: torch.Tensor) -> tuple[Any, Any]:
         # The teacher first: its output is then the only thing of it alive during the

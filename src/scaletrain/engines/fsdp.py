@@ -125,6 +125,17 @@ class FSDPEngine(TorchEngineMixin):
         with loss_parallel():
             return super().forward_backward(micro_batches, lambda out, y: _local(loss(out, y)), mark)
 
+    def evaluate(self, micro_batches: list[MicroBatch], loss: LossFn) -> tuple[torch.Tensor, torch.Tensor]:
+        # As forward_backward: vocabulary-split logits under loss_parallel, the schedule's
+        # own (forward-only) path under a pipeline.
+        local = (lambda out, y: _local(loss(out, y))) if self.loss_parallel else loss
+        with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
+            if self.pipeline is None:
+                return super().evaluate(micro_batches, local)
+            inputs = torch.cat([x for x, _ in micro_batches])
+            targets = torch.cat([y for _, y in micro_batches])
+            return self.pipeline.evaluate(inputs, targets, local)
+
     def describe(self) -> tuple[dict[str, Any], list[str]]:
         return self.pipeline.describe() if self.pipeline is not None else ({}, [])
 

@@ -112,6 +112,34 @@ class Pipeline:
         dist.all_reduce(mean, group=self.group)  # only the last stage's rank adds a non-zero
         return mean
 
+    def evaluate(
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only, through the schedule's eval path (the same micro-batches, no
+        backward), the stages in eval mode: the last stage's sum of per-token losses and its
+        token count (fp64), zeros on the other stages. torch re-initializes the stages when
+        the schedule switches between eval and training (a shape inference each way)."""
+        self._loss = loss
+        losses: list[torch.Tensor] = []
+        args = (inputs.to(self.device),) if self.has_first else ()
+        kwargs: dict[str, Any] = {"target": targets.to(self.device), "losses": losses} if self.has_last else {}
+        modes = [part.training for part in self.parts]
+        for part in self.parts:
+            part.eval()
+        try:
+            with torch.no_grad():
+                self.schedule.eval(*args, return_outputs=False, **kwargs)
+        finally:
+            for part, mode in zip(self.parts, modes):
+                part.train(mode)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if not losses:
+            return total, torch.zeros((), dtype=torch.float64, device=self.device)
+        per_micro_batch = targets.numel() // len(losses)  # the schedule splits the window evenly
+        for value in losses:
+            total += value.detach().double() * per_micro_batch
+        return total, torch.tensor(float(targets.numel()), dtype=torch.float64, device=self.device)
+
     def total_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over every stage from this rank's stages' norm."""
         squared = norm.float().square()

@@ -68,6 +68,9 @@ class StepRecorder:
         # The routing statistics the model summed since the last call (models.moe.routing_stats),
         # None for a dense model; set by whoever holds the model (Telemetry.watch_routing).
         self.routing: Callable[[], torch.Tensor | None] = lambda: None
+        # A data mixture's realised shares over the interval (data/mix.py: MixShares.take),
+        # None without one; every rank computes it from the position alone, so nothing is gathered.
+        self.mix: Callable[[], dict[str, Any] | None] = lambda: None
 
     def record(self, local_loss: torch.Tensor, grad_norm: torch.Tensor, **fields: Any) -> None:
         self._losses.append(local_loss.detach().float())
@@ -113,6 +116,9 @@ class StepRecorder:
         moe = expert_load([r["moe"] for r in everyone], n * self.rates.micro_batches)
         if moe is not None:
             interval["moe"] = moe
+        mix = self.mix()
+        if mix is not None:
+            interval["mix"] = mix
         return Flushed(rows, [interval, *self._stragglers(step, ranks)], ranks)
 
     def _rank_row(self, step: int, rank: int, n: int, wall: float, r: dict[str, Any]) -> dict[str, Any]:

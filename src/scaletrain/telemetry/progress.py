@@ -14,6 +14,7 @@ class TrainProgress:
         self.console = console
         self.enabled = enabled
         self.total = total_steps
+        self.eval: dict[str, Any] | None = None  # the last evaluation's row (evaluation.py)
         self._bar: Progress | None = None
         if enabled and console.is_terminal:
             self._bar = Progress(
@@ -23,12 +24,13 @@ class TrainProgress:
                 # the last step's loss that the summary quotes beside it.
                 TextColumn(f"mean loss of the last {log_every} steps {{task.fields[loss]}}"),
                 TextColumn("{task.fields[tps]} tok/s"),
+                TextColumn("{task.fields[eval]}"),
                 TimeElapsedColumn(),
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
                 console=console,
             )
-            self._task = self._bar.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-")
+            self._task = self._bar.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-", eval="")
             self._bar.start()
 
     def advance(self, step: int) -> None:
@@ -47,15 +49,30 @@ class TrainProgress:
         interval = next(e for e in flushed.events if e["event"] == "interval")
         tps = interval["tokens_per_s"]
         mfu = f"  MFU {interval['mfu']:.1%}" if interval["mfu"] is not None else ""
+        evaluated = f"  eval loss {self.eval['loss']:.4f} (step {self.eval['step']})" if self.eval else ""
         if self._bar:
             self._bar.update(self._task, loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
         else:
             self.console.print(
                 f"step {last['step']}/{self.total}  mean loss (steps {rows[0]['step']}-{last['step']}) {loss:.4f}  "
-                f"lr {last['lr']:.2e}  grad_norm {last['grad_norm']:.3f}  {tps:,.0f} tok/s{mfu}",
+                f"lr {last['lr']:.2e}  grad_norm {last['grad_norm']:.3f}  {tps:,.0f} tok/s{mfu}{evaluated}",
                 highlight=False,
                 soft_wrap=True,
             )
+
+    def evaluated(self, row: dict[str, Any]) -> None:
+        """An evaluation's row: said now, and its loss in every progress line after it."""
+        self.eval = row
+        if not self.enabled:
+            return
+        if self._bar:
+            self._bar.update(self._task, eval=f"eval loss {row['loss']:.4f} (step {row['step']})")
+        self.console.print(
+            f"eval at step {row['step']}: loss {row['loss']:.4f}  perplexity {row['perplexity']:.2f}  "
+            f"({row['tokens']:,} tokens of {row['data']}, {row['eval_s']:.1f} s)",
+            highlight=False,
+            soft_wrap=True,
+        )
 
     def close(self) -> None:
         if self._bar:
@@ -109,6 +126,7 @@ def print_run_summary(console: Console, paths: Any, summary: dict[str, Any], res
     everything = read_metrics(paths.metrics, events=True) if paths.metrics.exists() else []
     rows = [r for r in everything if "event" not in r]
     intervals = [r for r in everything if r.get("event") == "interval"]
+    evals = [r for r in everything if r.get("event") == "eval"]
     items = [("run directory", str(paths.root)), ("steps", str(summary["steps"]))]
     if rows:
         tail = rows[-intervals[-1]["steps"] :] if intervals else rows[-1:]
@@ -120,6 +138,11 @@ def print_run_summary(console: Console, paths: Any, summary: dict[str, Any], res
             ),
             ("tokens seen", f"{rows[-1]['tokens']:,}"),
         ]
+    if evals:
+        e = evals[-1]
+        items.append(
+            ("eval loss", f"{e['loss']:.4f}, perplexity {e['perplexity']:.2f} (step {e['step']}, {e['tokens']:,} tokens)")
+        )
     if intervals:
         tps = sorted(r["tokens_per_s"] for r in intervals)
         last = intervals[-1]

@@ -67,6 +67,11 @@ class Telemetry:
         take()
         self.recorder.routing = take
 
+    def drop_routing(self) -> None:
+        """Forget the routing counted since the last interval: an evaluation's forwards
+        (evaluation.py) are no training step's."""
+        self.recorder.routing()
+
     def run_info(self) -> dict[str, Any]:
         return {**as_json(self.info), "flops_per_token": self.flops_per_token}
 

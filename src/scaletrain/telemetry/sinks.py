@@ -3,7 +3,8 @@
 Both get the same tags: a step row's fields under train/ (train/loss, train/grad_norm,
 train/lr, ...), the interval event's under throughput/, memory/, system/, cost/ and
 phases/ (phases/comm_s ...), a mixture of experts' under moe/layer<i>/ (imbalance, aux,
-dropped: the per-expert loads stay in metrics.jsonl), any other event's numbers under
+dropped: the per-expert loads stay in metrics.jsonl), a data mixture's under data/source<i>/
+(share, total_share, epochs), any other event's numbers under
 <event>/<key> (checkpoint/blocking_s, straggler/excess). The trainer hands rows over once
 per log interval, as it writes metrics.jsonl; neither sink is flushed here beyond what its
 library does by itself (tensorboardX: every 120 s or 10 queued events, from its own thread).
@@ -122,6 +123,8 @@ class Sinks:
                 scalars.update({f"phases/{name}": x for name, x in v.items()})
             elif kind == "interval" and k == "moe" and isinstance(v, dict):
                 scalars.update(_moe_scalars(v))
+            elif kind == "interval" and k == "mix" and isinstance(v, dict):
+                scalars.update(_mix_scalars(v))
             elif kind == "interval":
                 scalars[INTERVAL_TAGS.get(k, f"interval/{k}")] = v
             else:
@@ -206,6 +209,11 @@ def _moe_scalars(moe: dict[str, Any]) -> dict[str, Any]:
         for i, layer in enumerate(moe.get("layers") or [])
         for key in ("imbalance", "aux", "dropped")
     }
+
+
+def _mix_scalars(mix: dict[str, Any]) -> dict[str, Any]:
+    # A data mixture (data/mix.py): per source, the interval's share, the run's and its epochs.
+    return {f"data/source{i}/{key}": x for key in ("share", "total_share", "epochs") for i, x in enumerate(mix.get(key) or [])}
 
 
 def _flatten(prefix: str, value: Any) -> dict[str, Any]:
