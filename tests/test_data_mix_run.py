@@ -12,16 +12,26 @@ from scaletrain.cli import main
 from scaletrain.data import prepare_dataset
 from scaletrain.telemetry import read_metrics
 
-from helpers import STDLIB, assert_same_training, base_overrides, check, train, train_through
+from helpers import STDLIB, assert_same_training, base_overrides, check, eval_overrides, train, train_through
 
 STEPS, EVERY, GLOBAL_BATCH = 4, 2, 4
 
 
-def _overrides(small_dataset, run, cache) -> list[str]:
+def _overrides(small_dataset, run, cache, world: int = 1) -> list[str]:
     # Source 1 is text: the run tokenizes it with source 0's tokenizer (a prepared directory).
     mix = f"data.mix=[{{paths: [{small_dataset}], weight: 0.7}}, {{paths: ['{STDLIB / 'html' / '*.py'}'], weight: 0.3}}]"
     base = [o for o in base_overrides(small_dataset, run, steps=STEPS) if not o.startswith("data.paths=")]
-    return [*base, mix, f"data.dir={cache}", f"train.log_every={EVERY}", f"checkpoint.every={EVERY}", "parallel.strategy=fsdp"]
+    # Evaluated on source 0 after each link's last step: eval rows survive the move too.
+    evals = [*eval_overrides(small_dataset, every=EVERY), f"eval.micro_batch={GLOBAL_BATCH // world}"]
+    return [
+        *base,
+        mix,
+        *evals,
+        f"data.dir={cache}",
+        f"train.log_every={EVERY}",
+        f"checkpoint.every={EVERY}",
+        "parallel.strategy=fsdp",
+    ]
 
 
 def _mix_fields(run) -> dict[int, dict]:
@@ -44,7 +54,7 @@ def test_mixture_resumed_at_another_world_size_is_the_straight_run(small_dataset
 
     run = tmp_path / "run"
     links = [
-        ([*_overrides(small_dataset, run, cache), f"train.micro_batch={GLOBAL_BATCH // 2}"], 2, "fsdp at world 2"),
+        ([*_overrides(small_dataset, run, cache, world=2), f"train.micro_batch={GLOBAL_BATCH // 2}"], 2, "fsdp at world 2"),
         ([*_overrides(small_dataset, run, cache), f"train.micro_batch={GLOBAL_BATCH}"], 1, "fsdp at world 1"),
     ]
     train_through(run, links, every=EVERY)

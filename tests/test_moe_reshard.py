@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_same_training, base_overrides, check, train, train_through
+from helpers import assert_same_training, base_overrides, check, eval_overrides, train, train_through
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 
@@ -35,10 +35,17 @@ CHAIN = [
 STEPS = 2 * len(CHAIN)
 
 
+def _eval(data, world: int) -> list[str]:
+    # Evaluated after each link's last step, before its checkpoint: the same 8 sequences per
+    # global eval batch at every world size (the cross entropy alone, so how they are cut
+    # into micro-batches does not matter, unlike the training loss's balance term).
+    return [*eval_overrides(data, every=2), f"eval.micro_batch={8 // world}"]
+
+
 @pytest.fixture(scope="module")
 def straight(small_dataset, tmp_path_factory):
     run = tmp_path_factory.mktemp("moe-straight") / "run"
-    check(train([*base_overrides(small_dataset, run, steps=STEPS), *MOE, f"checkpoint.every={STEPS}"]))
+    check(train([*base_overrides(small_dataset, run, steps=STEPS), *MOE, *_eval(small_dataset, 1), f"checkpoint.every={STEPS}"]))
     return run
 
 
@@ -48,7 +55,7 @@ def test_experts_move_between_ep_world_sizes_and_engines(small_dataset, straight
     base = [*base_overrides(small_dataset, run, steps=STEPS), *MOE, "checkpoint.every=2"]
     links = [
         (
-            [*base, f"parallel.strategy={strategy}", f"parallel.ep={ep}"],
+            [*base, *_eval(small_dataset, world), f"parallel.strategy={strategy}", f"parallel.ep={ep}"],
             world,
             f"{strategy} at world {world}" + (f" (ep {ep})" if ep > 1 else ""),
         )

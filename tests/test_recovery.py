@@ -17,7 +17,7 @@ import pytest
 
 from scaletrain import checkpoint
 
-from helpers import assert_bit_exact, base_overrides, check, metric_rows, scaletrain
+from helpers import assert_bit_exact, base_overrides, check, eval_overrides, metric_rows, scaletrain
 
 EXIT_PREEMPTED = 75  # documented in README.md and docs/checkpointing.md
 
@@ -48,7 +48,9 @@ def test_kill_9_under_elastic_restarts_then_sigterm_then_resume_equals_the_strai
     faults = f"step:{s0}@{rng.randrange(2)},step:{s1}@{rng.randrange(2)},term:{s2}"
     why = f"seed {seed}: SCALETRAIN_KILL_AT={faults}"
     run = tmp_path / "run"
-    args = [*base_overrides(small_dataset, run), "train.micro_batch=2", "checkpoint.every=2"]
+    # Evaluated as the straight run is (steps 4, 8, 10): no evaluation lost or written twice
+    # across the kills, restarts and the preemption.
+    args = [*base_overrides(small_dataset, run), "train.micro_batch=2", "checkpoint.every=2", *eval_overrides(small_dataset)]
     launch = ["launch", "--nproc", "2", "--max-restarts", "3", *args]
     proc = scaletrain([*launch, "checkpoint.verify_on_start=true"], env={"SCALETRAIN_KILL_AT": faults}, timeout=300)
     assert proc.returncode == EXIT_PREEMPTED, f"{why}\n{proc.stderr[-3000:]}"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_same_training, base_overrides, check, train, train_through
+from helpers import assert_same_training, base_overrides, check, eval_overrides, train, train_through
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 
@@ -38,15 +38,31 @@ STEPS = 2 * len(CHAIN)
 
 @pytest.fixture(scope="module")
 def reference6(small_dataset, tmp_path_factory):
+    # Evaluated after every link's last step (before its checkpoint): the eval rows too must
+    # survive every move, each global eval batch the link's micro-batch x world = 6 samples.
     run = tmp_path_factory.mktemp("reference6") / "run"
-    check(train([*base_overrides(small_dataset, run, steps=STEPS), *SHAPE, f"train.micro_batch={GLOBAL_BATCH}"]))
+    check(
+        train(
+            [
+                *base_overrides(small_dataset, run, steps=STEPS),
+                *SHAPE,
+                *eval_overrides(small_dataset, every=2),
+                f"train.micro_batch={GLOBAL_BATCH}",
+            ]
+        )
+    )
     return run
 
 
 @pytest.mark.timeout(600)
 def test_run_moves_between_world_sizes_and_engines(small_dataset, reference6, tmp_path):
     run = tmp_path / "run"
-    base = [*base_overrides(small_dataset, run, steps=STEPS), *SHAPE, "checkpoint.every=2"]
+    base = [
+        *base_overrides(small_dataset, run, steps=STEPS),
+        *SHAPE,
+        *eval_overrides(small_dataset, every=2),
+        "checkpoint.every=2",
+    ]
     links = [
         (
             [*base, f"parallel.strategy={strategy}", f"train.micro_batch={GLOBAL_BATCH // world}"],
