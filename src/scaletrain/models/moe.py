@@ -137,7 +137,8 @@ class MoE(nn.Module):
         balance = e * (share * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
         aux = self.aux_weight * balance + self.z_weight * z
-        extra = torch.stack([dropped.float(), aux.detach(), torch.tensor(float(n), device=x.device)])
+        # torch.full, not torch.tensor: a fill on the device, no host-to-device copy per forward.
+        extra = torch.stack([dropped.float(), aux.detach(), torch.full((), float(n), device=x.device)])
         stats = torch.cat([routed.detach().float(), extra])
         return y.reshape(b, t, d), aux, stats
 
