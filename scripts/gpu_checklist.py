@@ -104,6 +104,10 @@ CHECKS = [
     Check("moe-small-bf16", 2, "a mixture of experts trains in bf16 on CUDA (the grouped matmul)",
           ("scaletrain", "train", *SMALL, "model.moe={{}}", "parallel.strategy=fsdp", "precision=bf16"), "trains", CUDA,
           GPU_STEPS),
+    # Document masking (issue 28): on CUDA the attention is FlexAttention's compiled block-mask kernel.
+    Check("document-mask-bf16", 2, "data.document_mask trains in bf16 on CUDA (FlexAttention's block mask)",
+          ("scaletrain", "train", *SMALL, "data.document_mask=true", "parallel.strategy=fsdp", "precision=bf16"), "trains",
+          CUDA, GPU_STEPS),
     # A real out-of-memory error (issue 26): micro-batch 64 of the 1b preset cannot fit; one process retries
     # in place at half the micro-batch (same global batch) until it does, and trains.
     Check("oom-1b-mb64", 2, "a real out-of-memory error survived: micro-batch 64 halved until it fits",

@@ -59,6 +59,7 @@ def test_the_list_is_well_formed(checklist):
         *("small-ddp-fp32", "small-fsdp-bf16", "small-zero2-bf16", "small-zero3-bf16"),
         *("1b-fsdp-bf16-AC-mb4", "1b-fsdp-bf16-mb2", "1b-zero3-bf16-AC-mb4"),
         *("moe-small-bf16", "oom-1b-mb64"),  # a mixture of experts (issue 27), a real out-of-memory error (issue 26)
+        "document-mask-bf16",  # FlexAttention's block mask (issue 28)
         *(
             "plan 1b AC=false",
             "plan 1b AC=true",
@@ -187,7 +188,8 @@ def test_gpu_mode_with_faked_processes(checklist, monkeypatch, tmp_path):
     assert "| 1b-eager-mb8-AC | - | 100.0 (25%) | 250.0 (62%) | 50.0 (12%) | - | - | 400.0 |" in summary
     assert got["moe-small-bf16"]["status"] == got["oom-1b-mb64"]["status"] == "PASS"
     assert "model.moe={}" in got["moe-small-bf16"]["cmd"] and "train.micro_batch=64" in got["oom-1b-mb64"]["cmd"]
-    assert sum(1 for argv in commands if "train" in argv) == 14 + 2 + 4
+    assert got["document-mask-bf16"]["status"] == "PASS" and "data.document_mask=true" in got["document-mask-bf16"]["cmd"]
+    assert sum(1 for argv in commands if "train" in argv) == 14 + 3 + 4
 
 
 @pytest.mark.e2e

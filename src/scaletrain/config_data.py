@@ -7,7 +7,7 @@ sample stream: data/mix.py).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -44,6 +44,13 @@ class DataConfig(Section):
     # A mixture instead of paths: [{paths: [...], weight: 0.7}, ...], each source prepared as
     # data.paths is, all with one tokenizer, interleaved by weight (data/mix.py, docs/data.md).
     mix: list[MixSource] = Field(default_factory=list)
+    # Inside a packed sample, attention stops at each document's end and positions restart
+    # at its start (models/documents.py; the built-in model).
+    document_mask: bool = False
+    # What a .jsonl record is: text (data.text_field), prompt_response ({"prompt", "response"}:
+    # the loss on the response only), chat ({"messages": [{"role", "content"}, ...]}: the
+    # loss on the assistant's turns), or auto (each file by its first record's fields).
+    format: Literal["auto", "text", "prompt_response", "chat"] = "auto"
 
     @field_validator("paths", mode="before")
     @classmethod

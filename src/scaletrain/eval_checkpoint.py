@@ -101,7 +101,7 @@ def _evaluate(ckpt: Path, cfg: Config, world: World) -> dict[str, Any]:
             f"{saved.data_fingerprint}, now {data.fingerprint}): its held-out documents are not known here; accepted: the "
             "run's data, or eval.data=PATHS"
         )
-    spec = model_spec(cfg, data.vocab_size)
+    spec = model_spec(cfg, data.vocab_size, data.eos_id)
     if spec.config() != saved.model:
         raise UserError(
             f"{ckpt} holds another model than its config describes now ({saved.model}); accepted: no model.* override"

@@ -26,6 +26,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from scaletrain.config import Config
 from scaletrain.config_eval import eval_problem
 from scaletrain.data import MANIFEST, PackedTokens, ensure_prepared, resolve_dataset_dir
 from scaletrain.data.heldout import Windows
+from scaletrain.data.loader import split_sample, trained_targets
 from scaletrain.distributed import World, rank0_first
 from scaletrain.engines import Engine, MicroBatch
 from scaletrain.errors import UserError
@@ -69,14 +71,18 @@ class EvalSet:
     global_batch: int  # sequences per eval batch (train.global_batch)
     batches: int
     micro_batch: int  # sequences per rank per forward
+    masked: bool = False  # fine-tuning records: the loss over their trained targets (data/loader.py)
 
     @property
     def samples(self) -> int:
         return self.batches * self.global_batch
 
-    @property
+    @cached_property
     def tokens(self) -> int:
-        return self.samples * self.windows.seq_len
+        """The targets the loss is the mean over: every one, or fine-tuning records' trained ones."""
+        if not self.masked:
+            return self.samples * self.windows.seq_len
+        return trained_targets(self.windows.batch(np.arange(self.samples)))
 
     def rank_batches(self, dp_rank: int, dp_size: int) -> Iterator[list[MicroBatch]]:
         """This rank's micro-batches of each global eval batch: rank r takes the r-th
@@ -87,7 +93,7 @@ class EvalSet:
             out = []
             for start in range(first, first + share, self.micro_batch):
                 t = torch.from_numpy(self.windows.batch(np.arange(start, min(start + self.micro_batch, first + share))))
-                out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+                out.append(split_sample(t, self.masked))
             yield out
 
 
@@ -100,13 +106,14 @@ def open_eval_set(cfg: Config, world: World, data: Any, dp_size: int) -> EvalSet
     if problem:
         raise UserError(problem)
     if e.data:
-        windows = Windows(
-            PackedTokens(_eval_dir(cfg, world, data), cfg.data.seq_len, cfg.train.seed).documents(held=False), cfg.data.seq_len
-        )
+        tokens = PackedTokens(_eval_dir(cfg, world, data), cfg.data.seq_len, cfg.train.seed)
+        windows = Windows(tokens.documents(held=False), cfg.data.seq_len)
+        masked = tokens.masked
         where = f"eval.data={','.join(e.data)}"
     elif e.held_out > 0 and getattr(data, "split", None) is not None:
         split = data.split
         windows = Windows(data.documents(held=True), cfg.data.seq_len)
+        masked = data.masked
         where = f"eval.split={e.held_out:g} ({split.held_documents} of {split.documents} documents)"
     else:
         raise UserError(
@@ -126,7 +133,13 @@ def open_eval_set(cfg: Config, world: World, data: Any, dp_size: int) -> EvalSet
             + ("a larger eval.split, " if not e.data else "")
             + "or more eval data"
         )
-    return EvalSet(windows, where, g, e.batches, e.micro_batch or cfg.train.micro_batch)
+    evalset = EvalSet(windows, where, g, e.batches, e.micro_batch or cfg.train.micro_batch, masked)
+    if evalset.tokens == 0:
+        raise UserError(
+            f"eval: the {need} windows of {where} hold no trained token (fine-tuning records' prompts only); "
+            "accepted: more eval.batches, or eval data with responses"
+        )
+    return evalset
 
 
 def _eval_dir(cfg: Config, world: World, data: Any) -> Path:

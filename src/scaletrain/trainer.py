@@ -45,7 +45,10 @@ from scaletrain.faults import Drills
 from scaletrain.guards import ReplicaCheck, Watchdog
 from scaletrain.models import ModelSpec, distill_spec, model_spec
 from scaletrain.models.distill import Distill
+from scaletrain.models.documents import measured_context
+from scaletrain.models.loss import trained
 from scaletrain.models.moe import routing_stats
+from scaletrain.models.spec import with_fields
 from scaletrain.nonfinite import NonfiniteGuard
 from scaletrain.optim import decay_groups, lr_at, scaled_lr
 from scaletrain.parallel import ParallelDims, describe, dims_for
@@ -163,7 +166,8 @@ def train_step(run: Run) -> bool:
         if run.world.world_size > 1 and oom.peer_ran_out(run.paths.root, step):
             oom.exit_with_peer(run.saves.let_finish)
         raise
-    run.step, run.tokens_seen = step, run.tokens_seen + run.tokens_per_step
+    # `tokens`: the trained ones (fine-tuning records: their responses); tokens_per_s: all processed.
+    run.step, run.tokens_seen = step, run.tokens_seen + (run.batches.step_tokens if run.batches.masked else run.tokens_per_step)
     run.watchdog.beat(step)
     roll_back = run.guard.check(loss, stats.grad_norm, step, run.saves.newest)
     dt = time.perf_counter() - t0
@@ -275,8 +279,10 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
         cfg, world, engine, evalset, eval_loss(spec), dims, flush, [telemetry.event, progress.evaluated], watchdog.beat,
         telemetry.drop_routing,
     )  # fmt: skip
+    loss = distill.loss if distill else spec.loss
     run = Run(
-        cfg, world, say, paths, resume_from, engine, batches, distill.loss if distill else spec.loss, telemetry, metrics,
+        cfg, world, say, paths, resume_from, engine, batches, per_trained_token(loss, batches) if data.masked else loss,
+        telemetry, metrics,
         guard, replicas, watchdog, watch, progress, saves, drills, evaluation, peak_lr, global_batch * cfg.data.seq_len, step,
         resumed.tokens_seen if resumed else 0,
     )  # fmt: skip
@@ -294,9 +300,16 @@ def _checked_plan(
     """The data, the model spec, the plan (strategy auto resolved) and the layout, and
     whether the checkpoint may be continued: all checked before anything is allocated."""
     data = _training_data(cfg, world)
-    spec = model_spec(cfg, data.vocab_size)
+    spec = model_spec(cfg, data.vocab_size, data.eos_id)
+    if cfg.data.document_mask:  # the attention the FLOPs count: the documents' (models/documents.py)
+        spec = with_fields(spec, mean_context=measured_context(data))
     spec.build_meta(cfg.data.seq_len)  # a model.trainable pattern that matches nothing stops here
     distill = distill_spec(cfg, spec)  # model.teacher, checked against the student
+    if distill is not None and data.masked:
+        raise UserError(
+            "model.teacher does not combine with fine-tuning records (data.format prompt_response or chat): the KL to the "
+            "teacher is over every position, the prompt's included; accepted: one of the two"
+        )
     cfg, notes = plan_run(cfg, world, spec)  # resolves strategy=auto
     dims = dims_for(cfg.parallel, world.world_size)
     cfg, remembered = oom.remembered(cfg, paths.root, dims.dp_size)  # a smaller micro-batch after an OOM
@@ -322,6 +335,21 @@ def _resume(ckpt: Path, world: World, engine: Engine, layout: ParamLayout, dims:
         say(f"resume: {ckpt.name} ({was}) {how} onto {now}; verified")
     engine.load_extra_state(state.engine_state)
     return state
+
+
+def per_trained_token(loss: Any, batches: RankBatches) -> Any:
+    """The loss of fine-tuning records: each micro-batch's mean over its trained targets,
+    weighted so that the step's loss and gradient are the mean over every trained target
+    of the step on every rank, as one process would compute it. Engines average their
+    micro-batches (/ grad_accum) and ranks (/ dp): a micro-batch of c trained targets, in a
+    step of N on all ranks, weighs c x grad_accum x dp / N (0 in a step without any)."""
+
+    def weighted(output: Any, targets: torch.Tensor) -> torch.Tensor:
+        n = batches.step_tokens
+        scale = batches.grad_accum * batches.dp_size / n if n else 0.0
+        return loss(output, targets) * (trained(targets) * scale)
+
+    return weighted
 
 
 def _release(run: Run) -> None:

@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
     which, config_path, out = argv
     cfg = load_config([config_path])
     data = PackedTokens(resolve_dataset_dir(cfg.data)[0], cfg.data.seq_len, cfg.train.seed)
-    spec = model_spec(cfg, data.vocab_size)
+    spec = model_spec(cfg, data.vocab_size, data.eos_id)
     cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     model = spec.build_meta(cfg.data.seq_len)

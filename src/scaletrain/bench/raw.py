@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
 
     data = PackedTokens(resolve_dataset_dir(cfg.data)[0], cfg.data.seq_len, cfg.train.seed)
     batches = RankBatches(data, cfg.train.micro_batch, cfg.train.grad_accum, rank, world_size)
-    spec = model_spec(cfg, data.vocab_size)
+    spec = model_spec(cfg, data.vocab_size, data.eos_id)
     loop = LOOPS[strategy(cfg.parallel.strategy).engine](spec, cfg, device, world_size)
 
     intervals, losses, window = [], [], []

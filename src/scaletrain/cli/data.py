@@ -26,6 +26,12 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
         help="use this tokenizer.json (or a model directory holding one) instead of training one",
     )
     prep.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.parquet records")
+    prep.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "text", "prompt_response", "chat"],
+        help=".jsonl records: text, prompt/response or chat messages (loss on responses only); auto: by their fields",
+    )
     prep.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens, help="tokens per shard file")
     return d
 
@@ -41,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         text_field=args.text_field,
         shard_tokens=args.shard_tokens,
+        fmt=args.format,
     )
     print(f"prepared dataset: {out} (see {out / 'manifest.json'})")
     return 0

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # torch is imported on first use: `scaletrain data prepare` n
     import torch
 
 from scaletrain.data.heldout import split_documents
-from scaletrain.data.prepare import FORMAT, FORMAT_VERSION, MANIFEST
+from scaletrain.data.prepare import CONTEXT_BIT, FORMAT, FORMAT_VERSION, MANIFEST
 from scaletrain.errors import UserError
 
 
@@ -41,6 +41,8 @@ class PackedTokens:
         self.eos_id: int = int(m["eos_id"])
         self.tokenizer_path: Path = self.dir / m["tokenizer"]
         self.dtype = np.dtype(m["dtype"]).newbyteorder("<")  # prepare writes little-endian
+        # Fine-tuning records: tokens with CONTEXT_BIT are context, their targets not trained.
+        self.masked = bool(m.get("loss_mask", False))
 
         self._shards: list[np.ndarray] = []
         for s in m["shards"]:
@@ -197,7 +199,29 @@ def _read_manifest(d: Path) -> dict[str, Any]:
 class Samples(Protocol):
     """What RankBatches reads: a PackedTokens, or a mixture of them (data/mix.py's DataMix)."""
 
+    masked: bool  # some tokens carry CONTEXT_BIT (fine-tuning records)
+
     def batch(self, global_indices: range | list[int] | np.ndarray) -> np.ndarray: ...
+
+
+def split_sample(t: torch.Tensor, masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples [n, seq_len + 1] -> (inputs, targets) [n, seq_len]; under `masked` the
+    context tokens' marks come off and their targets become the ignored index."""
+    if not masked:
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    import torch
+
+    from scaletrain.models.loss import IGNORE_INDEX
+
+    context = (t & CONTEXT_BIT) != 0
+    tokens = t & (CONTEXT_BIT - 1)
+    targets = torch.where(context[:, 1:], IGNORE_INDEX, tokens[:, 1:])
+    return tokens[:, :-1].contiguous(), targets.contiguous()
+
+
+def trained_targets(samples: np.ndarray) -> int:
+    """How many targets of `samples` [n, seq_len + 1] are trained (not context)."""
+    return int(np.count_nonzero((samples[:, 1:] & CONTEXT_BIT) == 0))
 
 
 class RankBatches:
@@ -221,6 +245,11 @@ class RankBatches:
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.position = int(start)  # global index where the next optimizer step starts
+        self.masked = bool(getattr(data, "masked", False))
+        # Under `masked`, the trained targets of the last step on all ranks together: what the
+        # loss of a step of fine-tuning records is the mean over (each rank reads the whole
+        # step to count them: no collective, the same number at any world size).
+        self.step_tokens = 0
 
     @property
     def samples_per_step(self) -> int:
@@ -239,8 +268,13 @@ class RankBatches:
         import torch
 
         out = []
-        for idx in self.step_indices():
-            t = torch.from_numpy(self.data.batch(idx))
-            out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+        if self.masked:
+            whole = self.data.batch(range(self.position, self.position + self.samples_per_step))
+            self.step_tokens = trained_targets(whole)
+            for idx in self.step_indices():
+                out.append(split_sample(torch.from_numpy(whole[idx.start - self.position : idx.stop - self.position]), True))
+        else:
+            for idx in self.step_indices():
+                out.append(split_sample(torch.from_numpy(self.data.batch(idx)), False))
         self.position += self.samples_per_step
         return out

@@ -121,6 +121,7 @@ class DataMix:
 
         first = self.sources[0]
         self.seq_len, self.vocab_size, self.eos_id = first.seq_len, first.vocab_size, first.eos_id
+        self.masked = any(s.masked for s in self.sources)  # fine-tuning records in some source
         self.tokenizer_path = first.tokenizer_path
         self.samples_per_epoch = sum(s.samples_per_epoch for s in self.sources)  # all sources' windows once
         # Other tokens, or other weights, and the position means other samples (checkpoint/resume.py).

@@ -9,6 +9,12 @@ Documents are tokenized in input order, each followed by the EOS token, and the 
 stream is cut into shards of exactly `shard_tokens` tokens (the last one shorter). A document
 MAY be split across a shard boundary: the loader treats the shards as one continuous stream,
 so splitting costs nothing and keeps every shard full.
+
+Fine-tuning records (data.format prompt_response or chat, data/finetune.py) are written as
+uint32 with CONTEXT_BIT set on the tokens that are context, not trained (the prompt, the
+chat's other turns); the manifest then says "loss_mask": true and the loader turns those
+tokens' targets into the ignored index. One stream, one file per shard: the held-out split,
+mixtures and packing carry the mark without knowing of it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from scaletrain.data.finetune import chat_template
 from scaletrain.data.sources import (
     ACCEPTED,
     MANIFEST,
@@ -33,6 +40,7 @@ from scaletrain.data.sources import (
     default_corpus_files,
     default_corpus_globs,
     expand_inputs,
+    file_format,
     iter_documents,
 )
 from scaletrain.errors import UserError
@@ -55,6 +63,7 @@ EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
 _ENCODE_BATCH_DOCS = 512
 _ENCODE_BATCH_CHARS = 8 << 20  # bounds memory per encode_batch call for huge documents
+CONTEXT_BIT = 1 << 31  # on a token of a fine-tuning record that is not trained (uint32 shards)
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -191,6 +200,7 @@ def prepare_dataset(
     text_field: str = "text",
     shard_tokens: int = 1 << 22,
     show_progress: bool = True,
+    fmt: str = "auto",
 ) -> Path:
     """Tokenize `inputs` (globs or file paths) into `out_dir`; returns `out_dir`.
 
@@ -215,7 +225,8 @@ def prepare_dataset(
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        manifest = _build(files, tmp, vocab_size, tokenizer, text_field, shard_tokens, show_progress)
+        formats = [file_format(f, fmt, text_field) for f in files]
+        manifest = _build(files, formats, tmp, vocab_size, tokenizer, text_field, shard_tokens, show_progress)
         manifest["inputs"] = [str(i) for i in inputs]
         _write_json_durable(tmp / MANIFEST, manifest)
         if out_dir.exists():
@@ -233,13 +244,23 @@ def prepare_dataset(
 
 
 def _build(
-    files: list[Path], tmp: Path, vocab_size: int, tokenizer: str | None, text_field: str, shard_tokens: int, show: bool
+    files: list[Path],
+    formats: list[str],
+    tmp: Path,
+    vocab_size: int,
+    tokenizer: str | None,
+    text_field: str,
+    shard_tokens: int,
+    show: bool,
 ) -> dict[str, Any]:
+    masked = any(f != "text" for f in formats)
+    template = chat_template(tokenizer_file(tokenizer) if tokenizer else None) if "chat" in formats else None
     with _progress(show) as progress:
         if tokenizer is None:
             # total + 1: the last step is the merge phase after all files are read.
             task = progress.add_task("training tokenizer", total=len(files) + 1, tokens=0)
-            tok = _train_tokenizer(iter_documents(files, text_field, lambda: progress.advance(task)), vocab_size)
+            docs = iter_documents(files, text_field, lambda: progress.advance(task), formats, template)
+            tok = _train_tokenizer((d if isinstance(d, str) else "".join(t for t, _ in d) for d in docs), vocab_size)
             progress.advance(task)
             tok.save(str(tmp / TOKENIZER_FILE))
             source = f"trained here (byte-level BPE, vocab {vocab_size})"
@@ -249,34 +270,42 @@ def _build(
             source = str(tokenizer_file(tokenizer).resolve())
         eos_id, eos_token = _eos_id(tok, source)
         vocab = _vocab_size(tok)
-        # Ids run 0..vocab-1, so uint16 holds them exactly when vocab <= 65536.
-        dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+        # Ids run 0..vocab-1, so uint16 holds them exactly when vocab <= 65536; the context
+        # bit of fine-tuning records needs uint32.
+        dtype = np.dtype(np.uint16 if vocab <= 1 << 16 and not masked else np.uint32)
 
         writer = _ShardWriter(tmp, dtype, shard_tokens)
         task = progress.add_task("tokenizing", total=len(files), tokens=0)
-        total = documents = 0
+        total = documents = trained = 0
         eos = np.array([eos_id], dtype=np.int64)
 
-        def flush(batch: list[str]) -> None:
-            nonlocal total, documents
+        def flush(batch: list[Any]) -> None:
+            nonlocal total, documents, trained
+            # Each piece on its own (a document of plain text is one piece, trained).
+            pieces = [[(d, True)] if isinstance(d, str) else d for d in batch]
             # add_special_tokens=False: a foreign tokenizer's BOS/post-processing is not wanted
-            # inside a packed stream; documents are separated by EOS alone.
-            encs = tok.encode_batch(batch, add_special_tokens=False)
+            # inside a packed stream; documents are separated by EOS alone (chat templates
+            # write their own special tokens as text).
+            encs = iter(tok.encode_batch([t for p in pieces for t, _ in p], add_special_tokens=False))
             parts: list[np.ndarray] = []
-            for e in encs:
-                parts.append(np.asarray(e.ids, dtype=np.int64))
-                parts.append(eos)
+            for p in pieces:
+                for _, train in p:
+                    ids = np.asarray(next(encs).ids, dtype=np.int64)
+                    parts.append(ids if train else ids | CONTEXT_BIT)
+                    trained += ids.size if train else 0
+                parts.append(eos)  # trained: where a response ends is learnt
             arr = np.concatenate(parts)
             writer.write(arr)
             total += arr.size
+            trained += len(pieces)
             documents += len(batch)
             progress.update(task, tokens=total)
 
-        batch: list[str] = []
+        batch: list[Any] = []
         chars = 0
-        for doc in iter_documents(files, text_field, lambda: progress.advance(task)):
+        for doc in iter_documents(files, text_field, lambda: progress.advance(task), formats, template):
             batch.append(doc)
-            chars += len(doc)
+            chars += len(doc) if isinstance(doc, str) else sum(len(t) for t, _ in doc)
             if len(batch) >= _ENCODE_BATCH_DOCS or chars >= _ENCODE_BATCH_CHARS:
                 flush(batch)
                 batch, chars = [], 0
@@ -301,7 +330,7 @@ def _build(
         "documents": documents,
         "files": len(files),
         "text_field": text_field,
-    }
+    } | ({"loss_mask": True, "trained_tokens": trained, "formats": sorted(set(formats))} if masked else {})
 
 
 def _write_json_durable(path: Path, obj: Any) -> None:
@@ -359,7 +388,7 @@ def resolve_dataset_dir(data_cfg: Any, what: str = "data.paths") -> tuple[Path, 
         "tokenizer": tok_key,
         "text_field": data_cfg.text_field,
         "shard_tokens": data_cfg.shard_tokens,
-    }
+    } | ({"format": data_cfg.format} if data_cfg.format != "auto" else {})
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     return Path(data_cfg.dir) / f"{_dataset_name(paths)}-{fingerprint}", inputs
 
@@ -378,6 +407,7 @@ def ensure_prepared(data_cfg: Any, show_progress: bool = True, what: str = "data
             text_field=data_cfg.text_field,
             shard_tokens=data_cfg.shard_tokens,
             show_progress=show_progress,
+            fmt=data_cfg.format,
         )
     except UserError:
         if (out / MANIFEST).is_file():  # another process finished the same preparation first

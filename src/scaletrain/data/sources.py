@@ -13,7 +13,9 @@ import os
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
+from scaletrain.data.finetune import ChatTemplate, Pieces, detect_format, record_pieces
 from scaletrain.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -73,16 +75,46 @@ def expand_inputs(inputs: Iterable[str | Path], what: str = "data.paths") -> lis
     return files
 
 
+def file_format(f: Path, fmt: str, text_field: str) -> str:
+    """What `f`'s records are under data.format=`fmt`: text, prompt_response or chat
+    (data/finetune.py); auto decides a .jsonl file by its first record."""
+    if f.suffix.lower() != ".jsonl":
+        if fmt not in ("auto", "text"):
+            raise UserError(
+                f"data.format={fmt} reads .jsonl records; {str(f)!r} is not one; accepted: .jsonl files, or data.format=text"
+            )
+        return "text"
+    if fmt != "auto":
+        return fmt
+    with f.open(encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            if line.strip():
+                try:
+                    return detect_format(json.loads(line), text_field)
+                except json.JSONDecodeError:
+                    return "text"  # its reader says where and why
+    return "text"
+
+
 def iter_documents(
-    files: Sequence[Path], text_field: str = "text", on_file_done: Callable[[], None] | None = None
-) -> Iterator[str]:
-    """Every non-empty document of every file, in order: one per .txt file, record or row."""
-    for f in files:
+    files: Sequence[Path],
+    text_field: str = "text",
+    on_file_done: Callable[[], None] | None = None,
+    formats: Sequence[str] | None = None,
+    template: ChatTemplate | None = None,
+) -> Iterator[str | Pieces]:
+    """Every non-empty document of every file, in order: one per .txt file, record or row;
+    a fine-tuning record (`formats[i]` of file i: prompt_response or chat) as its pieces."""
+    for i, f in enumerate(files):
         suffix = f.suffix.lower()
+        form = formats[i] if formats else "text"
         if suffix in TEXT_SUFFIXES:
             text = f.read_text(encoding="utf-8", errors="replace")
             if text:
                 yield text
+        elif suffix == ".jsonl" and form != "text":
+            for lineno, rec in _jsonl_records(f, f"accepted for data.format={form}: one JSON object per line"):
+                yield record_pieces(rec, form, template, f"{f}:{lineno}")
         elif suffix == ".jsonl":
             yield from _jsonl_documents(f, text_field)
         elif suffix == ".parquet":
@@ -93,26 +125,30 @@ def iter_documents(
             on_file_done()
 
 
-def _jsonl_documents(f: Path, field: str) -> Iterator[str]:
-    hint = f"accepted: one JSON object per line with a string field {field!r} (set data.text_field to choose it)"
+def _jsonl_records(f: Path, hint: str) -> Iterator[tuple[int, Any]]:
     with f.open(encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"{f}:{lineno}: not valid JSON ({e.msg}); {hint}") from None
-            if not isinstance(rec, dict) or field not in rec:
-                keys = ", ".join(map(str, rec)) if isinstance(rec, dict) else type(rec).__name__
-                raise UserError(f"{f}:{lineno}: record has no field {field!r} (it has: {keys}); {hint}")
-            value = rec[field]
-            if value is None:  # a null text is an absent document, as in parquet
-                continue
-            if not isinstance(value, str):
-                raise UserError(f"{f}:{lineno}: field {field!r} is {type(value).__name__}, not a string; {hint}")
-            if value:
-                yield value
+
+
+def _jsonl_documents(f: Path, field: str) -> Iterator[str]:
+    hint = f"accepted: one JSON object per line with a string field {field!r} (set data.text_field to choose it)"
+    for lineno, rec in _jsonl_records(f, hint):
+        if not isinstance(rec, dict) or field not in rec:
+            keys = ", ".join(map(str, rec)) if isinstance(rec, dict) else type(rec).__name__
+            raise UserError(f"{f}:{lineno}: record has no field {field!r} (it has: {keys}); {hint}")
+        value = rec[field]
+        if value is None:  # a null text is an absent document, as in parquet
+            continue
+        if not isinstance(value, str):
+            raise UserError(f"{f}:{lineno}: field {field!r} is {type(value).__name__}, not a string; {hint}")
+        if value:
+            yield value
 
 
 def _parquet_documents(f: Path, field: str) -> Iterator[str]:

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from scaletrain.models.loss import trained
 from scaletrain.models.spec import LossFn
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
@@ -140,7 +141,8 @@ class AccumulationWindow:
                 with self.autocast():
                     value = loss(self.model(inputs) if self.teacher is None else self._with_teacher(inputs), targets)
                 mark("forward")
-                # Mean over the window: every micro-batch holds the same number of tokens.
+                # Mean over the window: every micro-batch holds the same number of tokens
+                # (fine-tuning records: the loss is weighted by its trained targets, trainer.py).
                 self.backward(value / n)
                 mark("backward")
             total += value.detach()
@@ -148,7 +150,7 @@ class AccumulationWindow:
 
     def evaluate(self, micro_batches: list[MicroBatch], loss: LossFn) -> tuple[torch.Tensor, torch.Tensor]:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        tokens = 0
+        tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         was_training = self.model.training
         self.model.eval()  # dropout off (a Hugging Face model's, LoRA's)
         try:
@@ -158,12 +160,14 @@ class AccumulationWindow:
                     with self.autocast():
                         value = loss(self.model(inputs), targets)
                     # The micro-batch's mean back to its sum, in fp64: the mean over the whole
-                    # eval set is then exact whatever the micro-batches and ranks were.
-                    total += value.detach().double() * targets.numel()
-                    tokens += targets.numel()
+                    # eval set is then exact whatever the micro-batches and ranks were. Its
+                    # trained targets: all, but a fine-tuning prompt's (models/loss.py).
+                    count = trained(targets).double()
+                    total += value.detach().double() * count
+                    tokens += count
         finally:
             self.model.train(was_training)
-        return total, torch.tensor(float(tokens), dtype=torch.float64, device=self.device)
+        return total, tokens
 
     def _with_teacher(self, inputs: torch.Tensor) -> tuple[Any, Any]:
         # The teacher first: its output is then the only thing of it alive during the

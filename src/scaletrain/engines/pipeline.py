@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scaletrain.models.loss import trained
 from scaletrain.stages import SCHEDULES, ideal_bubble
 
 
@@ -135,10 +136,11 @@ class Pipeline:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         if not losses:
             return total, torch.zeros((), dtype=torch.float64, device=self.device)
-        per_micro_batch = targets.numel() // len(losses)  # the schedule splits the window evenly
-        for value in losses:
-            total += value.detach().double() * per_micro_batch
-        return total, torch.tensor(float(targets.numel()), dtype=torch.float64, device=self.device)
+        # The schedule splits the window evenly; each part's trained targets (models/loss.py).
+        counts = [trained(part).double() for part in targets.to(self.device).chunk(len(losses))]
+        for value, count in zip(losses, counts):
+            total += value.detach().double() * count
+        return total, torch.stack(counts).sum()
 
     def total_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over every stage from this rank's stages' norm."""

@@ -15,13 +15,28 @@ from scaletrain.models.presets import ModelShape, resolve_shape
 from scaletrain.models.spec import LlamaSpec, ModelSpec
 
 
-def model_spec(cfg: Any, vocab_size: int | None) -> ModelSpec:
-    """`cfg.model` as a spec; `vocab_size` is the tokenizer's (None before one exists)."""
+def model_spec(cfg: Any, vocab_size: int | None, eos_id: int | None = None) -> ModelSpec:
+    """`cfg.model` as a spec; `vocab_size` is the tokenizer's (None before one exists), and
+    `eos_id` its end of document, which data.document_mask needs (the planner, without a
+    tokenizer, leaves it out: any id gives the same shapes)."""
     m = cfg.model
-    spec = _spec(m, vocab_size, cfg.train.loss_chunk_tokens, tuple(m.trainable), m.lora)
+    eos = _document_eos(cfg, eos_id)
+    spec = _spec(m, vocab_size, cfg.train.loss_chunk_tokens, tuple(m.trainable), m.lora, eos)
     if m.teacher is not None and m.teacher.hidden_weight > 0:  # + the projection to the teacher's width
-        return WithProjection(spec, _spec(m.teacher, vocab_size, 0, (), None).hidden_size, HiddenStates())
+        return WithProjection(spec, _spec(m.teacher, vocab_size, 0, (), None, eos).hidden_size, HiddenStates())
     return spec
+
+
+def _document_eos(cfg: Any, eos_id: int | None) -> int | None:
+    if not cfg.data.document_mask:
+        return None
+    for m in (cfg.model, cfg.model.teacher):
+        if m is not None and m.source != "builtin":
+            raise UserError(
+                f"data.document_mask=true needs the built-in model: {m.where}.source={m.source!r} computes its own "
+                "attention mask and positions; accepted: data.document_mask=false, or model.source=builtin"
+            )
+    return 0 if eos_id is None else eos_id
 
 
 def distill_spec(cfg: Any, student: ModelSpec) -> Distill | None:
@@ -29,7 +44,7 @@ def distill_spec(cfg: Any, student: ModelSpec) -> Distill | None:
     t = cfg.model.teacher
     if t is None:
         return None
-    teacher = _spec(t, student.vocab_size, 0, (), None)
+    teacher = _spec(t, student.vocab_size, 0, (), None, getattr(_inner(student), "document_eos", None))
     if teacher.vocab_size != student.vocab_size:
         # The KL compares the two distributions token by token over one vocabulary.
         raise UserError(
@@ -44,10 +59,16 @@ def distill_spec(cfg: Any, student: ModelSpec) -> Distill | None:
     return Distill(teacher, t.temperature, t.kl_weight, student.loss)
 
 
-def _spec(m: Any, vocab_size: int | None, chunk: int, trainable: tuple[str, ...], lora: Any) -> ModelSpec:
+def _inner(spec: Any) -> Any:
+    return _inner(spec.inner) if hasattr(spec, "inner") else spec
+
+
+def _spec(
+    m: Any, vocab_size: int | None, chunk: int, trainable: tuple[str, ...], lora: Any, document_eos: int | None = None
+) -> ModelSpec:
     common: dict[str, Any] = {"loss_chunk_tokens": chunk, "trainable": trainable}
     if m.source == "builtin":
-        return LlamaSpec(resolve_shape(m, vocab_size), lora=lora_spec(lora, None), **common)
+        return LlamaSpec(resolve_shape(m, vocab_size), lora=lora_spec(lora, None), document_eos=document_eos, **common)
     conf = load_config(m.path, m.hf_config, vocab_size, m.where)
     common["lora"] = lora_spec(lora, conf["model_type"])
     if vocab_size is not None and conf["vocab_size"] < vocab_size:

@@ -11,9 +11,9 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.documents import attend, document_layout, document_mask
 from scaletrain.models.feed_forward import FeedForward
 from scaletrain.models.loss import cross_entropy
 from scaletrain.models.moe import MoE
@@ -44,11 +44,14 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + head_dim/2) of x [B, T, H, hd] by position (rotate-half form)."""
+    """Rotate channel pairs (i, i + head_dim/2) of x [B, T, H, hd] by position (rotate-half
+    form); cos and sin [T, hd/2], or [B, T, hd/2] where each sample has its own positions."""
     x32 = x.float()
     x1, x2 = x32.chunk(2, dim=-1)
-    cos = cos[None, :, None, :].float()  # broadcast over batch and heads
-    sin = sin[None, :, None, :].float()
+    if cos.dim() == 2:  # broadcast over batch and heads
+        cos, sin = cos[None], sin[None]
+    cos = cos[:, :, None, :].float()
+    sin = sin[:, :, None, :].float()
     out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.type_as(x)
 
@@ -62,11 +65,14 @@ class Attention(nn.Module):
         self.wv = nn.Linear(shape.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, shape.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        """`mask`: None (causal), or the documents' mask (models/documents.py), with cos and
+        sin then gathered at each token's position in its document [B, T, hd/2]."""
         b, t, _ = x.shape
-        # The tables may be longer than this sequence: a pipeline stage that receives
-        # sequence-parallel hidden states cannot tell the full length from its input.
-        cos, sin = cos[:t], sin[:t]
+        if cos.dim() == 2:
+            # The tables may be longer than this sequence: a pipeline stage that receives
+            # sequence-parallel hidden states cannot tell the full length from its input.
+            cos, sin = cos[:t], sin[:t]
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them (llama_tp.py).
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
@@ -75,7 +81,7 @@ class Attention(nn.Module):
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, hd]
         # enable_gqa lets the fused kernels read each kv head for its group of query heads
         # instead of materializing repeated copies of k and v.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        out = attend(q, k, v, mask, gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -93,8 +99,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward: nn.Module = MoE(shape) if moe else FeedForward(shape.dim, shape.ffn_dim)
         self.moe = moe
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None) -> Any:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         if not self.moe:
             return x + self.feed_forward(self.ffn_norm(x))
         y, aux, stats = self.feed_forward(self.ffn_norm(x))
@@ -105,11 +111,13 @@ class Llama(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(self, shape: ModelShape, max_seq_len: int):
+    def __init__(self, shape: ModelShape, max_seq_len: int, document_eos: int | None = None):
         super().__init__()
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len}")
         self.shape, self.max_seq_len = shape, max_seq_len
+        # data.document_mask: attention and positions per document, found by this eos (models/documents.py).
+        self.document_eos = document_eos
         # Given a weight, the embedding skips its own random init (init_weights draws every
         # parameter): a normal_ on the meta device would import torch._dynamo (~0.8 s).
         # None on a pipeline stage that does not hold them (keep_stage).
@@ -155,11 +163,15 @@ class Llama(nn.Module):
                 f"(rotary tables are precomputed up to it); build the model with a larger max_seq_len"
             )
         cos, sin = self.rope_cos, self.rope_sin  # each attention takes the first T rows
+        mask = None
+        if self.document_eos is not None and self.tok_embeddings is not None:
+            doc, position = document_layout(tokens, self.document_eos)
+            cos, sin, mask = cos[position], sin[position], document_mask(doc)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         aux: list[torch.Tensor] = []  # the mixture-of-experts layers' auxiliary losses
         stats: list[torch.Tensor] = []  # and what each routed (models/moe.py)
         for layer in self.layers.children():  # a ModuleList, or a stage's ModuleDict
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
             if isinstance(h, tuple):
                 h, term, seen = h
                 aux.append(term)
@@ -216,10 +228,10 @@ def keep_stage(model: Llama, blocks: range, first: bool, last: bool) -> None:
         model.norm = model.output = None
 
 
-def build_meta_model(shape: ModelShape, max_seq_len: int) -> Llama:
+def build_meta_model(shape: ModelShape, max_seq_len: int, document_eos: int | None = None) -> Llama:
     """Construct on the meta device: no memory, so engines can wrap/shard before allocating."""
     with torch.device("meta"):
-        return Llama(shape, max_seq_len)
+        return Llama(shape, max_seq_len, document_eos)
 
 
 def materialize(model: Llama, device: str | torch.device, seed: int) -> None:
@@ -229,9 +241,11 @@ def materialize(model: Llama, device: str | torch.device, seed: int) -> None:
     model.init_weights(seed)
 
 
-def build_model(shape: ModelShape, max_seq_len: int, seed: int, device: str | torch.device = "cpu") -> Llama:
+def build_model(
+    shape: ModelShape, max_seq_len: int, seed: int, device: str | torch.device = "cpu", document_eos: int | None = None
+) -> Llama:
     """Construct on the meta device (no memory), allocate on `device`, then initialize."""
-    model = build_meta_model(shape, max_seq_len)
+    model = build_meta_model(shape, max_seq_len, document_eos)
     materialize(model, device, seed)
     return model
 

@@ -82,8 +82,10 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_p
         model.output.weight = model.tok_embeddings.weight  # type: ignore[union-attr]
     for block in model.layers.children():  # type: ignore[union-attr]
         plan: dict[str, Any] = {
-            # cos and sin (the 2nd and 3rd inputs) are plain tensors, full length, on every rank.
-            "attention": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+            # cos, sin and the document mask (data.document_mask; else None) are plain tensors, full length, on every rank.
+            "attention": PrepareModuleInput(
+                input_layouts=(seq, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+            ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),

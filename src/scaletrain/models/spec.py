@@ -127,6 +127,10 @@ class LlamaSpec:
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: the cross entropy in chunks (0: whole)
     trainable: tuple[str, ...] = ()  # model.trainable: glob patterns; the rest is frozen (empty: none)
     lora: LoraSpec | None = None  # model.lora: peft adapters on a frozen base
+    # data.document_mask: the eos that ends each document (models/documents.py), and the
+    # mean span a token attends to under it (0: unknown, the whole sequence), for the FLOPs.
+    document_eos: int | None = None
+    mean_context: float = 0.0
 
     @property
     def vocab_size(self) -> int:
@@ -141,7 +145,7 @@ class LlamaSpec:
         return self.shape.n_layers
 
     def build_meta(self, max_seq_len: int) -> nn.Module:
-        model = build_meta_model(self.shape, max_seq_len)
+        model = build_meta_model(self.shape, max_seq_len, self.document_eos)
         if self.lora is not None:
             apply_lora(model, self.lora)
         freeze_all_but(model, trainable_patterns(self.trainable, self.lora))
@@ -175,11 +179,17 @@ class LlamaSpec:
     def flops_per_token(self, seq_len: int) -> float:
         # 6 x the parameters used in a matmul (PaLM / Chinchilla), plus attention scores and
         # the weighted sum of values: 2 matmuls of 2 x seq_len x width FLOPs per layer and
-        # token, x3 for the backward pass, over the full sequence (causal mask not halved).
+        # token, x3 for the backward pass, over the full sequence (causal mask not halved);
+        # under document masking over the token's document instead (its mean, mean_context).
         s = self.shape
         return float(
-            6 * (self.counts().matmul + self.active_expert_params()) + 12 * s.n_layers * s.n_heads * s.head_dim * seq_len
+            6 * (self.counts().matmul + self.active_expert_params())
+            + 12 * s.n_layers * s.n_heads * s.head_dim * self.context(seq_len)
         )
+
+    def context(self, seq_len: int) -> float:
+        """The span each token's attention is counted over: the sequence, or less under document masking."""
+        return min(float(seq_len), self.mean_context) if self.mean_context > 0 else float(seq_len)
 
     def active_params(self) -> int:
         """Parameters a token passes through: all but the experts its router did not choose."""
@@ -223,6 +233,11 @@ class LlamaSpec:
     def check_pp(self, pp: int) -> None:
         if pp > 1 and self.lora is not None:
             raise UserError(f"parallel.pp={pp} does not combine with model.lora (not checked yet); accepted: parallel.pp=1")
+        if pp > 1 and self.document_eos is not None:
+            raise UserError(
+                f"parallel.pp={pp} does not combine with data.document_mask: a stage after the first receives hidden states, "
+                "not the tokens whose eos marks the documents; accepted: parallel.pp=1, or data.document_mask=false"
+            )
         if pp > 1 and self.shape.tie_embeddings:
             raise UserError(
                 f"parallel.pp={pp} needs untied embeddings: this model shares its input embedding with its output head, "
@@ -236,7 +251,7 @@ class LlamaSpec:
         # As flops_per_token, split by where the work happens; an embedding lookup does no
         # matmul. The head is the output projection (the norm's FLOPs are negligible).
         s = self.shape
-        block = 6 * self.counts().block + 12 * s.n_heads * s.head_dim * seq_len
+        block = 6 * self.counts().block + 12 * s.n_heads * s.head_dim * self.context(seq_len)
         return 0.0, float(block), float(6 * s.dim * s.vocab_size)
 
 
