@@ -108,6 +108,10 @@ CHECKS = [
     Check("document-mask-bf16", 2, "data.document_mask trains in bf16 on CUDA (FlexAttention's block mask)",
           ("scaletrain", "train", *SMALL, "data.document_mask=true", "parallel.strategy=fsdp", "precision=bf16"), "trains",
           CUDA, GPU_STEPS),
+    # Context parallel (issue 29): each chunk's queries on the flash and cuDNN kernels (causal_lower_right)
+    # equal full causal attention's rows in bf16 (scripts/cp_kernels.py; one JSON line per backend and cp).
+    Check("cp-attention-kernels", 2, "context parallel's chunk attention on flash and cuDNN equals full causal rows",
+          ("python", str(Path(__file__).resolve().parent / "cp_kernels.py")), "first_line", CUDA),
     # A real out-of-memory error (issue 26): micro-batch 64 of the 1b preset cannot fit; one process retries
     # in place at half the micro-batch (same global batch) until it does, and trains.
     Check("oom-1b-mb64", 2, "a real out-of-memory error survived: micro-batch 64 halved until it fits",

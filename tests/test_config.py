@@ -63,7 +63,7 @@ BAD_VALUES = [
     ("parallel.offload_optimizer=cpu", "parallel.offload_optimizer", "=cpu", "needs strategy zero1, zero2 or zero3, not ddp"),
     ("parallel.tp=2", "parallel.tp", "=2", "needs parallel.strategy=fsdp"),
     ("parallel.pp=4", "parallel.pp", "=4", "needs parallel.strategy=fsdp"),
-    ("parallel.cp=2", "parallel.cp", "=2", "context parallel is not available: torch's context_parallel implements"),
+    ("parallel.cp=3", "parallel.cp", "=3", "data.seq_len=128 does not divide; accepted: data.seq_len a multiple of 6"),
     ("parallel.pp_schedule=chimera", "parallel.pp_schedule", "'chimera'", "'gpipe', '1f1b', 'interleaved_1f1b'"),
     ("train.lr_scaling=sqrt", "train.lr_scaling", "=sqrt", "needs train.lr_base_batch"),
     ("=3", "section.key=value", "'=3'", "e.g. train.lr=3e-4"),

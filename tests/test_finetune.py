@@ -124,7 +124,7 @@ def test_the_loss_is_the_mean_over_response_tokens_only(sft):
     data = PackedTokens(sft, SEQ, 0)
     batches = RankBatches(data, micro_batch=2, grad_accum=2, dp_rank=0, dp_size=1)
     model = build_model(resolve_shape(ModelConfig(preset="tiny"), data.vocab_size), SEQ, seed=0)
-    loss = per_trained_token(LlamaSpec(model.shape).loss, batches)
+    loss = per_trained_token(LlamaSpec(model.shape).loss, batches, ranks=1)
     window = batches.next_step()
     raw = data.batch(range(4))  # the same 4 samples, read independently
     with torch.no_grad():

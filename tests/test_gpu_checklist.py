@@ -60,6 +60,7 @@ def test_the_list_is_well_formed(checklist):
         *("1b-fsdp-bf16-AC-mb4", "1b-fsdp-bf16-mb2", "1b-zero3-bf16-AC-mb4"),
         *("moe-small-bf16", "oom-1b-mb64"),  # a mixture of experts (issue 27), a real out-of-memory error (issue 26)
         "document-mask-bf16",  # FlexAttention's block mask (issue 28)
+        "cp-attention-kernels",  # context parallel's chunk attention on flash and cuDNN (issue 29)
         *(
             "plan 1b AC=false",
             "plan 1b AC=true",

@@ -20,7 +20,18 @@ from scaletrain.models import build_model, loss_fn, resolve_shape
 from helpers import PROBES, probe
 
 sys.path.insert(0, str(PROBES))
-from one_backward import MODEL, MOE, MOE_VARIANTS, PIPELINE_VARIANTS, SEQ, UNTIED, VARIANTS, FixedBatch  # noqa: E402
+from one_backward import (  # noqa: E402
+    CP_VARIANTS,
+    DOCUMENTS,
+    MODEL,
+    MOE,
+    MOE_VARIANTS,
+    PIPELINE_VARIANTS,
+    SEQ,
+    UNTIED,
+    VARIANTS,
+    FixedBatch,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 
@@ -41,8 +52,9 @@ CAPABILITIES = ["native", "default"]
 def one_process(*extra: str) -> tuple[float, dict[str, torch.Tensor]]:
     """One process, no engine, the whole global batch in one forward and backward."""
     cfg = load_config([], [*MODEL, *extra])
-    model = build_model(resolve_shape(cfg.model), SEQ, seed=cfg.train.seed)
-    tokens = torch.from_numpy(FixedBatch().tokens)
+    documents = cfg.data.document_mask
+    model = build_model(resolve_shape(cfg.model), SEQ, seed=cfg.train.seed, document_eos=0 if documents else None)
+    tokens = torch.from_numpy(FixedBatch(documents).tokens)
     out = model(tokens[:, :-1])
     # A mixture of experts returns (logits, auxiliary loss); MOE sets the auxiliary weights to 0.
     loss = loss_fn(out[0], tokens[:, 1:]) + out[1] if isinstance(out, tuple) else loss_fn(out, tokens[:, 1:])
@@ -65,12 +77,17 @@ def moe_reference():
     return one_process(*MOE)
 
 
+@pytest.fixture(scope="module")
+def documents_reference():
+    return one_process(DOCUMENTS)
+
+
 @pytest.fixture(scope="module", params=CAPABILITIES)
 def engine_grads(request, tmp_path_factory):
     """All variants on 2 ranks under one ATEN_CPU_CAPABILITY (one launch: start-up dominates)."""
     out = tmp_path_factory.mktemp(f"grads-{request.param}")
     env = {} if request.param == "native" else {"ATEN_CPU_CAPABILITY": request.param}
-    probe("one_backward", [*VARIANTS, *PIPELINE_VARIANTS, *MOE_VARIANTS], out, nproc=2, env=env)
+    probe("one_backward", [*VARIANTS, *PIPELINE_VARIANTS, *MOE_VARIANTS, *CP_VARIANTS], out, nproc=2, env=env)
     return torch.load(out / "grads.pt", weights_only=True)
 
 
@@ -82,8 +99,10 @@ def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("variant", [*VARIANTS, *PIPELINE_VARIANTS, *MOE_VARIANTS])
-def test_gradients_after_one_backward_equal_one_process(engine_grads, reference, untied_reference, moe_reference, variant):
+@pytest.mark.parametrize("variant", [*VARIANTS, *PIPELINE_VARIANTS, *MOE_VARIANTS, *CP_VARIANTS])
+def test_gradients_after_one_backward_equal_one_process(
+    engine_grads, reference, untied_reference, moe_reference, documents_reference, variant
+):
     # Pipeline variants (every schedule) build the model untied; the same tolerance holds:
     # a schedule changes only the order in which micro-batches' gradients are summed (and
     # scales the sum by 1/4, exact in binary). Mixture-of-experts variants likewise: each
@@ -92,6 +111,11 @@ def test_gradients_after_one_backward_equal_one_process(engine_grads, reference,
     ref_loss, ref_grads = untied_reference if variant in PIPELINE_VARIANTS else reference
     if variant in MOE_VARIANTS:
         ref_loss, ref_grads = moe_reference
+    # Context parallel: each rank's loss is the mean of its half of every sequence, the
+    # gradient reduced over the cp ranks; a key's gradient is summed over the ranks whose
+    # queries read it (the all-gather's backward): sums of the same terms regrouped.
+    if variant in CP_VARIANTS and DOCUMENTS in CP_VARIANTS[variant]:
+        ref_loss, ref_grads = documents_reference
     got = engine_grads[variant]
     assert got["loss"] == pytest.approx(ref_loss, rel=RTOL)
     assert_grads_close(got["grads"], ref_grads)

@@ -258,14 +258,26 @@ def test_405b_on_16_nodes_auto_keeps_tp_8_inside_nodes_and_pipelines_across_them
     assert without and all(c.step_time > plan.chosen.step_time for c in without)
 
 
-def test_long_sequences_say_what_context_parallel_would_save():
-    plan = plan_for("8b", seq=32768, extra=["parallel.strategy=fsdp"])
+def test_long_sequences_plan_context_parallel_and_say_why():
+    # 8B at 32k tokens on 8 x 80 GiB: cp 8 holds 4,096 tokens of each sequence per rank.
+    plan = plan_for("8b", seq=32768)
+    s, m = plan.chosen.setup, plan.chosen.memory
+    assert s.cp == 8 and s.dp * s.cp == 8 and s.dp * s.grad_accum == 8 and plan.chosen.fits
+    (why,) = [r for r in plan.reasons if r.startswith("cp=8")]
+    assert (
+        f"each rank holds 4096 of each sequence's 32768 tokens, so activations and logits shrink 8x ({fmt(m.activations + m.loss)})"
+        in why
+    )
+    assert "the fastest without it, fsdp + tp 8" in why
+    # Where a layout without cp is chosen, the note says what the best cp layout needs and costs.
+    plan = plan_for("8b", seq=65536)
+    assert plan.chosen.setup.cp == 1
     (note,) = [n for n in plan.notes if "context parallel" in n]
-    m = plan.chosen.memory
-    per_token = m.activations + m.loss
-    assert note.startswith("sequences of 32768 tokens: activations and logits take")
-    assert f"cp=2: {fmt(per_token / 2)}" in note and "cp=8" in note and "parallel.cp is not available yet" in note
-    assert not [n for n in plan_for("8b", seq=4096).notes if "context parallel" in n]
+    best = min((c for c in plan.candidates if c.setup.cp > 1), key=lambda c: (not c.fits, c.step_time))
+    assert note.startswith(f"sequences of 65536 tokens: context parallel, {best.setup.label}, needs {fmt(best.memory.peak)}")
+    # Below 16k tokens cp is not planned at all.
+    short = plan_for("8b", seq=4096)
+    assert all(c.setup.cp == 1 for c in short.candidates) and not [n for n in short.notes if "context parallel" in n]
 
 
 def test_pipeline_memory_counts_the_ranks_stages_and_micro_batches_in_flight():

@@ -148,7 +148,7 @@ class ParallelConfig(Section):
     # Expert parallel: a mixture of experts' experts split over ep data-parallel ranks (ep
     # divides the data-parallel shard size and model.moe.experts); engines/expert_parallel.py.
     ep: int = Field(1, ge=1)
-    # Context parallel (the sequence split over cp ranks): not available yet, see _no_cp.
+    # Context parallel: the sequence split over cp ranks (models/context_parallel.py); where it combines: Config.
     cp: int = Field(1, ge=1)
     # With tp > 1: the norms and the residual stream hold 1/tp of the sequence each (less
     # activation memory, the same communicated bytes). Off: they are replicated.
@@ -185,20 +185,6 @@ class ParallelConfig(Section):
                 "parallel.grad_compression=bf16 needs NCCL (gloo reduces no bf16); accepted: fp16 or powersgd on gloo"
             )
         return self
-
-    @field_validator("cp")
-    @classmethod
-    def _no_cp(cls, v: int) -> int:
-        if v > 1:
-            # torch 2.13's context_parallel replaces only the CUDA attention kernels (flash,
-            # efficient, cuDNN) with ring attention; a CPU run has none of them, and without
-            # two GPUs to check it on, scaletrain does not drive it (docs/parallelism.md).
-            raise ValueError(
-                f"parallel.cp={v}: context parallel is not available: torch's context_parallel implements ring attention "
-                "only for CUDA attention kernels and scaletrain does not drive it yet; accepted: 1 (`scaletrain plan` "
-                "shows what it would save for long sequences; activation checkpointing and tp cut activations today)"
-            )
-        return v
 
     @model_validator(mode="after")
     def _combinations(self) -> ParallelConfig:
@@ -337,6 +323,39 @@ class Config(Section):
                 f"ddp, fsdp and zero1-3 without tp, pp or a teacher (not built yet), not with {given}; accepted: "
                 "parallel.tp=1, parallel.pp=1, no model.teacher"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel_where_checked(self) -> Config:
+        par, m = self.parallel, self.model
+        if par.cp == 1:
+            return self
+        if not _can(par.strategy, "cp"):
+            where = said(names_where(lambda r: r.cp))
+            why = TABLE[par.strategy].no_cp_why if par.strategy in TABLE else "auto chooses cp itself: leave parallel.cp at 1"
+            raise ValueError(
+                f"parallel.cp={par.cp} needs parallel.strategy={where}, not {par.strategy} ({why}); accepted: "
+                f"parallel.strategy={where}, or parallel.cp=1"
+            )
+        if self.data.seq_len % (2 * par.cp):
+            raise ValueError(
+                f"parallel.cp={par.cp} cuts each sequence into 2 x cp = {2 * par.cp} equal chunks (rank i holds chunks i and "
+                f"{2 * par.cp - 1} - i: even causal work); data.seq_len={self.data.seq_len} does not divide; accepted: "
+                f"data.seq_len a multiple of {2 * par.cp}"
+            )
+        experts = m.moe is not None or m.preset in MOE_PRESETS
+        unchecked = [
+            (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1", "a pipeline passes whole sequences between stages"),
+            (m.source != "builtin", f"model.source={m.source}", "the built-in model", "its attention takes the whole sequence"),
+            (experts, "a mixture of experts", "a dense model", "not checked yet"),
+            (par.dp_replicate > 1, f"parallel.dp_replicate={par.dp_replicate}", "parallel.dp_replicate=1", "not checked yet"),
+            (self.train.compile, "train.compile=true", "train.compile=false", "not checked yet"),
+        ]
+        for bad, given, accepted, why in unchecked:
+            if bad:
+                raise ValueError(
+                    f"parallel.cp={par.cp} does not combine with {given} ({why}); accepted: {accepted}, or parallel.cp=1"
+                )
         return self
 
     @model_validator(mode="after")

@@ -42,7 +42,7 @@ class ParallelDims:
     # are split over ep, their weights sharded over dp_shard / ep (engines/expert_parallel.py).
     ep: int = 1
     _mesh: Any = field(default=None, repr=False, compare=False)
-    _dp_shard: Any = field(default=None, repr=False, compare=False)  # under ep: dp_shard flattened
+    _dp_shard: Any = field(default=None, repr=False, compare=False)  # under ep: dp_shard flattened; under cp: dp_shard x cp
 
     def __post_init__(self) -> None:
         for name in (*DIMS, "ep"):
@@ -93,6 +93,10 @@ class ParallelDims:
             if self.ep > 1:
                 # Kept here: torch deprecates slicing a flattened dimension from the root mesh.
                 self._dp_shard = self._mesh[EXPERT_DIMS]._flatten("dp_shard")
+            if self.cp > 1:
+                # FSDP shards over the cp ranks too (as torchtitan does): its gradient
+                # reduction then averages over dp x cp, each cp rank's loss a mean of its chunks.
+                self._dp_shard = self._mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
             if len(names) > 1:
                 # A reduction over every dimension (the gradient norm of 2-D parameters) is
                 # then one all-reduce on the flattened group, not one per dimension in turn.
@@ -104,10 +108,15 @@ class ParallelDims:
         mesh = self.mesh(device.type)
         return mesh[EXPERT_DIMS[0]], mesh[EXPERT_DIMS[1]]
 
+    def cp_group(self, device: torch.device) -> Any:
+        """The process group of this rank's cp ranks (parallel.cp > 1)."""
+        return self.mesh(device.type)["cp"].get_group()
+
     def fsdp_mesh(self, device: torch.device) -> DeviceMesh:
-        """What FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for hybrid sharding."""
+        """What FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for hybrid sharding;
+        (dp_shard x cp) flattened under context parallel."""
         mesh = self.mesh(device.type)
-        if self.ep > 1:  # config.py refuses ep with hybrid sharding
+        if self.ep > 1 or self.cp > 1:  # config.py refuses both with hybrid sharding
             return self._dp_shard
         return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
 
@@ -155,7 +164,9 @@ def parallel_dims(
 
 def dims_for(parallel: Any, world_size: int) -> ParallelDims:
     """The layout a ParallelConfig asks for on `world_size` ranks (see parallel_dims)."""
-    return parallel_dims(parallel.strategy, world_size, parallel.dp_replicate, parallel.tp, parallel.pp, ep=parallel.ep)
+    return parallel_dims(
+        parallel.strategy, world_size, parallel.dp_replicate, parallel.tp, parallel.pp, cp=parallel.cp, ep=parallel.ep
+    )
 
 
 def describe(engine: str, world_size: int, parallel: dict[str, int] | None) -> str:

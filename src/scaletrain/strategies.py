@@ -70,6 +70,10 @@ class Strategy:
     # weights sharded over the data-parallel ranks that remain.
     ep: bool = False
     no_ep_why: str = ""  # why a strategy without ep has none, for the refusal
+    # parallel.cp > 1: each sequence split over cp ranks, keys and values all-gathered
+    # (models/context_parallel.py); the gradient reduced over dp x cp.
+    cp: bool = False
+    no_cp_why: str = ""
     keeps_gathered: bool = False  # parallel.reshard_after_forward=false (weights gathered from forward to backward)
     compile: bool = False  # train.compile (checked with these engines only)
     teacher: bool = True  # model.teacher (engines/teacher.py holds it like the model)
@@ -135,6 +139,7 @@ TABLE: dict[str, Strategy] = {
             compile=True,
             grad_compression=True,
             no_ep_why="DDP keeps every weight whole on every rank, and split experts are not",
+            cp=True,
             forward16="autocast",
             grads_persist="distributed",
             complexity=0,
@@ -153,6 +158,7 @@ TABLE: dict[str, Strategy] = {
             pp=True,
             hybrid=True,
             ep=True,
+            cp=True,
             keeps_gathered=True,
             compile=True,
             offload_params=("cpu",),
@@ -182,6 +188,11 @@ TABLE: dict[str, Strategy] = {
                 # ZeRO-3 (runtime/engine.py: "Native DeepSpeed MoE is not supported with ZeRO Stage 3").
                 no_ep_why="DeepSpeed's expert parallel needs its own MoE layer (one module per expert, its own "
                 "capacity-bound gate; refused under ZeRO-3), not scaletrain's",
+                # Its engine reduces gradients over its own data-parallel group, which would
+                # have to hold the cp ranks too; its sequence parallel is Ulysses (an
+                # all-to-all over heads, its own attention wrapper), another design.
+                no_cp_why="DeepSpeed's engine reduces gradients over its data-parallel group only; its sequence "
+                "parallel is Ulysses (all-to-all over heads), another design",
                 offload_optimizer=("cpu", "nvme"),
                 offload_params=("cpu", "nvme") if stage == 3 else (),
                 partitions=stage,

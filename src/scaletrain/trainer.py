@@ -281,7 +281,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     )  # fmt: skip
     loss = distill.loss if distill else spec.loss
     run = Run(
-        cfg, world, say, paths, resume_from, engine, batches, per_trained_token(loss, batches) if data.masked else loss,
+        cfg, world, say, paths, resume_from, engine, batches, per_trained_token(loss, batches, dims.dp_size * dims.cp) if data.masked else loss,
         telemetry, metrics,
         guard, replicas, watchdog, watch, progress, saves, drills, evaluation, peak_lr, global_batch * cfg.data.seq_len, step,
         resumed.tokens_seen if resumed else 0,
@@ -337,16 +337,18 @@ def _resume(ckpt: Path, world: World, engine: Engine, layout: ParamLayout, dims:
     return state
 
 
-def per_trained_token(loss: Any, batches: RankBatches) -> Any:
+def per_trained_token(loss: Any, batches: RankBatches, ranks: int) -> Any:
     """The loss of fine-tuning records: each micro-batch's mean over its trained targets,
     weighted so that the step's loss and gradient are the mean over every trained target
     of the step on every rank, as one process would compute it. Engines average their
-    micro-batches (/ grad_accum) and ranks (/ dp): a micro-batch of c trained targets, in a
-    step of N on all ranks, weighs c x grad_accum x dp / N (0 in a step without any)."""
+    micro-batches (/ grad_accum) and the `ranks` the gradient is reduced over (dp, x cp
+    whose ranks each hold part of every sample's targets): a micro-batch of c trained
+    targets, in a step of N on all ranks, weighs c x grad_accum x ranks / N (0 in a step
+    without any)."""
 
     def weighted(output: Any, targets: torch.Tensor) -> torch.Tensor:
         n = batches.step_tokens
-        scale = batches.grad_accum * batches.dp_size / n if n else 0.0
+        scale = batches.grad_accum * ranks / n if n else 0.0
         return loss(output, targets) * (trained(targets) * scale)
 
     return weighted

@@ -69,12 +69,27 @@ MOE_VARIANTS = {
 }
 
 
-class FixedBatch:
-    """Stands in for PackedTokens: global sample g is row g of one seeded token array."""
+# Context parallel (parallel.cp=2: each sequence's 4 chunks of 8 over 2 ranks, keys and
+# values all-gathered): on fsdp (the whole batch on each rank) and ddp accumulating; and
+# with documents masked (DOCUMENTS: about one token in 8 is the eos 0 that model_spec
+# gives the mask without a tokenizer), so the mask must follow the chunks.
+DOCUMENTS = "data.document_mask=true"
+CP_VARIANTS = {
+    "fsdp_cp2": ["parallel.strategy=fsdp", "parallel.cp=2", "train.micro_batch=4"],
+    "ddp_cp2_accum": ["parallel.strategy=ddp", "parallel.cp=2", "train.micro_batch=2", "train.grad_accum=2"],
+    "fsdp_cp2_documents": ["parallel.strategy=fsdp", "parallel.cp=2", "train.micro_batch=4", DOCUMENTS],
+}
 
-    def __init__(self) -> None:
+
+class FixedBatch:
+    """Stands in for PackedTokens: global sample g is row g of one seeded token array; with
+    `documents`, every token that is 0 mod 8 becomes the eos 0 (documents of ~8 tokens)."""
+
+    def __init__(self, documents: bool = False) -> None:
         gen = torch.Generator().manual_seed(0)
         self.tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen).numpy()
+        if documents:
+            self.tokens[self.tokens % 8 == 0] = 0
 
     def batch(self, indices: range) -> np.ndarray:
         return self.tokens[list(indices)]
@@ -105,9 +120,10 @@ def main() -> None:
     world = init_distributed("cpu", "gloo")
     results = {}
     for variant in args.variants:
-        engine, spec, cfg = build([*MODEL, *(VARIANTS | PIPELINE_VARIANTS | MOE_VARIANTS)[variant]], world)
+        engine, spec, cfg = build([*MODEL, *(VARIANTS | PIPELINE_VARIANTS | MOE_VARIANTS | CP_VARIANTS)[variant]], world)
         dims = dims_for(cfg.parallel, world.world_size)
-        batches = RankBatches(FixedBatch(), cfg.train.micro_batch, cfg.train.grad_accum, dims.dp_rank(world.rank), dims.dp_size)
+        data = FixedBatch(documents=cfg.data.document_mask)
+        batches = RankBatches(data, cfg.train.micro_batch, cfg.train.grad_accum, dims.dp_rank(world.rank), dims.dp_size)
         loss = engine.forward_backward(batches.next_step(), spec.loss)
         dist.all_reduce(loss)
         grads = full_grads(engine)

@@ -61,6 +61,10 @@ def check_measurable(cfg: Config) -> None:
         raise UserError(
             "--measure does not support model.trainable (torch's MemTracker cannot track frozen parameters); accepted: model.trainable=[]"
         )
+    if cfg.parallel.cp > 1:
+        raise UserError(
+            f"--measure does not support parallel.cp={cfg.parallel.cp} yet (not checked under torch's MemTracker); accepted: parallel.cp=1"
+        )
     if cfg.parallel.pp > 1:
         # torch's MemTracker hooks modules through autograd, which a pipeline stage's
         # backward (torch.autograd.grad on its outputs) does not support (torch 2.13).

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from scaletrain.models.context_parallel import ContextParallel
 from scaletrain.models.loss import trained
 from scaletrain.models.spec import LossFn
 
@@ -119,6 +120,9 @@ class AccumulationWindow:
     # A frozen teacher (engines/teacher.py): run first on each micro-batch, without
     # gradients; the loss then takes (model output, teacher output).
     teacher: Callable[[torch.Tensor], Any] | None = None
+    # parallel.cp: the model takes the whole sample and computes this rank's chunks of it
+    # (models/context_parallel.py); the targets are cut to the same chunks here.
+    context: ContextParallel | None = None
 
     def accumulate(self, boundary: bool) -> AbstractContextManager[Any]:
         raise NotImplementedError
@@ -136,7 +140,7 @@ class AccumulationWindow:
         total = torch.zeros((), device=self.device)
         n = len(micro_batches)
         for i, (inputs, targets) in enumerate(micro_batches):
-            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            inputs, targets = inputs.to(self.device, non_blocking=True), self._targets(targets)
             with self.accumulate(boundary=i == n - 1):
                 with self.autocast():
                     value = loss(self.model(inputs) if self.teacher is None else self._with_teacher(inputs), targets)
@@ -156,7 +160,7 @@ class AccumulationWindow:
         try:
             with torch.no_grad():
                 for inputs, targets in micro_batches:
-                    inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+                    inputs, targets = inputs.to(self.device, non_blocking=True), self._targets(targets)
                     with self.autocast():
                         value = loss(self.model(inputs), targets)
                     # The micro-batch's mean back to its sum, in fp64: the mean over the whole
@@ -168,6 +172,10 @@ class AccumulationWindow:
         finally:
             self.model.train(was_training)
         return total, tokens
+
+    def _targets(self, targets: torch.Tensor) -> torch.Tensor:
+        targets = targets.to(self.device, non_blocking=True)
+        return targets if self.context is None else self.context.local(targets)
 
     def _with_teacher(self, inputs: torch.Tensor) -> tuple[Any, Any]:
         # The teacher first: its output is then the only thing of it alive during the

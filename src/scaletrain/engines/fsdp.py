@@ -32,6 +32,7 @@ from scaletrain.config import Config
 from scaletrain.distributed import World, ensure_process_group
 from scaletrain.engines.base import Mark, MicroBatch, ParamGroups, no_mark
 from scaletrain.engines.block_wrappers import apply_activation_checkpointing, compile_blocks
+from scaletrain.engines.context import split_context
 from scaletrain.engines.expert_parallel import shard_experts, split_experts
 from scaletrain.engines.pipeline import MergedStages, Pipeline
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
@@ -108,6 +109,7 @@ class FSDPEngine(TorchEngineMixin):
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
         if teacher is not None:
             self.teacher = sharded_teacher(teacher, world, dims, cfg)
+        self.context = split_context(world, dims, (spec, model), (teacher, self.teacher))
 
     def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn, mark: Mark = no_mark) -> torch.Tensor:
         if self.pipeline is not None:

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from scaletrain.models.context_parallel import SplitAttention
+
 
 def document_layout(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(document number of each position [B, T], its position in that document [B, T])."""
@@ -52,7 +54,10 @@ def document_mask(doc: torch.Tensor, flex: bool | None = None) -> Any:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool) -> torch.Tensor:
-    """Attention of q, k, v [B, heads, T, hd]: causal without `mask`, else within documents."""
+    """Attention of q, k, v [B, heads, T, hd]: causal without `mask`, else within documents,
+    or a context-parallel split's (models/context_parallel.py)."""
+    if isinstance(mask, SplitAttention):
+        return mask(q, k, v, gqa)
     if mask is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if isinstance(mask, torch.Tensor):

@@ -262,6 +262,12 @@ class HFSpec:
                 "accepted: parallel.ep=1, or the built-in mixture of experts"
             )
 
+    def apply_cp(self, model: nn.Module, cp: Any) -> None:
+        raise UserError(
+            f"parallel.cp={cp.size} is not offered for Hugging Face models: their attention takes the whole sequence "
+            "and cannot attend with one rank's chunks at their offsets; accepted: parallel.cp=1, or the built-in model"
+        )
+
     def check_pp(self, pp: int) -> None:
         if pp > 1:
             raise UserError(

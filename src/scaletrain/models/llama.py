@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.models.context_parallel import ContextParallel
 from scaletrain.models.documents import attend, document_layout, document_mask
 from scaletrain.models.feed_forward import FeedForward
 from scaletrain.models.loss import cross_entropy
@@ -118,6 +119,8 @@ class Llama(nn.Module):
         self.shape, self.max_seq_len = shape, max_seq_len
         # data.document_mask: attention and positions per document, found by this eos (models/documents.py).
         self.document_eos = document_eos
+        # parallel.cp: this rank's chunks of each sequence (models/context_parallel.py), set by the engine.
+        self.context_parallel: ContextParallel | None = None
         # Given a weight, the embedding skips its own random init (init_weights draws every
         # parameter): a normal_ on the meta device would import torch._dynamo (~0.8 s).
         # None on a pipeline stage that does not hold them (keep_stage).
@@ -163,9 +166,17 @@ class Llama(nn.Module):
                 f"(rotary tables are precomputed up to it); build the model with a larger max_seq_len"
             )
         cos, sin = self.rope_cos, self.rope_sin  # each attention takes the first T rows
-        mask = None
+        mask: Any = None
+        doc = position = None
         if self.document_eos is not None and self.tok_embeddings is not None:
             doc, position = document_layout(tokens, self.document_eos)
+        cp = self.context_parallel
+        if cp is not None:  # this rank's chunks, at their global (or in-document) positions
+            held = cp.positions(tokens.shape[1], tokens.device)
+            at = held if position is None else position[:, held]
+            mask = cp.attention(tokens.shape[1], held, doc)
+            tokens, cos, sin = tokens[:, held], cos[at], sin[at]
+        elif doc is not None and position is not None:
             cos, sin, mask = cos[position], sin[position], document_mask(doc)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         aux: list[torch.Tensor] = []  # the mixture-of-experts layers' auxiliary losses

@@ -98,6 +98,10 @@ class ModelSpec(Protocol):
     def check_ep(self, ep: int) -> None:
         """A one-line UserError unless the model's experts split evenly over `ep` ranks."""
 
+    def apply_cp(self, model: nn.Module, cp: Any) -> None:
+        """Have the model hold only this rank's chunks of each sequence (a ContextParallel,
+        models/context_parallel.py); a one-line UserError where it cannot."""
+
     def check_pp(self, pp: int) -> None:
         """A one-line UserError unless the model can be cut into pipeline stages."""
 
@@ -221,6 +225,9 @@ class LlamaSpec:
 
     def apply_tp(self, model: nn.Module, mesh: Any, sequence_parallel: bool, loss_parallel: bool) -> None:
         llama_tp.apply_tp(model, mesh, sequence_parallel, loss_parallel)
+
+    def apply_cp(self, model: nn.Module, cp: Any) -> None:
+        model.context_parallel = cp
 
     def check_ep(self, ep: int) -> None:
         e = self.shape.experts

@@ -25,11 +25,12 @@ class Candidate:
     # that fits, at the same global batch (also among the plan's candidates).
     smaller: Candidate | None = None
     ep_comm_bytes: float = 0.0  # of comm_bytes: expert parallel's all-to-all of the routed tokens
+    cp_comm_bytes: float = 0.0  # of comm_bytes: context parallel's key/value gathers
 
     @property
     def dp_bytes(self) -> float:
-        """What it moves over its data-parallel ranks: its traffic less tp's, pp's and ep's own."""
-        return self.comm_bytes - self.tp_comm_bytes - self.pp_comm_bytes - self.ep_comm_bytes
+        """What it moves over its data-parallel ranks: its traffic less tp's, pp's, ep's and cp's own."""
+        return self.comm_bytes - self.tp_comm_bytes - self.pp_comm_bytes - self.ep_comm_bytes - self.cp_comm_bytes
 
     def as_dict(self, moe: bool = False) -> dict:
         out = {
@@ -48,6 +49,8 @@ class Candidate:
         # Only a mixture of experts has these: a dense model's JSON stays as it was.
         if moe:
             out |= {"ep": self.setup.ep, "ep_comm_bytes_per_step": self.ep_comm_bytes}
+        if self.setup.cp > 1:  # only layouts with cp: the other rows stay as they were
+            out |= {"cp": self.setup.cp, "cp_comm_bytes_per_step": self.cp_comm_bytes}
         return out
 
 

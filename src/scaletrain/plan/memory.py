@@ -134,12 +134,12 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
         buffers += teacher_buffers
         # The KL keeps the student's fp32 log-probabilities and the teacher's (its target)
         # for backward, beside the cross entropy's own: two more fp32 logit-sized tensors.
-        loss += 2.0 * s.micro_batch * s.seq_len * model.vocab_size * 4.0
+        loss += 2.0 * s.micro_batch * s.local_seq_len * model.vocab_size * 4.0
     # Gradients that persist between steps: DDP's bucket views (only with a DDP wrapper,
     # world > 1) and ZeRO-3's flat gradient partition. Otherwise they are freed every step:
     # by zero_grad, or (ZeRO-1/2) by DeepSpeed itself, which drops its gradient partition in
     # _release_ipg_buffers at backward's end and the averaged gradients in step().
-    persistent = row.grads_persist == "always" or (row.grads_persist == "distributed" and s.dp > 1)
+    persistent = row.grads_persist == "always" or (row.grads_persist == "distributed" and s.reduce_ranks > 1)
     persistent_grads = grads if persistent else 0.0
     transient_grads = grads - persistent_grads
     resident = params + optim + buffers + persistent_grads
@@ -188,11 +188,11 @@ def teacher_bytes(teacher: ModelSpec, s: Setup) -> tuple[float, float]:
     if holding == "fsdp_units":
         # fp32 shards; the unit running is gathered in the compute dtype (each block, then
         # the rest: the larger of the two at a time, plus the block prefetched).
-        return 4.0 * c.total / s.dp, compute * max(c.total - teacher.n_blocks * c.block, 2 * c.block)
+        return 4.0 * c.total / s.shard, compute * max(c.total - teacher.n_blocks * c.block, 2 * c.block)
     if holding == "zero3_partitions":
         # 16-bit partitions (DeepSpeed casts the frozen engine's module too), each module
         # gathered for its forward.
-        return compute * c.total / s.dp, compute * c.largest
+        return compute * c.total / s.shard, compute * c.largest
     return compute * c.total, 0.0  # a full copy in the compute dtype
 
 
@@ -219,10 +219,13 @@ def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float]:
     """(saved activations at backward start, loss-side bytes, one block recomputed under AC)."""
     low = torch.float16 if s.precision == "fp16" else torch.bfloat16
     r = regime(s.strategy, s.precision)
-    block = block_activations(model, s.micro_batch, s.seq_len, r, low)
-    head = head_activations(model, s.micro_batch, s.seq_len, r, low)
+    # Under cp a rank holds seq_len / cp tokens of each sequence: traced at that length,
+    # plus the keys and values of the rest of the sequence, all-gathered and saved by
+    # each block's attention for backward.
+    block = block_activations(model, s.micro_batch, s.local_seq_len, r, low)
+    head = head_activations(model, s.micro_batch, s.local_seq_len, r, low)
     recompute = 0.0
-    saved = block.saved / s.tp
+    saved = block.saved / s.tp + gathered_kv_bytes(model, s, low)
     if s.tp > 1 and not s.sequence_parallel:
         # Without sequence parallel four [tokens, hidden] tensors per block stay whole on
         # every rank: both norms' inputs and outputs (the latter feed the column-parallel
@@ -243,11 +246,25 @@ def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float]:
     # one chunk (the traced saved bytes already hold its logits and log-sum-exps).
     chunk = model.loss_chunk_tokens
     if chunk:
-        tokens = s.micro_batch * s.seq_len
+        tokens = s.micro_batch * s.local_seq_len
         loss = head.saved + head.logits + 2 * head.logits_fp32 * min(chunk, tokens) / tokens
     else:
         loss = (head.saved + 2 * head.logits_fp32) / s.tp
     return float(act), float(loss), recompute
+
+
+def kv_width(model: ModelSpec) -> int:
+    """Channels of one token's keys (and of its values): n_kv_heads x head_dim."""
+    shape = getattr(model, "shape", None)
+    return shape.n_kv_heads * shape.head_dim if shape is not None else model.hidden_size
+
+
+def gathered_kv_bytes(model: ModelSpec, s: Setup, low: torch.dtype) -> float:
+    """Under cp: the other ranks' keys and values one block's attention keeps for backward."""
+    if s.cp == 1:
+        return 0.0
+    act_bytes = 4.0 if s.precision == "fp32" else low.itemsize
+    return 2.0 * s.micro_batch * (s.seq_len - s.local_seq_len) * kv_width(model) / s.tp * act_bytes
 
 
 def engine_buffers(model: ModelSpec, s: Setup) -> float:

@@ -29,7 +29,7 @@ from scaletrain.plan.experts import (
     sharded_traffic,
 )
 from scaletrain.plan.hardware import Device, fmt
-from scaletrain.plan.memory import estimate, trainable_share
+from scaletrain.plan.memory import estimate, kv_width, trainable_share
 from scaletrain.plan.pipeline import bubble, pp_comm_bytes_per_step, pp_options, rank_share, why_pp
 from scaletrain.plan.setup import Setup
 from scaletrain.stages import SCHEDULES
@@ -66,6 +66,7 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
         tps = _tp_sizes(model, world, nodes)
         options += [replace(mp, tp=tp, dp=mp.dp // tp, grad_accum=mp.grad_accum * tp, sequence_parallel=True) for tp in tps]
         options += pp_options(mp, model, world, nodes, [1, *tps])
+        options += _cp_options(mp, model, world, nodes, [1, *tps])
     # Activation checkpointing trades ~1/3 more compute for memory: a fallback option.
     if not base.activation_checkpointing:
         options += [replace(o, activation_checkpointing=True) for o in options]
@@ -104,6 +105,23 @@ def _data_parallel_options(base: Setup, world: int, nodes: int) -> list[Setup]:
     return options
 
 
+def _cp_options(mp: Setup, model: ModelSpec, world: int, nodes: int, tps: list[int]) -> list[Setup]:
+    """Long sequences (LONG_SEQUENCE and more) of the built-in model: fsdp with cp 2, 4 or 8
+    (x each tp), cp x tp inside a node (each block's key/value gathers need NVLink); the
+    global batch kept as for tp (dp / (cp x tp) ranks, each accumulating cp x tp times more)."""
+    if mp.seq_len < LONG_SEQUENCE or getattr(model, "shape", None) is None or experts_of(model) is not None:
+        return []
+    per_node = world // nodes
+    out = []
+    for cp in (2, 4, 8):
+        for tp in tps:
+            split = cp * tp
+            if mp.seq_len % (2 * cp) or split > per_node or per_node % split or mp.dp % split:
+                continue
+            out.append(replace(mp, cp=cp, tp=tp, dp=mp.dp // split, grad_accum=mp.grad_accum * split, sequence_parallel=True))
+    return out
+
+
 def _tp_sizes(model: ModelSpec, world: int, nodes: int) -> list[int]:
     """The tp sizes that fit inside a node and split the model evenly. Their layouts keep
     the global batch: with dp / tp data-parallel ranks, each accumulates tp times more
@@ -129,14 +147,28 @@ def evaluate(
     tp_comm = tp_comm_bytes_per_step(model, s, s.grad_accum)
     pp_comm = pp_comm_bytes_per_step(model, s)
     ep_comm = a2a_bytes_per_step(model, s)
-    time = step_time(model, s, cfg, device, nodes, comm, tp_comm, pp_comm)
-    comm += tp_comm + pp_comm + ep_comm
+    cp_comm = cp_comm_bytes_per_step(model, s)
+    time = step_time(model, s, cfg, device, nodes, comm, tp_comm, pp_comm, cp_comm)
+    comm += tp_comm + pp_comm + ep_comm + cp_comm
     why_not = ""
     if mem.peak > usable:
         why_not = f"needs {fmt(mem.peak)} per device > {fmt(usable)} usable"
-    elif cpu_per_node is not None and mem.cpu * (s.dp // nodes) > cpu_per_node:
-        why_not = f"offload needs {fmt(mem.cpu * (s.dp // nodes))} host memory per node > {fmt(cpu_per_node)}"
-    return Candidate(s, mem, comm, time, not why_not, why_not, tp_comm, pp_comm, ep_comm_bytes=ep_comm)
+    elif cpu_per_node is not None and mem.cpu * (s.reduce_ranks // nodes) > cpu_per_node:
+        why_not = f"offload needs {fmt(mem.cpu * (s.reduce_ranks // nodes))} host memory per node > {fmt(cpu_per_node)}"
+    return Candidate(s, mem, comm, time, not why_not, why_not, tp_comm, pp_comm, ep_comm_bytes=ep_comm, cp_comm_bytes=cp_comm)
+
+
+def cp_comm_bytes_per_step(model: ModelSpec, s: Setup) -> float:
+    """Under cp, what each device receives per optimizer step for the keys and values: each
+    block all-gathers the other ranks' (cp - 1)/cp of the sequence's K and V in forward
+    (again when activation checkpointing recomputes it) and reduce-scatters their gradients
+    in backward, for every micro-batch."""
+    if s.cp == 1:
+        return 0.0
+    act_bytes = 4.0 if s.precision == "fp32" else 2.0
+    kv = 2.0 * s.micro_batch * s.seq_len * kv_width(model) / s.tp * act_bytes * (s.cp - 1) / s.cp
+    passes = 3 if s.activation_checkpointing else 2
+    return _rank_blocks(model, s) * s.grad_accum * passes * kv
 
 
 def tp_comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
@@ -165,7 +197,7 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
     """Bytes each device sends per optimizer step over the data-parallel dimension (ring
     collectives: (n-1)/n of the buffer); each tp rank moves its 1/tp of the states, each
     pipeline rank those of its stages."""
-    n = s.dp
+    n = s.reduce_ranks
     if n == 1:
         return 0.0
     psi = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0] / s.tp
@@ -194,19 +226,29 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
 
 
 def step_time(
-    model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: int, comm: float, tp_comm: float = 0.0, pp_comm: float = 0.0
+    model: ModelSpec,
+    s: Setup,
+    cfg: Config,
+    device: Device,
+    nodes: int,
+    comm: float,
+    tp_comm: float = 0.0,
+    pp_comm: float = 0.0,
+    cp_comm: float = 0.0,
 ) -> float:
     tokens = s.micro_batch * s.seq_len * s.grad_accum
-    flops = tokens * model.flops_per_token(s.seq_len) * (8 / 6 if s.activation_checkpointing else 1) / (s.tp * s.pp)
+    # A cp rank computes its 1/cp of each sequence's tokens, each attending over the whole sequence.
+    split = s.tp * s.pp * s.cp
+    flops = tokens * model.flops_per_token(s.seq_len) * (8 / 6 if s.activation_checkpointing else 1) / split
     if s.teacher is not None:  # its forward only: a third of its training FLOPs
         flops += tokens * s.teacher.flops_per_token(s.seq_len) / 3
     peak = device.peak_flops_32 if s.precision == "fp32" else device.peak_flops_16
     # A pipeline rank also idles for the bubble: busy (1 - bubble) of the step.
     compute = flops / (peak * device.assumed_mfu) / (1 - bubble(s))
-    per_node = s.dp * s.tp * s.pp // nodes
-    # Ranks are laid out tp innermost, then dp, pp outermost (parallel.py): the dp group
-    # spans nodes once dp x tp exceeds a node, a pipeline's neighbours once it fills one.
-    bw = device.inter_node_bw if s.dp * s.tp > per_node else device.intra_node_bw
+    per_node = s.dp * s.cp * s.tp * s.pp // nodes
+    # Ranks are laid out tp innermost, then cp, dp, pp outermost (parallel.py): the dp group
+    # spans nodes once dp x cp x tp exceeds a node, a pipeline's neighbours once it fills one.
+    bw = device.inter_node_bw if s.dp * s.cp * s.tp > per_node else device.intra_node_bw
     exposed = max(0.0, comm / bw - OVERLAP * compute)
     if s.pp > 1:  # activations between stages wait on the schedule: exposed, with each send's start-up
         pp_bw = device.inter_node_bw if s.dp * s.tp >= per_node and nodes > 1 else device.intra_node_bw
@@ -218,13 +260,16 @@ def step_time(
         exposed += tp_collectives(model, s) * device.collective_latency
     if s.ep > 1:  # the routed tokens' all-to-alls sit between the block's matmuls: exposed too
         exposed += a2a_seconds(model, s, device, per_node)
+    if s.cp > 1:  # the keys' and values' gathers come before each attention: exposed, with their start-up
+        exposed += cp_comm / (device.intra_node_bw if s.cp * s.tp <= per_node else device.inter_node_bw)
+        exposed += _rank_blocks(model, s) * s.grad_accum * 2 * 2 * device.collective_latency
     offload = 0.0
     psi = model.counts().total
     if s.offload_optimizer != "none":
         # gradients down and parameters up over the host link, and the CPU Adam update
-        offload += 2 * 2 * psi / s.dp / device.host_bw + psi / s.dp / CPU_ADAM_PARAMS_PER_S
+        offload += 2 * 2 * psi / s.reduce_ranks / device.host_bw + psi / s.reduce_ranks / CPU_ADAM_PARAMS_PER_S
     if s.offload_params != "none":
-        offload += 2 * s.grad_accum * 2 * psi / s.dp / device.host_bw
+        offload += 2 * s.grad_accum * 2 * psi / s.reduce_ranks / device.host_bw
     return compute + exposed + offload
 
 
@@ -267,7 +312,7 @@ def make_plan(
     plan = Plan(world, nodes, device, usable, candidates, chosen, reasons + batch_choice, 0)
     plan.batch_choice = batch_choice[0] if batch_choice else ""
     plan.max_micro_batch = largest_micro_batch(model, chosen.setup, usable)
-    plan.notes += _what_cp_buys(chosen, cfg.data.seq_len)
+    plan.notes += _what_cp_buys(chosen, candidates, cfg.data.seq_len)
     plan.notes += _what_chunking_buys(model, chosen)
     plan.notes += moe_note(model, cfg.data.seq_len)
     plan.moe = moe_summary(model, cfg.data.seq_len)
@@ -343,26 +388,52 @@ def _what_chunking_buys(model: ModelSpec, chosen: Candidate) -> list[str]:
     if model.loss_chunk_tokens or chosen.setup.tp > 1 or m.loss < 0.1 * m.peak or not is_dataclass(model):
         return []
     chunked = estimate(with_fields(model, loss_chunk_tokens=LOSS_CHUNK), chosen.setup)
+    if chunked.loss >= 0.9 * m.loss:  # a rank's tokens fit in one chunk already (cp, small micro-batches)
+        return []
     return [
         f"the loss holds {fmt(m.loss)} of the {fmt(m.peak)} peak (fp32 log-probabilities, gradient and temporary of "
         f"the logits); train.loss_chunk_tokens={LOSS_CHUNK} would hold {fmt(chunked.loss)} (peak {fmt(chunked.peak)})"
     ]
 
 
-def _what_cp_buys(chosen: Candidate, seq_len: int) -> list[str]:
-    """Long sequences: what splitting them over cp ranks (context parallel) would save.
-    Activations and the logits scale with the tokens per rank; model states do not (FSDP
-    would shard them over dp x cp). Not offered as a layout: see docs/parallelism.md."""
-    m = chosen.memory
-    per_token = m.activations + m.loss
-    if seq_len < LONG_SEQUENCE or per_token < 0.25 * m.peak:
+def _what_cp_buys(chosen: Candidate, candidates: list[Candidate], seq_len: int) -> list[str]:
+    """Long sequences, a plan without cp chosen: the best layout with cp, its peak and time,
+    and so why it was not chosen (docs/parallelism.md). Activations and the logits scale
+    with the tokens per rank; model states do not (FSDP shards them over dp x cp)."""
+    if seq_len < LONG_SEQUENCE or chosen.setup.cp > 1:
         return []
-    options = ", ".join(f"cp={cp}: {fmt(per_token / cp)} ({fmt(m.peak - per_token * (1 - 1 / cp))} peak)" for cp in (2, 4, 8))
+    split = [c for c in candidates if c.setup.cp > 1]
+    if not split:
+        return []
+    best = min(split, key=lambda c: (not c.fits, c.step_time))
+    m, b = chosen.memory, best.memory
+    if not best.fits:
+        verdict = f"does not fit ({best.why_not})"
+    elif best.step_time <= chosen.step_time * 1.02:
+        verdict = "as fast within 2% (a tie goes to fewer moving parts)"
+    else:
+        verdict = "slower"
     return [
-        f"sequences of {seq_len} tokens: activations and logits take {fmt(per_token)} of the {fmt(m.peak)} peak; "
-        f"context parallel would split them over the sequence ({options}); parallel.cp is not available yet "
-        "(docs/parallelism.md), activation checkpointing and tp cut them today"
+        f"sequences of {seq_len} tokens: context parallel, {best.setup.label}, needs {fmt(b.peak)} per device (activations "
+        f"and logits {fmt(b.activations + b.loss)} against {fmt(m.activations + m.loss)}), estimated {best.step_time:.3g} "
+        f"s/step with its key/value gathers ({fmt(best.cp_comm_bytes)} per step): {verdict}, against {chosen.setup.label}"
     ]
+
+
+def _why_cp(chosen: Candidate, candidates: list[Candidate]) -> str:
+    s = chosen.setup
+    plain = [c for c in candidates if c.setup.cp == 1 and c.fits]
+    other = min(plain, key=lambda c: c.step_time) if plain else None
+    against = (
+        f"; the fastest without it, {other.setup.label}, needs {fmt(other.memory.peak)}, estimated {other.step_time:.3g} s/step"
+        if other
+        else "; no layout without it fits"
+    )
+    return (
+        f"cp={s.cp}: each rank holds {s.local_seq_len} of each sequence's {s.seq_len} tokens, so activations and logits "
+        f"shrink {s.cp}x ({fmt(chosen.memory.activations + chosen.memory.loss)}); every block all-gathers the keys and "
+        f"values over NVLink ({fmt(chosen.cp_comm_bytes)} per step){against}"
+    )
 
 
 def _fastest(fitting: list[Candidate]) -> Candidate:
@@ -414,6 +485,8 @@ def _reasons(chosen: Candidate, candidates: list[Candidate], expert_reasons: lis
     text += f", estimated {chosen.step_time:.3g} s/step: the fastest (or simplest of the equally fast) that fits: chosen"
     if chosen.setup.tp > 1:
         reasons.append(_why_tp(chosen, candidates))
+    if chosen.setup.cp > 1:
+        reasons.append(_why_cp(chosen, candidates))
     if chosen.setup.pp > 1:
         plain = [c for c in candidates if c.setup.pp == 1 and c.fits]
         other = min(plain, key=lambda c: c.step_time) if plain else None

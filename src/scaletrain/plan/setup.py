@@ -34,6 +34,10 @@ class Setup:
     # Expert parallel (fsdp, a mixture of experts): each MoE layer's experts split over ep of
     # the shard ranks, their weights sharded over shard / ep (plan/experts.py).
     ep: int = 1
+    # Context parallel (ddp, fsdp): each sequence's tokens over cp ranks that read the same
+    # samples; keys and values all-gathered per block; the model states shared (FSDP:
+    # sharded) over dp x cp (models/context_parallel.py).
+    cp: int = 1
     teacher: ModelSpec | None = None  # model.teacher: a frozen model beside the trained one
     # The planner chose the micro-batch (train.micro_batch=auto, or a smaller one than
     # configured at the same global batch): the label says which.
@@ -56,6 +60,8 @@ class Setup:
             parts.append(f"pp {self.pp} ({self.pp_schedule})")
         if self.ep > 1:
             parts.append(f"ep {self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp {self.cp}")
         if self.activation_checkpointing:
             parts.append("AC")
         if self.searched:
@@ -64,8 +70,19 @@ class Setup:
 
     @property
     def shard(self) -> int:
-        """The ranks one copy of the model states is partitioned over (dp without hybrid sharding)."""
-        return self.dp // self.dp_replicate
+        """The ranks one copy of the model states is partitioned over (dp without hybrid
+        sharding; x cp, whose ranks share the states too)."""
+        return self.dp // self.dp_replicate * self.cp
+
+    @property
+    def reduce_ranks(self) -> int:
+        """The ranks a gradient is reduced over: the data-parallel ones and, under cp, theirs."""
+        return self.dp * self.cp
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence one rank holds."""
+        return self.seq_len // self.cp
 
     @classmethod
     def from_config(cls, cfg: Config, dims: ParallelDims, teacher: ModelSpec | None = None) -> Setup:
@@ -93,5 +110,6 @@ class Setup:
             pp=dims.pp,
             pp_schedule=p.pp_schedule,
             ep=dims.ep,
+            cp=dims.cp,
             teacher=teacher,
         )

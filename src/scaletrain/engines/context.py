@@ -1,0 +1,25 @@
+"""parallel.cp in an engine (ddp, fsdp): the model, and a teacher beside it, compute this
+rank's chunks of each sequence (models/context_parallel.py); the engine's accumulation
+window cuts the targets alike (engines/base.py). The gradient reduction needs nothing more:
+DDP all-reduces over every rank (dp x cp), FSDP shards over dp_shard x cp (parallel.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scaletrain.distributed import World
+from scaletrain.models.context_parallel import ContextParallel
+from scaletrain.models.spec import ModelSpec
+from scaletrain.parallel import ParallelDims
+
+
+def split_context(world: World, dims: ParallelDims, *models: tuple[ModelSpec | None, Any]) -> ContextParallel | None:
+    """This rank's ContextParallel, given to each (spec, model) of `models` (a None pair
+    member: skipped, e.g. no teacher); None without cp."""
+    if dims.cp == 1:
+        return None
+    cp = ContextParallel(dims.cp_group(world.device), dims.coordinates(world.rank)["cp"], dims.cp)
+    for spec, model in models:
+        if spec is not None and model is not None:
+            spec.apply_cp(model, cp)
+    return cp
