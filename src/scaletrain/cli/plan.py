@@ -33,12 +33,26 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument("--emit-deepspeed", metavar="PATH", help="write the chosen plan as DeepSpeed JSON for HF Trainer")
     pl.add_argument("--measure", action="store_true", help="run 3 real steps and compare measured with predicted peaks")
+    pl.add_argument(
+        "--mtbf-hours",
+        type=float,
+        metavar="H",
+        help="mean time between failures per device: estimate the goodput of checkpoint-and-restart and of replica groups",
+    )
+    pl.add_argument("--restart-minutes", type=float, default=10.0, help="with --mtbf-hours: a restart's cost (default 10)")
+    pl.add_argument("--ft-groups", type=int, help="with --mtbf-hours: replica groups (default: one per node, at least 2)")
+    pl.add_argument("--save-seconds", type=float, help="with --mtbf-hours: what a save blocks (default: estimated)")
     return pl
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.headroom < 1:
         raise UserError(f"--headroom {args.headroom} is invalid; accepted: a fraction in [0, 1)")
+    if args.mtbf_hours is not None and not 0 < args.mtbf_hours < float("inf"):
+        raise UserError(f"--mtbf-hours {args.mtbf_hours} is invalid; accepted: a finite number of hours > 0")
+    for flag, value in (("--restart-minutes", args.restart_minutes), ("--save-seconds", args.save_seconds)):
+        if value is not None and not 0 <= value < float("inf"):
+            raise UserError(f"{flag} {value} is invalid; accepted: a finite number >= 0")
     cfg = load_config(*split_args(args.args))
     if args.measure:
         check_measurable(cfg)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from scaletrain.cli.console import console
 from scaletrain.config import Config
@@ -13,6 +14,7 @@ from scaletrain.engines.deepspeed_config import build_deepspeed_config
 from scaletrain.errors import UserError
 from scaletrain.parallel import dims_for
 from scaletrain.plan import Setup, make_plan, planning_spec
+from scaletrain.plan.goodput import Failures, GoodputEstimate, estimate_goodput
 from scaletrain.plan.hardware import gpu, parse_size, this_cpu
 from scaletrain.plan.report import print_plan
 from scaletrain.strategies import TABLE
@@ -36,11 +38,55 @@ def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
         plan.notes.append(f"DeepSpeed JSON ({plan.chosen.setup.label}) for Hugging Face Trainer written to {path}")
         if plan.chosen.setup.ep > 1:  # ZeRO's JSON has no expert parallel: the layout is written without it
             plan.notes.append(f"that JSON has no expert parallel: parallel.ep={plan.chosen.setup.ep} is scaletrain's fsdp only")
+    goodput = None
+    if opts.mtbf_hours is not None:
+        goodput = failure_plan(cfg, plan, world, opts)
+        plan.notes += goodput_lines(goodput, cfg.checkpoint.every)
     if opts.json:
-        print(json.dumps(plan.as_dict(), indent=1))
+        print(json.dumps(plan.as_dict() | ({"goodput": goodput.as_dict()} if goodput else {}), indent=1))
     else:
         print_plan(console(), plan, model, f"plan for model {cfg.model.preset}")
     return 0
+
+
+# A synchronous save (DeepSpeed, or checkpoint.async_save=false) writes every device's state
+# to storage while training waits: assumed 1 GB/s per device (a shared filesystem written by
+# all devices at once). An async save blocks only for the copy to host memory.
+SYNC_SAVE_BYTES_PER_S = 1e9
+
+
+def failure_plan(cfg: Config, plan: Any, world: int, opts: argparse.Namespace) -> GoodputEstimate:
+    """--mtbf-hours: the goodput of both ways of surviving failures, for the chosen layout."""
+    s, m, device = plan.chosen.setup, plan.chosen.memory, plan.device
+    groups = opts.ft_groups or max(2, opts.nodes)
+    if groups < 2 or world % groups:
+        raise UserError(f"--ft-groups {groups} is invalid; accepted: 2 or more replica groups that divide the {world} devices")
+    state = m.params + m.grads + m.optimizer  # per device; what a save writes and a rejoining group receives
+    sync = not (TABLE[s.strategy].format == "dcp" and cfg.checkpoint.async_save)
+    save = opts.save_seconds if opts.save_seconds is not None else state / (SYNC_SAVE_BYTES_PER_S if sync else device.host_bw)
+    failures = Failures(
+        devices=world,
+        mtbf_hours=opts.mtbf_hours,
+        step_s=plan.chosen.step_time,
+        every_steps=cfg.checkpoint.every,
+        save_s=save,
+        restart_s=opts.restart_minutes * 60.0,
+        groups=groups,
+        transfer_s=state / device.inter_node_bw,
+    )
+    return estimate_goodput(failures)
+
+
+def goodput_lines(g: GoodputEstimate, every: int) -> list[str]:
+    at = f"checkpoint.every={every}" if every else "no periodic checkpoint (checkpoint.every=0)"
+    return [
+        f"failures (--mtbf-hours, the job fails every {g.job_mtbf_h:.3g} h): checkpoint-and-restart at {at}: goodput "
+        f"{100 * g.restart:.1f}%; at Young/Daly's optimal interval, checkpoint.every={g.optimal_steps}: "
+        f"{100 * g.restart_optimal:.1f}%; replica groups ({g.groups} groups, torchft): {100 * g.replica_groups:.1f}% at "
+        f"checkpoint.every={every}, {100 * g.replica_groups_optimal:.1f}% at {g.optimal_steps}",
+        f"choose {'replica groups' if g.choice == 'replica_groups' else 'checkpoint-and-restart'}: {g.why} "
+        "(docs/fault-tolerance.md; replica groups are not built yet)",
+    ]
 
 
 def emit_deepspeed(cfg: Config, setup: Setup, world: int, path: Path) -> Path:
