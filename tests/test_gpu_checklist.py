@@ -74,6 +74,7 @@ def test_the_list_is_well_formed(checklist):
         assert c.judge in checklist.JUDGES and c.part in (1, 2, 3, 4), c
         # CUDA-only: whatever runs on the device, uses the DeepSpeed optimizer found for it, or is part 4.
         on_cuda = "run.device=cuda" in c.argv or checklist.DS in c.argv or c.judge == "ds_optimizer" or c.part == 4
+        on_cuda |= any(str(w).endswith("cp_kernels.py") for w in c.argv)  # a script of CUDA kernels alone
         assert ("cuda" in c.needs) == on_cuda, c.name
         assert ("no-cuda" in c.needs) == ("run.device=cpu" in c.argv), c.name  # the CPU stand-ins
         assert (c.steps > 0) == (c.judge == "trains") and (c.judge == "measure") == ("--measure" in c.argv), c.name
@@ -137,6 +138,8 @@ def test_gpu_mode_with_faked_processes(checklist, monkeypatch, tmp_path):
             return done("scaletrain 0.1.0\n")
         if "--env-json" in argv:
             return done(json.dumps(h100))
+        if argv[1].endswith("cp_kernels.py"):  # one JSON line per backend and cp
+            return done('{"backend": "FLASH_ATTENTION", "cp": 2, "max_abs_diff": 0.0039, "atol": 0.02, "ok": true}\n')
         if "--configured-only" in argv:  # the planner for this device: 9 fit without activation checkpointing, 18 with
             mb = 18 if o["parallel.activation_checkpointing"] == "true" else 9
             plan = {
@@ -190,6 +193,7 @@ def test_gpu_mode_with_faked_processes(checklist, monkeypatch, tmp_path):
     assert got["moe-small-bf16"]["status"] == got["oom-1b-mb64"]["status"] == "PASS"
     assert "model.moe={}" in got["moe-small-bf16"]["cmd"] and "train.micro_batch=64" in got["oom-1b-mb64"]["cmd"]
     assert got["document-mask-bf16"]["status"] == "PASS" and "data.document_mask=true" in got["document-mask-bf16"]["cmd"]
+    assert got["cp-attention-kernels"]["status"] == "PASS" and "FLASH_ATTENTION" in got["cp-attention-kernels"]["detail"]
     assert sum(1 for argv in commands if "train" in argv) == 14 + 3 + 4
 
 
