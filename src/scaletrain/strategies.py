@@ -36,12 +36,13 @@ class Format:
     # through the engine-neutral state (checkpoint/restore.py).
     reshards: bool
     reader: str  # what reads it offline, for messages
+    background: bool = False  # a save can return once the state is copied (checkpoint.async_save)
 
 
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format("dcp", reshards=True, reader="torch.distributed.checkpoint"),
+        Format("dcp", reshards=True, reader="torch.distributed.checkpoint", background=True),
         Format("deepspeed", reshards=False, reader="DeepSpeed's universal-checkpoint converter"),
     )
 }

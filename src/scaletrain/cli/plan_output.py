@@ -17,7 +17,7 @@ from scaletrain.plan import Setup, make_plan, planning_spec
 from scaletrain.plan.goodput import Failures, GoodputEstimate, estimate_goodput
 from scaletrain.plan.hardware import gpu, parse_size, this_cpu
 from scaletrain.plan.report import print_plan
-from scaletrain.strategies import TABLE
+from scaletrain.strategies import FORMATS, TABLE
 
 
 def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
@@ -62,7 +62,7 @@ def failure_plan(cfg: Config, plan: Any, world: int, opts: argparse.Namespace) -
     if groups < 2 or world % groups:
         raise UserError(f"--ft-groups {groups} is invalid; accepted: 2 or more replica groups that divide the {world} devices")
     state = m.params + m.grads + m.optimizer  # per device; what a save writes and a rejoining group receives
-    sync = not (TABLE[s.strategy].format == "dcp" and cfg.checkpoint.async_save)
+    sync = not (FORMATS[TABLE[s.strategy].format].background and cfg.checkpoint.async_save)
     save = opts.save_seconds if opts.save_seconds is not None else state / (SYNC_SAVE_BYTES_PER_S if sync else device.host_bw)
     failures = Failures(
         devices=world,
