@@ -3,6 +3,11 @@ answers for 7B/8B/70B on 8 x 80 GiB, the choice and its reasons, and clear impos
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -328,3 +333,35 @@ def test_a_pipeline_stage_is_gathered_once_per_step_whatever_the_micro_batches()
     assert few == many == pytest.approx(3 / 4 * psi * (2 + 4))
     # Without a pipeline FSDP gathers twice per micro-batch.
     assert comm_bytes_per_step(spec, with_(s, pp=1), 8) > 10 * few
+
+
+def test_activation_traces_are_kept_across_processes(tmp_path, monkeypatch):
+    from scaletrain.plan import trace_cache
+
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
+    computed = []
+
+    def compute(value):
+        computed.append(value)
+        return value
+
+    assert trace_cache.cached("block", (1, "fp32"), lambda: compute([3, 4])) == [3, 4]
+    assert trace_cache.cached("block", (1, "fp32"), lambda: compute([9, 9])) == [3, 4]  # read back, not computed
+    assert trace_cache.cached("block", (2, "fp32"), lambda: compute([5, 6])) == [5, 6]  # another key: traced
+    assert computed == [[3, 4], [5, 6]]
+    (tmp_path / trace_cache.FILE).write_text("{not json")  # damaged: traced again, and the file rewritten
+    assert trace_cache.cached("block", (1, "fp32"), lambda: compute([3, 4])) == [3, 4] and len(computed) == 3
+    assert json.loads((tmp_path / trace_cache.FILE).read_text())
+    monkeypatch.setenv("SCALETRAIN_CACHE", "off")
+    assert trace_cache.cached("block", (1, "fp32"), lambda: compute([3, 4])) == [3, 4] and len(computed) == 4
+    # A second process plans without tracing: torch._dynamo (FakeTensorMode's import) stays out.
+    probe = (
+        "import sys; from scaletrain.config import load_config; from scaletrain.models import model_spec; "
+        "from scaletrain.plan.activations import block_activations, head_activations; "
+        "s = model_spec(load_config([], ['model.preset=tiny', 'model.vocab_size=512']), None); "
+        "print(block_activations(s, 4, 64, 'fp32').saved, head_activations(s, 4, 64, 'fp32').saved, 'torch._dynamo' in sys.modules)"
+    )
+    env = {**os.environ, "SCALETRAIN_CACHE": str(tmp_path / "runs")}
+    first, second = (subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True) for _ in range(2))
+    assert first.stdout.split()[2] == "True" and second.stdout.split()[2] == "False", (first.stderr, second.stderr)
+    assert first.stdout.split()[:2] == second.stdout.split()[:2]

@@ -22,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from scaletrain.models.spec import ModelSpec
+from scaletrain.plan.trace_cache import cached
 
 # How the engine runs the forward, which decides what dtype everything is saved in:
 #   fp32      everything fp32
@@ -112,6 +113,13 @@ def _linear(at_one: int, at_two: int, n: int) -> int:
 
 @lru_cache(maxsize=256)
 def _traced_block(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> tuple[int, int]:
+    # Kept across processes too (plan/trace_cache.py): the first trace of a process costs ~0.45 s.
+    fields = (model, micro_batch, seq_len, regime, low)
+    saved, weights = cached("block", fields, lambda: _trace_block(model, micro_batch, seq_len, regime, low))
+    return saved, weights
+
+
+def _trace_block(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> tuple[int, int]:
     param_dtype, act_dtype = _dtypes(regime, low)
     with FakeTensorMode():
         with _default_dtype(param_dtype):
@@ -139,6 +147,11 @@ def head_activations(
 
 @lru_cache(maxsize=256)
 def _traced_head(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> int:
+    fields = (model, micro_batch, seq_len, regime, low)
+    return int(cached("head", fields, lambda: _trace_head(model, micro_batch, seq_len, regime, low)))
+
+
+def _trace_head(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> int:
     param_dtype, act_dtype = _dtypes(regime, low)
     with FakeTensorMode():
         with _default_dtype(param_dtype):
