@@ -48,15 +48,17 @@ class ContextParallel:
         """This rank's positions of a [B, T, ...] tensor (the targets)."""
         return x[:, self.positions(x.shape[1], x.device)].contiguous()
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, heads, local T, hd] on every rank -> [B, heads, T, hd] in global order."""
+    def gather(self, x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """[B, heads, local T, hd] on every rank -> [B, heads, T, hd] in global order
+        (`order`: global_order's, made once per forward, not per layer)."""
         from torch.distributed._functional_collectives import all_gather_tensor_autograd
 
         gathered = all_gather_tensor_autograd(x.contiguous(), gather_dim=2, group=self.group)
-        return gathered.index_select(2, self._global_order(x.shape[2], x.device))
+        return gathered.index_select(2, order)
 
-    def _global_order(self, local_len: int, device: torch.device) -> torch.Tensor:
-        # Gathered: rank r's (chunk r, chunk 2cp - 1 - r) at [r 2c, (r + 1) 2c). Where is chunk g?
+    def global_order(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Where the gathered tensor holds each global position. Gathered: rank r's
+        (chunk r, chunk 2cp - 1 - r) at [r 2c, (r + 1) 2c)."""
         c = local_len // 2
         starts = []
         for g in range(2 * self.size):
@@ -71,7 +73,7 @@ class ContextParallel:
             keys = torch.arange(seq_len, device=held.device)
             same = doc[:, held, None] == doc[:, None, :]  # [B, local T, T]
             mask = (same & (keys[None, None, :] <= held[None, :, None]))[:, None]
-        return SplitAttention(self, chunk_length(seq_len, self.size), mask)
+        return SplitAttention(self, chunk_length(seq_len, self.size), mask, self.global_order(len(held), held.device))
 
 
 @dataclass(frozen=True)
@@ -79,12 +81,13 @@ class SplitAttention:
     cp: ContextParallel
     chunk: int  # tokens per chunk
     mask: torch.Tensor | None  # under document masking: [B, 1, local T, T]
+    order: torch.Tensor  # ContextParallel.global_order, for every layer's gathers
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
         # Here, not at the top: torch.nn.attention.bias imports torch._dynamo (~0.5 s a process).
         from torch.nn.attention.bias import causal_lower_right
 
-        k, v = self.cp.gather(k), self.cp.gather(v)
+        k, v = self.cp.gather(k, self.order), self.cp.gather(v, self.order)
         if self.mask is not None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
         c, out = self.chunk, []

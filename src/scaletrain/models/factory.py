@@ -44,7 +44,8 @@ def distill_spec(cfg: Any, student: ModelSpec) -> Distill | None:
     t = cfg.model.teacher
     if t is None:
         return None
-    teacher = _spec(t, student.vocab_size, 0, (), None, getattr(_inner(student), "document_eos", None))
+    # A wrapper (WithProjection) answers for the spec it wraps.
+    teacher = _spec(t, student.vocab_size, 0, (), None, getattr(student, "document_eos", None))
     if teacher.vocab_size != student.vocab_size:
         # The KL compares the two distributions token by token over one vocabulary.
         raise UserError(
@@ -57,10 +58,6 @@ def distill_spec(cfg: Any, student: ModelSpec) -> Distill | None:
             Observed(teacher, student.hidden), t.temperature, t.kl_weight, student.loss, t.hidden_weight, student.hidden
         )
     return Distill(teacher, t.temperature, t.kl_weight, student.loss)
-
-
-def _inner(spec: Any) -> Any:
-    return _inner(spec.inner) if hasattr(spec, "inner") else spec
 
 
 def _spec(
