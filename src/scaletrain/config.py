@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, ValidationError, field_serializer, field_
 
 from scaletrain.config_data import DataConfig, MixSource  # noqa: F401  # re-exported: the schema's data section
 from scaletrain.config_eval import EvalConfig
+from scaletrain.config_ft import FaultToleranceConfig, fault_tolerance_problem
 from scaletrain.config_model import (  # noqa: F401  # re-exported: the schema's model sections
     MODEL_PRESETS,
     MOE_PRESETS,
@@ -287,6 +288,14 @@ class Config(Section):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     guards: GuardsConfig = Field(default_factory=GuardsConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)  # replica groups (config_ft.py)
+
+    @model_validator(mode="after")
+    def _replica_groups_where_checked(self) -> Config:
+        problem = fault_tolerance_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _pipeline_schedule(self) -> Config:

@@ -1,10 +1,13 @@
 """Fault injection for recovery tests and drills.
 
-`SCALETRAIN_KILL_AT=<point>:<step>[@<rank>]` SIGKILLs every rank (or only `rank`) that
-reaches the point at that step, exactly as an OOM-killer or a lost node would (no handler
-runs, nothing is flushed):
+`SCALETRAIN_KILL_AT=<point>:<step>[@<rank>|@group<g>]` SIGKILLs every rank (or only `rank`,
+or every rank of replica group g: fault_tolerance) that reaches the point at that step,
+exactly as an OOM-killer or a lost node would (no handler runs, nothing is flushed):
 
   step     right after optimizer step <step> (and its checkpoint, complete, if it has one)
+  down     as `step`, and the process that replaces it waits DOWN_S seconds before it
+           starts: a node that takes a while to come back (replica groups: its peers go on
+           without it meanwhile, the lighthouse having stopped hearing it)
   save     inside the save of checkpoint <step>: model, optimizer, RNG and trainer.json
            are on disk, the COMPLETE marker is not
   prune    inside the pruning after checkpoint <step>: an old checkpoint has lost its
@@ -49,12 +52,13 @@ from typing import Any
 from scaletrain.errors import UserError
 
 ENV = "SCALETRAIN_KILL_AT"
-POINTS = ("step", "save", "prune", "metrics", "term", "nan", "perturb", "hang", "oom")
+POINTS = ("step", "down", "save", "prune", "metrics", "term", "nan", "perturb", "hang", "oom")
 RELAUNCH_ENV = "SCALETRAIN_RELAUNCH"
 SLOW_ENV = "SCALETRAIN_SLOW"
 SLOW_KINDS = ("compute", "comm")
 
-Fault = tuple[str, int, int | None]  # point, step, rank (None: every rank)
+Fault = tuple[str, int, int | str | None]  # point, step, rank or "group<g>" (None: every rank)
+GROUP_ENV = "SCALETRAIN_FT_GROUP"  # a replica group's index (replica_groups.py)
 
 
 def parse(value: str) -> list[Fault]:
@@ -63,27 +67,37 @@ def parse(value: str) -> list[Fault]:
     for item in filter(None, value.split(",")):
         point, _, rest = item.partition(":")
         step, _, rank = rest.partition("@")
-        if point not in POINTS or not step.isdigit() or int(step) < 1 or (rank and not rank.isdigit()):
+        group = rank.removeprefix("group")
+        if point not in POINTS or not step.isdigit() or int(step) < 1 or (rank and not group.isdigit()):
             raise UserError(
-                f"{ENV}={value!r} is invalid; accepted: POINT:STEP[@RANK][,...] with POINT one of {', '.join(POINTS)} "
-                "and STEP >= 1"
+                f"{ENV}={value!r} is invalid; accepted: POINT:STEP[@RANK|@groupG][,...] with POINT one of "
+                f"{', '.join(POINTS)} and STEP >= 1"
             )
-        faults.append((point, int(step), int(rank) if rank else None))
+        faults.append((point, int(step), (rank if group != rank else int(rank)) if rank else None))
     return faults
 
 
-def _armed_now() -> tuple[str, int] | None:
+DOWN_S = 3.0  # with the restart itself, longer than a lighthouse heartbeat timeout of 1-2 s
+
+
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + int(os.environ.get(RELAUNCH_ENV, "0"))
+
+
+def _armed_now(attempt: int) -> tuple[str, int] | None:
     faults = parse(os.environ.get(ENV, ""))
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + int(os.environ.get(RELAUNCH_ENV, "0"))
-    if attempt >= len(faults):
+    if not 0 <= attempt < len(faults):
         return None
     point, step, rank = faults[attempt]
-    if rank is not None and rank != int(os.environ.get("RANK", "0")):
+    if isinstance(rank, str):  # group<g>: every rank of that replica group
+        if rank != f"group{os.environ.get(GROUP_ENV, '')}":
+            return None
+    elif rank is not None and rank != int(os.environ.get("RANK", "0")):
         return None
     return point, step
 
 
-_ARMED = _armed_now()
+_ARMED = _armed_now(_attempt())
 
 
 def armed(point: str, step: int) -> bool:
@@ -179,6 +193,9 @@ class Drills:
         self.wait_for_saves = wait_for_saves
         self.signal_received = signal_received
         self.slow = slowdown("compute")
+        before = _armed_now(_attempt() - 1)
+        if before is not None and before[0] == "down":  # the previous attempt died at `down`: come back late
+            time.sleep(DOWN_S)
 
     def loss(self, step: int, fn: Callable[..., Any]) -> Callable[..., Any]:
         fn = nan_loss(fn) if fire_once("nan", step) else fn
@@ -193,7 +210,7 @@ class Drills:
             perturb(self.model())
         if armed("hang", step):
             hang_forever()
-        if armed("step", step):
+        if armed("step", step) or armed("down", step):
             self.wait_for_saves()
             kill()
 

@@ -37,7 +37,8 @@ def plan_run(cfg: Config, world: World, model: ModelSpec) -> tuple[Config, list[
     device = runtime_device(world, local)
     auto = cfg.parallel.strategy == "auto"
     auto_batch = cfg.train.micro_batch == AUTO_MICRO_BATCH
-    cfg = settle(cfg, dims_for(cfg.parallel, world.world_size).dp_size)  # the global batch every layout keeps
+    # The global batch every layout keeps; replica groups each read 1/groups of it.
+    cfg = settle(cfg, dims_for(cfg.parallel, world.world_size).dp_size * cfg.fault_tolerance.groups)
     if not (auto or auto_batch or world.is_main):
         # Only rank 0 prints the plan; tracing activations (FakeTensorMode) costs each
         # process ~1 s (it imports torch._dynamo). With auto every rank needs the choice.

@@ -61,6 +61,7 @@ class Saves:
     before_save: Callable[[], None]  # flush the metrics of the steps a checkpoint will hold
     paused: Callable[[], AbstractContextManager[Any]]  # the hang watchdog left out of long waits
     say: Callable[[str], None]
+    writes: bool = True  # False: replica groups other than group 0 write no checkpoint (replica_groups.py)
     # The save in flight: it, when it started, how long the loop stood still, of which waiting for the one before.
     _pending: tuple[PendingSave, float, float, float] | None = field(default=None, init=False)
     _saved: int = field(default=0, init=False)  # the step of the last checkpoint this run wrote
@@ -92,6 +93,8 @@ class Saves:
             self.wait()
 
     def _save_now(self, step: int, tokens_seen: int) -> None:
+        if not self.writes:
+            return
         self.before_save()
         with self.paused():  # a long save (or the wait for the previous one) is no hang
             self.save(step, self.position(), tokens_seen)

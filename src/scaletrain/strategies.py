@@ -78,6 +78,10 @@ class Strategy:
     keeps_gathered: bool = False  # parallel.reshard_after_forward=false (weights gathered from forward to backward)
     compile: bool = False  # train.compile (checked with these engines only)
     teacher: bool = True  # model.teacher (engines/teacher.py holds it like the model)
+    # fault_tolerance.groups > 1: replica groups of this layout, gradients averaged across
+    # the live groups by torchft between backward and the optimizer step (replica_groups.py).
+    replica_groups: bool = False
+    no_replica_groups_why: str = ""
     grad_compression: bool = False  # parallel.grad_compression (DDP communication hooks)
     deepspeed_json: bool = False  # parallel.deepspeed_extra (merged into its generated DeepSpeed JSON)
     offload_optimizer: tuple[Offload, ...] = ()  # accepted parallel.offload_optimizer besides none
@@ -141,6 +145,7 @@ TABLE: dict[str, Strategy] = {
             grad_compression=True,
             no_ep_why="DDP keeps every weight whole on every rank, and split experts are not",
             cp=True,
+            replica_groups=True,
             forward16="autocast",
             grads_persist="distributed",
             complexity=0,
@@ -160,6 +165,7 @@ TABLE: dict[str, Strategy] = {
             hybrid=True,
             ep=True,
             cp=True,
+            replica_groups=True,
             keeps_gathered=True,
             compile=True,
             offload_params=("cpu",),
@@ -194,6 +200,10 @@ TABLE: dict[str, Strategy] = {
                 # all-to-all over heads, its own attention wrapper), another design.
                 no_cp_why="DeepSpeed's engine reduces gradients over its data-parallel group only; its sequence "
                 "parallel is Ulysses (all-to-all over heads), another design",
+                # The all-reduce across groups must sit between backward and the optimizer
+                # step; DeepSpeed's engine.step() reduces, clips and steps in one call.
+                no_replica_groups_why="DeepSpeed's engine reduces, clips and steps in one call, with no place for "
+                "torchft's all-reduce across groups between them",
                 offload_optimizer=("cpu", "nvme"),
                 offload_params=("cpu", "nvme") if stage == 3 else (),
                 partitions=stage,

@@ -55,6 +55,7 @@ from scaletrain.parallel import ParallelDims, describe, dims_for
 from scaletrain.paths import make_dir
 from scaletrain.preempt import PreemptionWatch
 from scaletrain.preflight import plan_run
+from scaletrain.replica_groups import NoGroups, ReplicaGroups, data_ranks, group_dir, writes_checkpoints
 from scaletrain.rundir import RunPaths, check_resume, resume_point, write_run_info
 from scaletrain.saves import Saves
 from scaletrain.telemetry import MetricsLog, TrainProgress, print_banner, print_run_summary
@@ -99,6 +100,7 @@ class Run:
     tokens_per_step: int
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0
+    groups: NoGroups | ReplicaGroups = NoGroups()  # fault_tolerance: the quorum of replica groups
 
 
 def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
@@ -146,6 +148,7 @@ def loop(run: Run) -> None:
 def train_step(run: Run) -> bool:
     """Optimizer step run.step + 1: forward and backward over the accumulation window, the
     engine's step, its metrics. True when the non-finite policy calls for a rollback."""
+    run.groups.before_step()  # replica groups: a group behind its peers takes their state (step, data position) here
     t0 = time.perf_counter()
     step = run.step + 1
     lr = lr_at(run.step, run.cfg.train, run.peak_lr)
@@ -154,7 +157,7 @@ def train_step(run: Run) -> bool:
         with run.telemetry.step(step) as mark:
             batch = run.batches.next_step()
             mark("data")
-            loss = run.engine.forward_backward(batch, run.drills.loss(step, run.loss), phase.marking(mark))
+            loss = run.groups.mean(run.engine.forward_backward(batch, run.drills.loss(step, run.loss), phase.marking(mark)))
             phase.now = "optimizer"
             stats = run.engine.step(lr)  # a non-finite step is not applied, whatever the policy
             mark("optimizer")
@@ -166,6 +169,8 @@ def train_step(run: Run) -> bool:
         if run.world.world_size > 1 and oom.peer_ran_out(run.paths.root, step):
             oom.exit_with_peer(run.saves.let_finish)
         raise
+    if not stats.committed:  # a replica group failed during it: applied nowhere, run again on the next batch
+        return False
     # `tokens`: the trained ones (fine-tuning records: their responses); tokens_per_s: all processed.
     run.step, run.tokens_seen = step, run.tokens_seen + (run.batches.step_tokens if run.batches.masked else run.tokens_per_step)
     run.watchdog.beat(step)
@@ -174,7 +179,7 @@ def train_step(run: Run) -> bool:
     scaler = {"loss_scale": stats.loss_scale, "skipped": stats.skipped} if stats.loss_scale else {}
     run.telemetry.record(
         loss, stats.grad_norm, step=step, lr=lr, tokens_per_s=run.tokens_per_step / dt, step_time_s=dt,
-        tokens=run.tokens_seen, **scaler, **run.guard.counters(),
+        tokens=run.tokens_seen, **scaler, **run.guard.counters(), **run.groups.fields(),
     )  # fmt: skip
     return roll_back
 
@@ -221,12 +226,15 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     main = world.is_main
     say = lambda line: console.print(line, highlight=False, soft_wrap=True) if main else None  # noqa: E731
     dims_for(cfg.parallel, world.world_size)  # a bad layout stops here, before any work
-    paths = RunPaths(make_dir(cfg.run.dir, "run.dir"))  # every rank: the same verdict everywhere
+    paths = RunPaths(group_dir(cfg, make_dir(cfg.run.dir, "run.dir")))  # every rank: the same verdict everywhere
+    paths.root.mkdir(parents=True, exist_ok=True)
     if "nvme" in (cfg.parallel.offload_optimizer, cfg.parallel.offload_params) and cfg.parallel.nvme_path:
         make_dir(cfg.parallel.nvme_path, "parallel.nvme_path")
     resume_from = resume_point(cfg.train.resume, paths, world, say)  # the newest whole checkpoint
     cfg, data, spec, distill, dims = _checked_plan(cfg, world, paths, resume_from, say)
-    evalset = open_eval_set(cfg, world, data, dims.dp_size) if cfg.eval.every > 0 else None  # too few windows: said now
+    dp_rank, dp_size = data_ranks(cfg, dims, world.rank)  # over every replica group
+    # The global batch's windows (too few: said now); replica groups each evaluate all of them.
+    evalset = open_eval_set(cfg, world, data, dp_size) if cfg.eval.every > 0 else None
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay), distill.teacher if distill else None)
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
@@ -234,10 +242,11 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     step = resumed.step if resumed else 0
     hosts = all_hostnames(world)
     metrics = MetricsLog(paths.metrics, enabled=main)
-    metrics.truncate_after(step)
-    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * dims.dp_size
+    if writes_checkpoints(cfg):  # a replica group without checkpoints starts at 0 each life: its rows stay
+        metrics.truncate_after(step)
+    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
     peak_lr = scaled_lr(cfg.train, global_batch)
-    telemetry = Telemetry(cfg, world, dims.dp_size, hosts, spec.flops_per_token(cfg.data.seq_len), paths.root, metrics, step)
+    telemetry = Telemetry(cfg, world, dp_size, hosts, spec.flops_per_token(cfg.data.seq_len), paths.root, metrics, step)
     stack.callback(telemetry.close)
     if main:
         oom.log_new(paths.root, telemetry.event)
@@ -252,9 +261,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
             console, cfg, world, spec, data.samples_per_epoch, global_batch * cfg.data.seq_len, global_batch, peak_lr, resume_from
         )
     position = resumed.data_position if resumed else 0
-    batches = RankBatches(
-        data, cfg.train.micro_batch, cfg.train.grad_accum, dims.dp_rank(world.rank), dims.dp_size, start=position
-    )
+    batches = RankBatches(data, cfg.train.micro_batch, cfg.train.grad_accum, dp_rank, dp_size, start=position)
     if isinstance(data, DataMix):  # each interval's realised shares (data/mix.py), computed, not gathered
         telemetry.recorder.mix = MixShares(data, lambda: batches.position).take
     progress = TrainProgress(console, cfg.train.steps, step, cfg.train.log_every, enabled=main)
@@ -265,8 +272,9 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     flush = lambda: progress.show(telemetry.flush())  # noqa: E731
     watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=lambda line: print(line, file=sys.stderr, flush=True))
     saves = Saves(
-        cfg, world, dims, engine, spec, data, paths, guard, metrics, layout, lambda: batches.position, flush, watchdog.paused, say
-    )
+        cfg, world, dims, engine, spec, data, paths, guard, metrics, layout, lambda: batches.position, flush, watchdog.paused, say,
+        writes=writes_checkpoints(cfg),
+    )  # fmt: skip
     # A clean stop (the end, a preemption, a one-line error agreed by every rank) lets the
     # checkpoint in flight complete; a crash does not wait for it (it stays without its marker).
     stack.push(
@@ -281,11 +289,16 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     )  # fmt: skip
     loss = distill.loss if distill else spec.loss
     run = Run(
-        cfg, world, say, paths, resume_from, engine, batches, per_trained_token(loss, batches, dims.dp_size * dims.cp) if data.masked else loss,
+        cfg, world, say, paths, resume_from, engine, batches, per_trained_token(loss, batches, dp_size * dims.cp) if data.masked else loss,
         telemetry, metrics,
         guard, replicas, watchdog, watch, progress, saves, drills, evaluation, peak_lr, global_batch * cfg.data.seq_len, step,
         resumed.tokens_seen if resumed else 0,
     )  # fmt: skip
+    if cfg.fault_tolerance.groups > 1:
+        run.groups = ReplicaGroups(
+            cfg, world, engine, step, lambda in_step: _trainer_state(run, in_step), lambda s: _restore(run, s), telemetry.event
+        )
+        stack.push(lambda kind, *_: run.groups.close(run.step, clean=kind is None))
     # A mixture of experts' load per interval (a weak reference: _release still frees the model).
     telemetry.watch_routing(routing_stats(run.engine.model))
     # The engine (a DDP wrapper, say) must not outlive the process group (see train()),
@@ -352,6 +365,21 @@ def per_trained_token(loss: Any, batches: RankBatches, ranks: int) -> Any:
         return loss(output, targets) * (trained(targets) * scale)
 
     return weighted
+
+
+def _trainer_state(run: Run, in_step: bool) -> dict[str, int]:
+    """What a replica group sends a rejoining one besides the engine's state; `in_step`:
+    from inside the optimizer step (DiLoCo's hook), as it is once that step ends (the data
+    position has moved on already: the step's batch was taken before its forward)."""
+    if not in_step:
+        return {"step": run.step, "position": run.batches.position, "tokens_seen": run.tokens_seen}
+    tokens = run.batches.step_tokens if run.batches.masked else run.tokens_per_step
+    return {"step": run.step + 1, "position": run.batches.position, "tokens_seen": run.tokens_seen + tokens}
+
+
+def _restore(run: Run, state: dict[str, int]) -> None:
+    run.step, run.tokens_seen, run.batches.position = state["step"], state["tokens_seen"], state["position"]
+    run.progress.advance(run.step)
 
 
 def _release(run: Run) -> None:

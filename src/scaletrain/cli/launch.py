@@ -11,7 +11,9 @@ from pathlib import Path
 from scaletrain.cli.cluster import check_cluster_args, write_cluster_file
 from scaletrain.config import load_config, split_args
 from scaletrain.errors import UserError
+from scaletrain.faults import GROUP_ENV
 from scaletrain.launch import LaunchOptions, exec_launcher, launch_command, run_torchrun
+from scaletrain.launch_groups import group_command, run_groups
 from scaletrain.parallel import dims_for
 from scaletrain.paths import make_dir
 
@@ -34,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
     la.add_argument(
         "--max-restarts", type=int, default=0, help="restart all workers after a failure up to N times; each resumes by itself"
     )
+    la.add_argument(
+        "--ft-groups", type=int, metavar="N", help="N replica groups of --nproc ranks that outlive a failed one (torchft; "
+        "a lighthouse on this machine; docs/fault-tolerance.md)",
+    )  # fmt: skip
     la.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="torchrun's c10d rendezvous: the same command on every node")
     la.add_argument("--rdzv-id", help="rendezvous id, the same on every node (default scaletrain)")
     la.add_argument("--dry-run", action="store_true", help="print the launcher command (or the --slurm/--k8s file) and exit")
@@ -60,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         _eval_args(words)
     else:
         _train_args(args, words)
+    if args.ft_groups is not None:
+        return _replica_groups(args, words)
     if args.slurm or args.k8s:
         return write_cluster_file(args)
     cmd = launch_command(
@@ -85,6 +93,31 @@ def run(args: argparse.Namespace) -> int:
         return run_torchrun(cmd)
     exec_launcher(cmd)
     return 0  # not reached: exec replaced this process
+
+
+def _replica_groups(args: argparse.Namespace, words: list[str]) -> int:
+    n = args.ft_groups
+    others = [
+        flag
+        for flag, given in (
+            ("--slurm", args.slurm), ("--k8s", args.k8s), ("--nnodes", args.nnodes != 1), ("--hostfile", args.hostfile),
+            ("--rdzv-endpoint", args.rdzv_endpoint), ("--launcher deepspeed", args.launcher != "torchrun"),
+            ("eval", args.args[:1] == ["eval"]),
+        )
+        if given
+    ]  # fmt: skip
+    if n < 2 or others:
+        raise UserError(
+            f"--ft-groups {n}{' with ' + ', '.join(others) if others else ''} is not supported; accepted: --ft-groups N >= 2 "
+            "with --nproc K, on this machine, for `train` (each group a torchrun job of its own)"
+        )
+    cfg = load_config(*split_args([*words, f"fault_tolerance.groups={n}"]))
+    command = group_command(args.nproc, args.max_restarts, words, n)
+    if args.dry_run:
+        print(shlex.join(command) + f"  # x {n}, {GROUP_ENV}=0..{n - 1}")
+        return 0
+    ft = cfg.fault_tolerance
+    return run_groups(n, ft.min_groups, ft.heartbeat_timeout_s, command)
 
 
 def _train_args(args: argparse.Namespace, words: list[str]) -> None:

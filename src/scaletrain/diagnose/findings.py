@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from scaletrain.diagnose.experts import router_collapse
+from scaletrain.diagnose.groups import replica_groups
 from scaletrain.diagnose.run import Finding, Run, gib, hours_unit, median_of, pct
 from scaletrain.errors import UserError
 from scaletrain.strategies import TABLE, Strategy
@@ -451,6 +452,7 @@ RULES: tuple[Callable[[Run], list[Finding]], ...] = (
     data_bound,
     pipeline_bubble,
     router_collapse,
+    replica_groups,
     checkpoint_blocking,
     profile,
     summary,

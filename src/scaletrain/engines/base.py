@@ -49,6 +49,9 @@ class StepStats:
     grad_norm: torch.Tensor  # 0-d, stays on device: the trainer syncs once per log interval
     loss_scale: float | None  # fp16 dynamic loss scale after this step; None without scaling
     skipped: bool  # not applied: non-finite gradients (an fp16 overflow, a NaN); nothing changed
+    # Replica groups: False when the quorum did not commit the step (a group failed during
+    # it); nothing changed and the step runs again on the next batch (replica_groups.py).
+    committed: bool = True
 
 
 class Engine(Protocol):

@@ -126,6 +126,9 @@ class TorchEngineMixin(AccumulationWindow):
     save_frozen = True  # checkpoint.frozen: whether save() writes the frozen parameters
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
+    # fault_tolerance.groups > 1: averages the gradients over the live replica groups and
+    # says whether the step may be applied (scaletrain/replica_groups.py), before clipping.
+    across: Any = None
 
     def clip_gradients(self) -> torch.Tensor:
         """Clip (if configured) and return the global gradient norm as a 0-d tensor."""
@@ -136,6 +139,9 @@ class TorchEngineMixin(AccumulationWindow):
 
     def step(self, lr: float) -> StepStats:
         set_lr(self.optimizer, lr)
+        if self.across is not None and not self.across.reduce():
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepStats(torch.zeros((), device=self.device), None, True, committed=False)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip_gradients()
