@@ -390,3 +390,24 @@ def test_conflicting_extra_key_is_one_line_exit_2(small_dataset, tmp_path):
         ]
     )
     one_line_error(proc, "parallel.deepspeed_extra.train_micro_batch_size_per_gpu = 7", "train.micro_batch")
+
+
+@pytest.mark.unit
+def test_py_cpuinfos_answer_is_asked_once_per_machine(tmp_path, monkeypatch):
+    """DeepSpeed's op loads ask py-cpuinfo (a Python subprocess, ~1 s) for -march and the
+    SIMD width: the answer is kept on disk per machine, and a later process (here: the
+    function wrapped again, as a new process would) reads it instead of asking."""
+    import cpuinfo
+
+    from scaletrain.engines import deepspeed as ds
+
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
+    asked = []
+    fake = {"arch": "X86_64", "flags": ["avx2", "fma"], "brand_raw": "a CPU"}
+    for _ in range(2):  # two "processes"
+        monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: asked.append(1) or dict(fake))
+        ds._skip_unneeded_start_costs()
+        assert cpuinfo.get_cpu_info() == fake and cpuinfo.get_cpu_info() == fake
+    assert len(asked) == 1
+    key = ds._cpu_key(cpuinfo.CPUINFO_VERSION_STRING)
+    assert key is not None and any(line.startswith("flags") for line in key) and not any("MHz" in line for line in key)

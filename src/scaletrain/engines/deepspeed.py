@@ -15,6 +15,7 @@ import functools
 import importlib
 import logging
 import os
+import platform
 import sys
 import warnings
 from contextlib import nullcontext, redirect_stdout
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scaletrain import disk_cache
 from scaletrain.checkpoint.deepspeed_format import DEEPSPEED_TAG
 from scaletrain.config import Config
 from scaletrain.distributed import World, ensure_process_group
@@ -402,11 +404,29 @@ def _skip_unneeded_start_costs() -> None:
             torch.compile = compile_
     # 2. Each CPU op load (shared-memory comm, FusedAdam, CPUAdam) asks py-cpuinfo twice for
     #    the CPU (-march, SIMD width), and py-cpuinfo answers from a new Python subprocess
-    #    each time, ~1.2 s. The CPU does not change within a process: asked once.
+    #    each time, ~1.1 s. The CPU does not change within a process (asked once) nor on a
+    #    machine: its answer is kept on disk (disk_cache.py), keyed by what /proc/cpuinfo
+    #    says of the CPU and by py-cpuinfo's version; only the machine's first rank asks.
     import cpuinfo
 
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+        ask = cpuinfo.get_cpu_info
+        key = _cpu_key(cpuinfo.CPUINFO_VERSION_STRING)
+        cpuinfo.get_cpu_info = functools.cache(lambda: ask() if key is None else disk_cache.cached(CPU_FILE, key, ask))
+
+
+CPU_FILE = "cpuinfo.json"
+
+
+def _cpu_key(version: str) -> list[str] | None:
+    """What identifies this machine's CPU for py-cpuinfo: the model, vendor and flags lines
+    of /proc/cpuinfo (not its clock speeds, which change); None where it is not readable."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    wanted = ("vendor_id", "model name", "flags", "cpu family", "model\t", "processor")
+    return [version, platform.node(), *sorted({line for line in lines if line.startswith(wanted)})]
 
 
 def _eager(model: Any = None, **_: Any) -> Any:

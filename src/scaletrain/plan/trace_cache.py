@@ -16,40 +16,19 @@ home) just means tracing, as without the cache; `SCALETRAIN_CACHE=off` turns it 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import secrets
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from scaletrain import disk_cache
+
 FILE = "activation-traces.json"
-MAX_ENTRIES = 4096  # a bound on the file's size; past it, the oldest half is dropped
 
 
 def cached(kind: str, fields: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
     """compute(), or its earlier result for the same (kind, fields) and code."""
-    path = _path()
-    if path is None:
-        return compute()
-    key = hashlib.sha256(json.dumps([kind, [repr(f) for f in fields], _code()]).encode()).hexdigest()
-    entries = _read(path)
-    if key in entries:
-        return entries[key]
-    value = compute()
-    entries[key] = value
-    if len(entries) > MAX_ENTRIES:
-        entries = dict(list(entries.items())[len(entries) // 2 :])
-    _write(path, entries)
-    return value
-
-
-def _path() -> Path | None:
-    where = os.environ.get("SCALETRAIN_CACHE", "")
-    if where.lower() == "off":
-        return None
-    return Path(where or Path.home() / ".cache" / "scaletrain") / FILE
+    return disk_cache.cached(FILE, [kind, [repr(f) for f in fields], _code()], compute)
 
 
 @cache
@@ -62,21 +41,3 @@ def _code() -> str:
     for f in sorted([*root.joinpath("models").glob("*.py"), *root.joinpath("plan").glob("*.py")]):
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return entries if isinstance(entries, dict) else {}
-
-
-def _write(path: Path, entries: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)

@@ -42,7 +42,8 @@ class Telemetry:
             samples_per_step=samples,
             flops_per_token=flops_per_token,
             peak_flops=self.info.peak_flops,
-            devices=world.world_size,
+            # Replica groups: the rows are the job's (tokens of every group), so are MFU's devices.
+            devices=world.world_size * cfg.fault_tolerance.groups,
             memory_bytes=self.info.memory_bytes,
             cost_per_gpu_hour=t.cost_per_gpu_hour,
             straggler_threshold=t.straggler_threshold,

@@ -1,0 +1,63 @@
+"""Small results kept across processes in one JSON file each (`$SCALETRAIN_CACHE` or
+`~/.cache/scaletrain`): what many short processes of one machine would otherwise each
+compute again (the planner's activation traces: plan/trace_cache.py; py-cpuinfo's answer:
+engines/deepspeed.py). Keys are hashed from everything the result depends on, so a key
+that changes misses and computes again. Writes replace the file atomically; two processes
+writing at once may lose an entry (computed again later), never corrupt the file. Any I/O
+problem (a read-only home) just means computing, as without the cache;
+`SCALETRAIN_CACHE=off` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MAX_ENTRIES = 4096  # a bound on a file's size; past it, the oldest half is dropped
+
+
+def cached(file: str, key: Any, compute: Callable[[], Any]) -> Any:
+    """compute(), or its earlier result under the same JSON-able `key` in `file`."""
+    path = cache_path(file)
+    if path is None:
+        return compute()
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()
+    entries = _read(path)
+    if digest in entries:
+        return entries[digest]
+    value = compute()
+    entries[digest] = value
+    if len(entries) > MAX_ENTRIES:
+        entries = dict(list(entries.items())[len(entries) // 2 :])
+    _write(path, entries)
+    return value
+
+
+def cache_path(file: str) -> Path | None:
+    where = os.environ.get("SCALETRAIN_CACHE", "")
+    if where.lower() == "off":
+        return None
+    return Path(where or Path.home() / ".cache" / "scaletrain") / file
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write(path: Path, entries: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
