@@ -22,24 +22,29 @@ from scaletrain.cli import main
 from scaletrain.cluster import PORT_BASE, ClusterJob, pytorchjob, sbatch_script
 from scaletrain.errors import UserError
 from scaletrain.launch import LaunchOptions, launch_command
+from scaletrain.telemetry.metrics import read_metrics
 
 from helpers import Launched, base_overrides, check, losses, metric_rows, run, run_info
 
 # ---------------------------------------------------------------------------- stand-ins
 
-# srun inside an allocation: the command once per "node", here, in the background, with the
-# variables srun sets per task. Its exit code is real srun's: the highest of the tasks'
-# (128 + N for a task killed by signal N). The task pids go to a file, for the test to
-# signal them as slurmstepd would.
+# srun inside an allocation: the command once per "node" (all of the allocation's, or
+# --nodes=N of them), here, in the background, with the variables srun sets per task. Its
+# exit code is real srun's: the highest of the tasks' (128 + N for a task killed by signal
+# N). The task pids go to a file, for the test to signal them as slurmstepd would.
 FAKE_SRUN = """#!/usr/bin/env bash
 echo "$*" >> "$FAKE_SLURM_DIR/srun.args"
-while [[ $# -gt 0 && $1 == -* ]]; do shift; done
+nodes=$SLURM_NNODES
+while [[ $# -gt 0 && $1 == -* ]]; do
+    if [[ $1 == --nodes=* ]]; then nodes=${1#--nodes=}; fi
+    shift
+done
 pids=()
-for ((i = 0; i < SLURM_NNODES; i++)); do
+for ((i = 0; i < nodes; i++)); do
     SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 "$@" &
     pids+=("$!")
 done
-printf '%s\\n' "${pids[@]}" > "$FAKE_SLURM_DIR/tasks"
+printf '%s\\n' "${pids[@]}" >> "$FAKE_SLURM_DIR/tasks"
 rc=0
 for pid in "${pids[@]}"; do
     code=0
@@ -281,3 +286,73 @@ def test_cluster_job_checks_raise_user_errors():
         sbatch_script(slurm_job(gpus_per_node=0))
     with pytest.raises(UserError, match="holds a space or %"):
         sbatch_script(slurm_job(workdir="/my runs"))
+
+
+# ---------------------------------------------------------------------------- replica groups
+
+
+@pytest.mark.unit
+def test_replica_groups_on_slurm_are_a_lighthouse_and_one_srun_per_group(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", "--ft-groups", "3", "--nproc", "8", "--nnodes", "2", "--slurm", "job.sbatch", "train.steps=10"]) == 0
+    text = (tmp_path / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=6" in text and "for ((g = 0; g < 3; g++))" in text
+    lighthouse = '-m scaletrain.launch_groups --min-groups 1 --heartbeat-timeout-s 5 --port "$lighthouse_port" --store-port'
+    assert lighthouse + ' "$((lighthouse_port + 1))" &' in text
+    assert 'export SCALETRAIN_FT_START="${nodes[0]}:$((lighthouse_port + 1))"' in text
+    assert "SCALETRAIN_FT_GROUP=$g srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --relative=$((g * 2))" in text
+    assert '--rdzv-endpoint "${nodes[g * 2]}:$((port + g))" --rdzv-id "$SLURM_JOB_ID-$g" --max-restarts 3' in text
+    assert 'fault_tolerance.groups=3 "fault_tolerance.lighthouse=http://${nodes[0]}:$lighthouse_port"' in text
+    assert "scontrol requeue" in text and subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
+    assert "3 replica groups of 2 node(s) x 8 process(es)" in capsys.readouterr().out
+
+
+@pytest.mark.unit
+def test_replica_groups_on_kubernetes_are_a_lighthouse_service_and_one_pytorchjob_per_group(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["launch", "--ft-groups", "2", "--nproc", "4", "--nnodes", "2", "--k8s", "job.yaml", "--image", "img:1"]
+    assert main([*argv, "fault_tolerance.min_groups=2", "train.steps=10"]) == 0
+    deployment, service, *jobs = yaml.safe_load_all((tmp_path / "job.yaml").read_text())
+    assert (deployment["kind"], service["kind"], [j["kind"] for j in jobs]) == ("Deployment", "Service", ["PyTorchJob"] * 2)
+    lighthouse = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert lighthouse["command"][:5] == ["python", "-m", "scaletrain.launch_groups", "--min-groups", "2"]
+    assert lighthouse["image"] == "img:1"
+    assert service["metadata"]["name"] == "scaletrain-lighthouse"
+    assert [p["port"] for p in service["spec"]["ports"]] == [29510, 29511]
+    for g, job in enumerate(jobs):
+        assert job["metadata"]["name"] == f"scaletrain-g{g}" and job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+        for spec in job["spec"]["pytorchReplicaSpecs"].values():
+            container = spec["template"]["spec"]["containers"][0]
+            assert {"name": "SCALETRAIN_FT_GROUP", "value": str(g)} in container["env"]
+            assert {"name": "SCALETRAIN_FT_START", "value": "scaletrain-lighthouse:29511"} in container["env"]
+            assert container["command"][-2:] == [
+                "fault_tolerance.groups=2",
+                "fault_tolerance.lighthouse=http://scaletrain-lighthouse:29510",
+            ]
+            assert "--max-restarts" in container["command"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_the_replica_groups_sbatch_script_trains_two_groups_that_end_equal(small_dataset, tmp_path, monkeypatch):
+    """The script run for real with the stand-ins: the lighthouse from torchft's package, two
+    groups of one "node" each (its own rendezvous port), both ending on the same weights."""
+    bin_dir = fake_cluster(tmp_path)
+    run_dir, script = tmp_path / "run", tmp_path / "job.sbatch"
+    monkeypatch.chdir(tmp_path)
+    args = [*base_overrides(small_dataset, run_dir, 8), "train.micro_batch=2"]
+    assert main(["launch", "--ft-groups", "2", "--nproc", "1", "--slurm", str(script), *args]) == 0
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_SLURM_DIR": str(tmp_path),
+        "SLURM_JOB_ID": str(job_id_with_free_port()),
+    }
+    check(
+        run(["bash", str(script)], env={**env, "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2", "SLURM_CPUS_ON_NODE": "1"})
+    )
+    ends = [
+        [r for r in read_metrics(where / "metrics.jsonl", events=True) if r.get("event") == "replica_group"]
+        for where in (run_dir, run_dir / "replica_groups" / "group1")
+    ]
+    assert len(ends[0]) == len(ends[1]) == 1 and ends[0][0]["weights_sha256"] == ends[1][0]["weights_sha256"]
+    assert len(metric_rows(run_dir)) == 8 and checkpoint.is_complete(run_dir / "checkpoints" / "step_8")

@@ -77,7 +77,7 @@ def test_a_group_fault_point_is_parsed_and_bad_ones_refused() -> None:
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "flags, fragment",
-    [(["--ft-groups", "1"], "--ft-groups 1"), (["--ft-groups", "2", "--slurm", "x.sbatch"], "with --slurm")],
+    [(["--ft-groups", "1"], "--ft-groups 1"), (["--ft-groups", "2", "--nnodes", "2"], "with --nnodes")],
 )
 def test_launch_refuses_what_it_cannot_start(small_dataset: Path, tmp_path: Path, flags: list[str], fragment: str) -> None:
     proc = scaletrain(["launch", "--nproc", "1", *flags, *base_overrides(small_dataset, tmp_path / "run")])

@@ -128,29 +128,7 @@ def _node_command(job: ClusterJob, python: str, endpoint: str, rdzv_id: str) -> 
 
 def sbatch_script(job: ClusterJob) -> str:
     check_slurm(job)
-    directives = [f"--job-name={job.job_name}", f"--nodes={job.nnodes}", "--ntasks-per-node=1"]
-    directives += [
-        "# Whole nodes (all CPUs, memory): the one task per node is torchrun's agent, which",
-        "# starts the --nproc workers there.",
-        "--exclusive",
-    ]
-    if job.gpus_per_node:
-        directives.append(f"--gpus-per-node={job.gpus_per_node}")
-    directives += [f"--{k}={v}" for k, v in (("partition", job.partition), ("account", job.account), ("time", job.time)) if v]
-    directives += [
-        f"--chdir={job.workdir}",
-        f"--output={job.workdir}/{job.job_name}-%j.log",
-        "# A requeued job appends to the same log instead of truncating it.",
-        "--open-mode=append",
-        "--requeue",
-        f"# SIGUSR1 to the job steps' processes (not to this shell) {SIGNAL_LEAD_S} s before the",
-        "# time limit: torchrun's agent forwards it and the workers stop at the next step",
-        "# boundary, save a checkpoint and exit 75, which this script answers with a requeue.",
-        "# USR1, not TERM: Slurm ends a job (scancel, preemption) with TERM to all of it, srun",
-        "# included, which answers by SIGKILLing the tasks; USR1 is a warning the tasks get alone.",
-        f"--signal=USR1@{SIGNAL_LEAD_S}",
-    ]
-    header = "\n".join(d if d.startswith("#") else f"#SBATCH {d}" for d in directives)
+    header = sbatch_header(job, job.nnodes)
     port = str(job.port) if job.port is not None else f"$(({PORT_BASE} + SLURM_JOB_ID % 1000))"
     node_cmd = " ".join(
         '"$head_node:$port"' if a == "@ENDPOINT@" else '"$SLURM_JOB_ID"' if a == "@ID@" else shlex.quote(a)
@@ -174,17 +152,9 @@ head_node=${{nodes%%$'\\n'*}}
 # Derived from the job id, so two jobs sharing a head node do not collide.
 port={port}
 
-# A rendezvous store of its own for each restart of the workers (pytorch/pytorch#135712);
-# `scaletrain launch` sets it too, this keeps the script right if the command is swapped.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-# How long the agent waits for the workers' save after forwarding the signal.
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={SHUTDOWN_TIMEOUT_S}
+{ENVIRONMENT}
 
-# Slurm's own SIGTERM to this shell (scancel, preemption, the time limit itself) means the
-# job is ending and Slurm decides whether it comes back: no requeue then. A trap, not an
-# ignored signal, so srun and the tasks keep the default handling.
-ended_by_slurm=0
-trap 'ended_by_slurm=1' TERM
+{TERM_TRAP}
 
 echo "scaletrain: job $SLURM_JOB_ID, start $((${{SLURM_RESTART_COUNT:-0}} + 1)), nodes $SLURM_JOB_NODELIST, rendezvous $head_node:$port" >&2
 status=0
@@ -195,7 +165,21 @@ srun --nodes={job.nnodes} --ntasks={job.nnodes} --ntasks-per-node=1 --cpus-per-t
     {node_cmd} \\
     || status=$?
 
-if [[ $status -eq {EXIT_PREEMPTED} && $ended_by_slurm -eq 0 ]]; then
+{REQUEUE}"""
+
+
+# What every script exports, traps and does with its tasks' exit code.
+ENVIRONMENT = f"""# A rendezvous store of its own for each restart of the workers (pytorch/pytorch#135712);
+# `scaletrain launch` sets it too, this keeps the script right if the command is swapped.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# How long the agent waits for the workers' save after forwarding the signal.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={SHUTDOWN_TIMEOUT_S}"""
+TERM_TRAP = """# Slurm's own SIGTERM to this shell (scancel, preemption, the time limit itself) means the
+# job is ending and Slurm decides whether it comes back: no requeue then. A trap, not an
+# ignored signal, so srun and the tasks keep the default handling.
+ended_by_slurm=0
+trap 'ended_by_slurm=1' TERM"""
+REQUEUE = f"""if [[ $status -eq {EXIT_PREEMPTED} && $ended_by_slurm -eq 0 ]]; then
     # Preempted with a checkpoint saved: the requeued job runs this script again and
     # train.resume=auto continues from that checkpoint.
     echo "scaletrain: stopped with a checkpoint saved; requeueing job $SLURM_JOB_ID" >&2
@@ -204,6 +188,33 @@ if [[ $status -eq {EXIT_PREEMPTED} && $ended_by_slurm -eq 0 ]]; then
 fi
 exit "$status"
 """
+
+
+def sbatch_header(job: ClusterJob, nnodes: int) -> str:
+    """The #SBATCH lines of a job of `nnodes` nodes, one task (torchrun's agent) on each."""
+    directives = [f"--job-name={job.job_name}", f"--nodes={nnodes}", "--ntasks-per-node=1"]
+    directives += [
+        "# Whole nodes (all CPUs, memory): the one task per node is torchrun's agent, which",
+        "# starts the --nproc workers there.",
+        "--exclusive",
+    ]
+    if job.gpus_per_node:
+        directives.append(f"--gpus-per-node={job.gpus_per_node}")
+    directives += [f"--{k}={v}" for k, v in (("partition", job.partition), ("account", job.account), ("time", job.time)) if v]
+    directives += [
+        f"--chdir={job.workdir}",
+        f"--output={job.workdir}/{job.job_name}-%j.log",
+        "# A requeued job appends to the same log instead of truncating it.",
+        "--open-mode=append",
+        "--requeue",
+        f"# SIGUSR1 to the job steps' processes (not to this shell) {SIGNAL_LEAD_S} s before the",
+        "# time limit: torchrun's agent forwards it and the workers stop at the next step",
+        "# boundary, save a checkpoint and exit 75, which this script answers with a requeue.",
+        "# USR1, not TERM: Slurm ends a job (scancel, preemption) with TERM to all of it, srun",
+        "# included, which answers by SIGKILLing the tasks; USR1 is a warning the tasks get alone.",
+        f"--signal=USR1@{SIGNAL_LEAD_S}",
+    ]
+    return "\n".join(d if d.startswith("#") else f"#SBATCH {d}" for d in directives)
 
 
 # ---------------------------------------------------------------------------- Kubernetes

@@ -9,10 +9,12 @@ fails (--max-restarts, default 3 here), while the other groups' processes go on.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 from scaletrain.errors import UserError
@@ -73,3 +75,33 @@ def _forward(procs: list[subprocess.Popen[Any]]) -> Any:
                 p.send_signal(signum)
 
     return handler
+
+
+def serve(min_groups: int, heartbeat_timeout_s: float, port: int, store_port: int) -> None:
+    """On a cluster (cluster_groups.py): the lighthouse on `port` and the start barrier's
+    store on `store_port`, until this process is stopped."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    require_torchft()
+    from torch.distributed import TCPStore
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind=f"[::]:{port}", min_replicas=min_groups, heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000)
+    )
+    store = TCPStore("0.0.0.0", store_port, is_master=True, wait_for_workers=False)
+    print(f"scaletrain: lighthouse {lighthouse.address()}, start barrier on port {store.port}", file=sys.stderr, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        lighthouse.shutdown()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="a torchft lighthouse and the replica groups' start barrier")
+    parser.add_argument("--min-groups", type=int, required=True)
+    parser.add_argument("--heartbeat-timeout-s", type=float, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--store-port", type=int, required=True)
+    a = parser.parse_args()
+    serve(a.min_groups, a.heartbeat_timeout_s, a.port, a.store_port)

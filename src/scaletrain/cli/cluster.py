@@ -41,7 +41,9 @@ def check_cluster_args(args: argparse.Namespace) -> None:
         raise UserError("--submit does not go with --dry-run; accepted: one of them")
 
 
-def write_cluster_file(args: argparse.Namespace) -> int:
+def write_cluster_file(args: argparse.Namespace, groups: tuple[int, int, float] | None = None) -> int:
+    """The --slurm script or --k8s manifest; with `groups` (replica groups, min_groups, the
+    lighthouse's heartbeat timeout), a lighthouse and one job per group (cluster_groups.py)."""
     job = ClusterJob(
         nproc=args.nproc,
         nnodes=args.nnodes,
@@ -57,7 +59,15 @@ def write_cluster_file(args: argparse.Namespace) -> int:
         pvc=args.pvc,
         workdir=os.getcwd(),
     )
-    if args.slurm:
+    if groups is not None:
+        from scaletrain.cluster_groups import group_manifests_yaml, sbatch_groups_script
+
+        out, text = (
+            (args.slurm, sbatch_groups_script(job, *groups)) if args.slurm else (args.k8s, group_manifests_yaml(job, *groups))
+        )
+        submit_cmd = ["sbatch", out] if args.slurm else ["kubectl", "create", "-f", out]
+        what = f"{groups[0]} replica groups of {job.nnodes} node(s) x {job.nproc} process(es) and a torchft lighthouse"
+    elif args.slurm:
         out, text = args.slurm, sbatch_script(job)
         submit_cmd = ["sbatch", out]
         what = f"sbatch script: {job.nnodes} node(s) x {job.nproc} process(es), requeued when preempted"

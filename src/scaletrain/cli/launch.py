@@ -65,7 +65,9 @@ def run(args: argparse.Namespace) -> int:
     if command == "eval":
         _eval_args(words)
     else:
-        _train_args(args, words)
+        _train_args(
+            args, [*words, *([f"fault_tolerance.groups={args.ft_groups}"] if args.ft_groups and args.ft_groups > 1 else [])]
+        )
     if args.ft_groups is not None:
         return _replica_groups(args, words)
     if args.slurm or args.k8s:
@@ -97,10 +99,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _replica_groups(args: argparse.Namespace, words: list[str]) -> int:
     n = args.ft_groups
+    cluster = bool(args.slurm or args.k8s)  # --nnodes: nodes per group there
     others = [
         flag
         for flag, given in (
-            ("--slurm", args.slurm), ("--k8s", args.k8s), ("--nnodes", args.nnodes != 1), ("--hostfile", args.hostfile),
+            ("--nnodes", args.nnodes != 1 and not cluster), ("--hostfile", args.hostfile),
             ("--rdzv-endpoint", args.rdzv_endpoint), ("--launcher deepspeed", args.launcher != "torchrun"),
             ("eval", args.args[:1] == ["eval"]),
         )
@@ -109,14 +112,16 @@ def _replica_groups(args: argparse.Namespace, words: list[str]) -> int:
     if n < 2 or others:
         raise UserError(
             f"--ft-groups {n}{' with ' + ', '.join(others) if others else ''} is not supported; accepted: --ft-groups N >= 2 "
-            "with --nproc K, on this machine, for `train` (each group a torchrun job of its own)"
+            "with --nproc K for `train`: on this machine, or with --slurm / --k8s and --nnodes per group"
         )
     cfg = load_config(*split_args([*words, f"fault_tolerance.groups={n}"]))
+    ft = cfg.fault_tolerance
+    if cluster:
+        return write_cluster_file(args, (n, ft.min_groups, ft.heartbeat_timeout_s))
     command = group_command(args.nproc, args.max_restarts, words, n)
     if args.dry_run:
         print(shlex.join(command) + f"  # x {n}, {GROUP_ENV}=0..{n - 1}")
         return 0
-    ft = cfg.fault_tolerance
     return run_groups(n, ft.min_groups, ft.heartbeat_timeout_s, command)
 
 
