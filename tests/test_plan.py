@@ -365,3 +365,26 @@ def test_activation_traces_are_kept_across_processes(tmp_path, monkeypatch):
     first, second = (subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True) for _ in range(2))
     assert first.stdout.split()[2] == "True" and second.stdout.split()[2] == "False", (first.stderr, second.stderr)
     assert first.stdout.split()[:2] == second.stdout.split()[:2]
+
+
+def test_the_cpus_measured_peak_is_kept_per_machine(tmp_path, monkeypatch):
+    """Measured once (a 1024 x 1024 matmul timed in every rank cost 0.1-0.2 s each), then
+    read back by a later process; another thread count is another measurement."""
+    import torch
+
+    from scaletrain.plan import hardware
+
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
+    rates = iter([3e10, 5e10, 7e10])
+    monkeypatch.setattr(hardware, "_matmul_rate", lambda: next(rates))
+    for _ in range(2):  # two "processes"
+        hardware.measured_cpu_peak.cache_clear()
+        assert hardware.measured_cpu_peak() == 3e10
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        hardware.measured_cpu_peak.cache_clear()
+        assert hardware.measured_cpu_peak() == 5e10
+    finally:
+        torch.set_num_threads(threads)
+        hardware.measured_cpu_peak.cache_clear()

@@ -1,7 +1,7 @@
 """Small results kept across processes in one JSON file each (`$SCALETRAIN_CACHE` or
 `~/.cache/scaletrain`): what many short processes of one machine would otherwise each
 compute again (the planner's activation traces: plan/trace_cache.py; py-cpuinfo's answer:
-engines/deepspeed.py). Keys are hashed from everything the result depends on, so a key
+engines/deepspeed.py; the CPU's measured matmul rate: plan/hardware.py). Keys are hashed from everything the result depends on, so a key
 that changes misses and computes again. Writes replace the file atomically; two processes
 writing at once may lose an entry (computed again later), never corrupt the file. Any I/O
 problem (a read-only home) just means computing, as without the cache;
@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,18 @@ def cached(file: str, key: Any, compute: Callable[[], Any]) -> Any:
         entries = dict(list(entries.items())[len(entries) // 2 :])
     _write(path, entries)
     return value
+
+
+def cpu_identity() -> list[str] | None:
+    """What identifies this machine's CPU: the host name and the vendor, model and flags
+    lines of /proc/cpuinfo (not its clock speeds, which change); None where it is not
+    readable (then nothing measured of the CPU is kept)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    wanted = ("vendor_id", "model name", "flags", "cpu family", "model\t", "processor")
+    return [platform.node(), *sorted({line for line in lines if line.startswith(wanted)})]
 
 
 def cache_path(file: str) -> Path | None:

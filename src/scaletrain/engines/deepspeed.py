@@ -15,7 +15,6 @@ import functools
 import importlib
 import logging
 import os
-import platform
 import sys
 import warnings
 from contextlib import nullcontext, redirect_stdout
@@ -419,14 +418,9 @@ CPU_FILE = "cpuinfo.json"
 
 
 def _cpu_key(version: str) -> list[str] | None:
-    """What identifies this machine's CPU for py-cpuinfo: the model, vendor and flags lines
-    of /proc/cpuinfo (not its clock speeds, which change); None where it is not readable."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    wanted = ("vendor_id", "model name", "flags", "cpu family", "model\t", "processor")
-    return [version, platform.node(), *sorted({line for line in lines if line.startswith(wanted)})]
+    """py-cpuinfo's version and the CPU's identity (disk_cache.cpu_identity)."""
+    cpu = disk_cache.cpu_identity()
+    return None if cpu is None else [version, *cpu]
 
 
 def _eager(model: Any = None, **_: Any) -> Any:

@@ -10,6 +10,7 @@ from functools import lru_cache
 
 import torch
 
+from scaletrain import disk_cache
 from scaletrain.errors import UserError
 
 GiB = 1024**3
@@ -80,7 +81,21 @@ def gpu(name: str | None, memory: str | None) -> Device:
 
 @lru_cache(maxsize=1)
 def measured_cpu_peak() -> float:
-    """fp32 matmul FLOP/s of this process's threads: the CPU's 'peak' is what it does."""
+    """fp32 matmul FLOP/s of this process's threads: the CPU's 'peak' is what it does.
+    Measured once per machine, thread count, kernel family and torch (0.1-0.2 s of a
+    core, which every rank of every run paid), then kept (disk_cache.py); with
+    SCALETRAIN_CACHE=off, or where the CPU cannot be identified, in every process."""
+    cpu = disk_cache.cpu_identity()
+    if cpu is None:
+        return _matmul_rate()
+    key = ["cpu-peak", *cpu, torch.__version__, torch.get_num_threads(), os.environ.get("ATEN_CPU_CAPABILITY", "")]
+    return float(disk_cache.cached(PEAK_FILE, key, _matmul_rate))
+
+
+PEAK_FILE = "cpu-peak.json"
+
+
+def _matmul_rate() -> float:
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
     for _ in range(3):  # wake the thread pool: the first calls run at a fraction of speed

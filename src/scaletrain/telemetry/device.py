@@ -49,7 +49,7 @@ def device_info(device: torch.device, precision: str, peak_tflops: float | None)
     if peak_tflops:
         return DeviceInfo("CPU", peak_tflops * 1e12, "telemetry.peak_tflops", ram)
     # A CPU's 'peak' is what an fp32 matmul reaches in this process (beside the other ranks).
-    return DeviceInfo("CPU", measured_cpu_peak(), "measured fp32 matmul at start", ram)
+    return DeviceInfo("CPU", measured_cpu_peak(), "measured fp32 matmul (once per machine and thread count)", ram)
 
 
 def memory_peak(device: torch.device) -> tuple[int, int | None]:
