@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from scaletrain.bench.raw import adamw_groups, peak_bytes
+from scaletrain.bench.raw import adamw_groups, end_process, peak_bytes
 from scaletrain.config import Config, load_config
 from scaletrain.data import PackedTokens, resolve_dataset_dir
 from scaletrain.models import model_spec
@@ -178,4 +178,7 @@ def accelerate_loop(cfg: Config, model: Any, examples: Windows, out: Path, cuda:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # Without the interpreter's teardown, as the raw loops end (raw.end_process): Accelerate's
+    # prepared DDP model outlived the process group there once and gloo aborted the rank
+    # ("terminate called without an active exception", exit -6) after its results were written.
+    end_process(main(sys.argv[1:]))
