@@ -50,6 +50,11 @@ class World:
 ALONE = World(0, 1, 0, torch.device("cpu"), None)
 
 
+def uses_cuda(device_choice: str) -> bool:
+    """run.device: cuda, or auto where a CUDA device is visible."""
+    return device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+
+
 def init_distributed(device_choice: str = "auto", backend_choice: str = "auto", timeout_s: float = 600) -> World:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -57,7 +62,7 @@ def init_distributed(device_choice: str = "auto", backend_choice: str = "auto", 
 
     if device_choice == "cuda" and not torch.cuda.is_available():
         raise UserError("run.device=cuda but no CUDA device is visible; accepted here: auto or cpu")
-    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    use_cuda = uses_cuda(device_choice)
     if use_cuda:
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)

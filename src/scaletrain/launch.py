@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from scaletrain import startup
 from scaletrain.errors import EXIT_HUNG, EXIT_OOM, EXIT_PREEMPTED, UserError
 from scaletrain.faults import RELAUNCH_ENV
 
@@ -240,9 +241,10 @@ def run_torchrun(cmd: list[str]) -> int:
     report of its own. Signals still reach the agent (it is this process), which forwards
     them to the workers as torchrun does.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    with startup.heavy_imports():  # torch: the agent lives as long as the run
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import parse_args, run
 
     if cmd[1:3] != ["-m", "torch.distributed.run"]:
         raise ValueError(f"not a torchrun command: {cmd[:3]}")

@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Protocol
 
-from scaletrain import __version__
+from scaletrain import __version__, startup
 from scaletrain.cli import bench, ckpt, compare, data, diagnose, evaluate, launch, plan, train
 from scaletrain.errors import EXIT_PREEMPTED, Preempted, UserError
 from scaletrain.launch import launcher_rank, report_error, report_preempted
@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The `scaletrain` command. Called without argv it is the process: it then ends it."""
+    if argv is None:
+        startup.own_process()
     code = _main(sys.argv[1:] if argv is None else argv)
     if argv is None and sys.getprofile() is None and sys.gettrace() is None:  # no profiler or debugger wraps us
         _end_process(code)

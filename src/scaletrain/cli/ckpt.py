@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from scaletrain import startup
 from scaletrain.strategies import STRATEGIES
 
 
@@ -53,6 +54,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
 
 
 def run(args: argparse.Namespace) -> int:
-    from scaletrain.cli.ckpt_actions import ACTIONS  # torch.distributed.checkpoint, the engines (convert), safetensors
+    with startup.heavy_imports():
+        from scaletrain.cli.ckpt_actions import ACTIONS  # torch.distributed.checkpoint, the engines (convert), safetensors
 
     return ACTIONS[args.ckpt_command](args)

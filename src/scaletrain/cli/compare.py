@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from scaletrain import startup
 from scaletrain.cli.console import console
 
 
@@ -22,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
 
 
 def run(args: argparse.Namespace) -> int:
-    from scaletrain.diagnose.comparison import check_runs, compare_runs, print_comparison  # the run readers
+    with startup.heavy_imports():
+        from scaletrain.diagnose.comparison import check_runs, compare_runs, print_comparison  # the run readers
 
     check_runs(args.runs)
     rows = compare_runs(args.runs)

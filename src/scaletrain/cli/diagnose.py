@@ -8,6 +8,7 @@ import sys
 
 from rich.markup import escape
 
+from scaletrain import startup
 from scaletrain.cli.console import console
 
 SEVERITY_STYLE = {"warning": "bold yellow", "info": "cyan"}
@@ -27,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
 
 
 def run(args: argparse.Namespace) -> int:
-    from scaletrain.diagnose import diagnose, write_report  # the findings, the report's plots
+    with startup.heavy_imports():
+        from scaletrain.diagnose import diagnose, write_report  # the findings, the report's plots
 
     findings = diagnose(args.run_dir)
     report = None if args.no_html else write_report(args.run_dir, findings)

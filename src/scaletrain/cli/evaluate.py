@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from scaletrain import startup
 from scaletrain.config import split_args
 
 
@@ -28,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
         from scaletrain.errors import UserError
 
         raise UserError(f"scaletrain eval takes key=value overrides of the checkpoint's own config, not {files[0]}")
-    from scaletrain.eval_checkpoint import evaluate_checkpoint  # torch, the engines: once the arguments are known
+    with startup.heavy_imports():
+        from scaletrain.eval_checkpoint import evaluate_checkpoint  # torch, the engines: once the arguments are known
 
     evaluate_checkpoint(args.target, overrides)
     return 0

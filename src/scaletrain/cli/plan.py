@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from scaletrain import startup
 from scaletrain.config import AUTO_MICRO_BATCH, Config, load_config, split_args
 from scaletrain.errors import UserError
 from scaletrain.strategies import STRATEGIES
@@ -56,10 +57,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(*split_args(args.args))
     if args.measure:
         check_measurable(cfg)
-        from scaletrain.cli.plan_measure import measure  # the engines, a process group, torch's MemTracker
+        with startup.heavy_imports():
+            from scaletrain.cli.plan_measure import measure  # the engines, a process group, torch's MemTracker
+            from scaletrain.engines import preload
 
+            preload(cfg)
         return measure(cfg, args.json)
-    from scaletrain.cli.plan_output import show_plan  # the planner (torch: the model is traced on the meta device)
+    with startup.heavy_imports():
+        from scaletrain.cli.plan_output import show_plan  # the planner (torch: the model is traced on the meta device)
 
     return show_plan(cfg, args)
 

@@ -23,7 +23,12 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    from scaletrain.trainer import train  # torch, the engines: once the config is known to be good
+    from scaletrain import startup
 
+    with startup.heavy_imports():  # torch, the engine: once the config is known to be good
+        from scaletrain.engines import preload
+        from scaletrain.trainer import train
+
+        preload(cfg)
     train(cfg)
     return 0

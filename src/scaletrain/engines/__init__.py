@@ -7,6 +7,7 @@ dependencies (DeepSpeed is heavy)."""
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 
 from scaletrain.config import Config
 from scaletrain.distributed import World
@@ -22,9 +23,29 @@ def build_engine(
     """The configured engine around the spec's model; the engine builds and materializes it
     and optimizes what `param_groups` returns. A `teacher` is built beside it, frozen
     (engines/teacher.py), and its output goes to the loss with the model's."""
-    module = importlib.import_module(f"scaletrain.engines.{strategy(cfg.parallel.strategy).engine}")
-    engine: Engine = module.ENGINE(spec, world, dims, cfg, param_groups, teacher)
+    engine: Engine = _module(cfg).ENGINE(spec, world, dims, cfg, param_groups, teacher)
     return engine
 
 
-__all__ = ["Engine", "MicroBatch", "ParamGroups", "StepStats", "build_engine"]
+def preload(cfg: Config) -> None:
+    """What building the configured model and engine will import, imported now: the CLI does
+    it while the collector is paused (startup.py). torch._dynamo is imported by every
+    torch.optim constructor (DeepSpeed's optimizers included); transformers' auto classes
+    by a Hugging Face model or teacher; an engine module may name more with a
+    `preload(cfg)` of its own (DeepSpeed's)."""
+    import torch._dynamo  # noqa: F401
+
+    if "hf" in (cfg.model.source, cfg.model.teacher and cfg.model.teacher.source):
+        from scaletrain.models.hf import transformers_module
+
+        transformers_module().AutoModelForCausalLM  # noqa: B018  # its lazy module's import
+    hook = getattr(_module(cfg), "preload", None)
+    if hook is not None:
+        hook(cfg)
+
+
+def _module(cfg: Config) -> ModuleType:
+    return importlib.import_module(f"scaletrain.engines.{strategy(cfg.parallel.strategy).engine}")
+
+
+__all__ = ["Engine", "MicroBatch", "ParamGroups", "StepStats", "build_engine", "preload"]

@@ -28,7 +28,7 @@ from torch import nn
 from scaletrain import disk_cache
 from scaletrain.checkpoint.deepspeed_format import DEEPSPEED_TAG
 from scaletrain.config import Config
-from scaletrain.distributed import World, ensure_process_group
+from scaletrain.distributed import World, ensure_process_group, uses_cuda
 from scaletrain.engines.base import AccumulationWindow, ParamGroups, StepStats, set_lr
 from scaletrain.engines.block_wrappers import apply_activation_checkpointing, plain_name
 from scaletrain.engines.deepspeed_config import build_deepspeed_config, to_json
@@ -359,6 +359,11 @@ def _set_optimizer_step(optimizer: Any, step: int) -> None:
             state["step"] = (
                 type(state["step"])(step) if not isinstance(state["step"], torch.Tensor) else torch.full_like(state["step"], step)
             )
+
+
+def preload(cfg: Config) -> None:
+    """engines.preload: DeepSpeed's import at start-up, with the collector paused (startup.py)."""
+    _import_deepspeed(torch.device("cuda" if uses_cuda(cfg.run.device) else "cpu"))
 
 
 def _import_deepspeed(device: torch.device) -> Any:

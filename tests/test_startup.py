@@ -1,0 +1,66 @@
+"""startup.py: a process the CLI owns imports torch and the engine with the cyclic collector
+paused, freezes what the imports made, and runs with the collector on; any other process
+keeps its collector as it was. Each case runs in a fresh interpreter: a freeze is for the
+life of a process, and this one is pytest's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+
+def _python(code: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+BLOCK = """
+import gc, json
+from scaletrain import startup
+{before}
+with startup.heavy_imports():
+    inside = gc.isenabled()
+    import torch
+print(json.dumps({{"inside": inside, "after": gc.isenabled(), "frozen": gc.get_freeze_count()}}))
+"""
+
+
+def test_an_owned_process_imports_without_the_collector_then_freezes_and_turns_it_back_on():
+    seen = _python(BLOCK.format(before="startup.own_process()"))
+    assert seen["inside"] is False and seen["after"] is True
+    assert seen["frozen"] > 100_000  # torch's import alone makes ~170k tracked objects
+
+
+@pytest.mark.parametrize("before", ["", "startup.own_process(); gc.disable()"], ids=["not-owned", "collector-already-off"])
+def test_a_process_the_cli_does_not_own_or_whose_collector_is_off_is_left_as_it_was(before):
+    seen = _python(BLOCK.format(before=before))
+    assert seen["frozen"] == 0
+    assert seen["inside"] is seen["after"] is (before == "")
+
+
+def test_scaletrain_train_reaches_the_trainer_with_torch_dynamo_and_the_engine_frozen_and_the_collector_on():
+    # The trainer replaced by a spy (nothing trains): what `scaletrain train` hands it. The
+    # spy is installed before main() runs, so the trainer's own import happens earlier, as
+    # a plain import; the engine's module and torch._dynamo are the CLI's (engines.preload).
+    seen = _python(
+        """
+import gc, json, sys
+import scaletrain.trainer as trainer
+def spy(cfg, console=None):
+    print(json.dumps({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(),
+                      "preloaded": [m in sys.modules for m in ("torch._dynamo", "scaletrain.engines.fsdp")]}))
+trainer.train = spy
+from scaletrain.cli import main
+sys.argv = ["scaletrain", "train", "model.preset=tiny", "parallel.strategy=fsdp", "run.device=cpu"]
+main()
+"""
+    )
+    assert seen["enabled"] is True
+    assert seen["frozen"] > 100_000
+    assert seen["preloaded"] == [True, True]
