@@ -55,9 +55,13 @@ demo: setup
 
 # Every test, in two parts. Most tests wait on subprocesses (imports, rendezvous, gloo):
 # two at a time keep both cores busy (one worker per test file, so a module's shared runs
-# are made once). The tests that judge timing (`serial`) run afterwards, alone.
-test: setup-test lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial"
+# are made once). The lint runs beside that part (mypy: ~25 s of one core, which the two
+# workers' waits absorb), its output kept until the part ends; either failing fails it.
+# The tests that judge timing (`serial`) run afterwards, alone.
+test: setup-test
+	$(MAKE) --no-print-directory lint > $(VENV)/lint.log 2>&1 & lint=$$!; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial"; tests=$$?; \
+	wait $$lint; linted=$$?; cat $(VENV)/lint.log; [ $$tests -eq 0 ] && [ $$linted -eq 0 ]
 	$(BIN)/python -m pytest -q -m serial
 
 lint: setup-test

@@ -14,7 +14,7 @@ from scaletrain.distributed import World
 from scaletrain.engines.base import Engine, MicroBatch, ParamGroups, StepStats
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel import ParallelDims
-from scaletrain.strategies import strategy
+from scaletrain.strategies import TABLE, strategy
 
 
 def build_engine(
@@ -39,6 +39,8 @@ def preload(cfg: Config) -> None:
         from scaletrain.models.hf import transformers_module
 
         transformers_module().AutoModelForCausalLM  # noqa: B018  # its lazy module's import
+    if cfg.parallel.strategy not in TABLE:  # auto: the trainer's planner picks the engine later
+        return
     hook = getattr(_module(cfg), "preload", None)
     if hook is not None:
         hook(cfg)
