@@ -109,10 +109,10 @@ def rank0_first(world: World, fn: Callable[[], T], what: str, timeout_s: float, 
         try:
             result = fn()
         except UserError as e:
-            store.set(key, f"user\n{e}")
+            _tell_and_wait_for_readers(store, key, f"user\n{e}", world.world_size - 1)
             raise
         except BaseException as e:
-            store.set(key, f"crash\n{type(e).__name__}: {e}")
+            _tell_and_wait_for_readers(store, key, f"crash\n{type(e).__name__}: {e}", world.world_size - 1)
             raise
         store.set(key, "ok\n")
         return result
@@ -123,6 +123,7 @@ def rank0_first(world: World, fn: Callable[[], T], what: str, timeout_s: float, 
             raise UserError(f"rank 0 did not finish {what} within {timeout_s:g} s; {hint}")
         time.sleep(0.1)
     status, _, message = store.get(key).decode().partition("\n")
+    store.add(f"{key}/read", 1)
     if status == "user":
         raise UserError(message)
     if status == "crash":
@@ -137,6 +138,21 @@ def rank0_first(world: World, fn: Callable[[], T], what: str, timeout_s: float, 
         time.sleep(PEER_CRASH_GRACE_S)
         raise UserError(line)
     return None
+
+
+# How long rank 0 waits for the other ranks to read why it failed before it goes on to exit.
+READ_GRACE_S = 10.0
+
+
+def _tell_and_wait_for_readers(store: dist.Store, key: str, value: str, readers: int) -> None:
+    """Rank 0's failure, set for the waiting ranks; then a wait (up to READ_GRACE_S) until
+    each has read it: the store's server may live in rank 0's process (torchrun with a
+    store per attempt), and a rank 0 that exits between two polls of a peer left that peer
+    a closed connection instead of the reason (seen once the start-up got faster)."""
+    store.set(key, value)
+    deadline = time.monotonic() + READ_GRACE_S
+    while store.add(f"{key}/read", 0) < readers and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def ensure_process_group(world: World) -> None:
