@@ -128,29 +128,19 @@ def _node_command(job: ClusterJob, python: str, endpoint: str, rdzv_id: str) -> 
 
 def sbatch_script(job: ClusterJob) -> str:
     check_slurm(job)
-    header = sbatch_header(job, job.nnodes)
-    port = str(job.port) if job.port is not None else f"$(({PORT_BASE} + SLURM_JOB_ID % 1000))"
     node_cmd = " ".join(
         '"$head_node:$port"' if a == "@ENDPOINT@" else '"$SLURM_JOB_ID"' if a == "@ID@" else shlex.quote(a)
         for a in _node_command(job, job.python, "@ENDPOINT@", "@ID@")
     )
-    processes = f"{job.nproc} process" + ("es" if job.nproc > 1 else "")
-    return f"""#!/bin/bash
-# Written by `scaletrain launch --slurm`: {job.nnodes} node(s) x {processes}.
-# Submit with: sbatch THIS_FILE (scaletrain's docs/clusters.md explains it).
-{header}
-
-set -euo pipefail
-: "${{SLURM_JOB_ID:?this is a Slurm batch script: submit it with sbatch}}"
-cd {shlex.quote(job.workdir)}
-
+    title = f"`scaletrain launch --slurm`: {job.nnodes} node(s) x {processes(job)}."
+    return f"""{sbatch_opening(job, job.nnodes, title, "docs/clusters.md")}
 # The first node hosts torchrun's c10d rendezvous store and every node's agent meets the
 # others there, so no node needs a rank of its own. (No `| head -n1`: under pipefail a
 # SIGPIPE of scontrol would end the script.)
 nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
 head_node=${{nodes%%$'\\n'*}}
 # Derived from the job id, so two jobs sharing a head node do not collide.
-port={port}
+port={sbatch_port(job)}
 
 {ENVIRONMENT}
 
@@ -187,6 +177,30 @@ REQUEUE = f"""if [[ $status -eq {EXIT_PREEMPTED} && $ended_by_slurm -eq 0 ]]; th
     exit 0
 fi
 exit "$status"
+"""
+
+
+def processes(job: ClusterJob) -> str:
+    return f"{job.nproc} process" + ("es" if job.nproc > 1 else "")
+
+
+def sbatch_port(job: ClusterJob) -> str:
+    """The rendezvous port: --port, or one derived from the job id in the script."""
+    return str(job.port) if job.port is not None else f"$(({PORT_BASE} + SLURM_JOB_ID % 1000))"
+
+
+def sbatch_opening(job: ClusterJob, nnodes: int, title: str, docs: str) -> str:
+    """Every sbatch script's first lines: who wrote it (`title`, wrapped by the caller),
+    where its docs are, the #SBATCH lines, a strict shell that refuses to run outside
+    Slurm, and the working directory."""
+    return f"""#!/bin/bash
+# Written by {title}
+# Submit with: sbatch THIS_FILE (scaletrain's {docs} explains it).
+{sbatch_header(job, nnodes)}
+
+set -euo pipefail
+: "${{SLURM_JOB_ID:?this is a Slurm batch script: submit it with sbatch}}"
+cd {shlex.quote(job.workdir)}
 """
 
 

@@ -26,14 +26,15 @@ import yaml
 
 from scaletrain.cluster import (
     ENVIRONMENT,
-    PORT_BASE,
     REQUEUE,
     TERM_TRAP,
     ClusterJob,
     _node_command,
     check_slurm,
+    processes,
     pytorchjob,
-    sbatch_header,
+    sbatch_opening,
+    sbatch_port,
 )
 from scaletrain.faults import GROUP_ENV
 from scaletrain.launch_groups import START_ENV
@@ -60,8 +61,6 @@ def sbatch_groups_script(job: ClusterJob, groups: int, min_groups: int, heartbea
     check_slurm(job)
     job = replace(job, max_restarts=job.max_restarts or DEFAULT_RESTARTS)
     k = job.nnodes
-    header = sbatch_header(job, groups * k)
-    port = str(job.port) if job.port is not None else f"$(({PORT_BASE} + SLURM_JOB_ID % 1000))"
     lighthouse = " ".join(shlex.quote(a) for a in lighthouse_command(job.python, min_groups, heartbeat_timeout_s, "@P@", "@S@"))
     lighthouse = lighthouse.replace("@P@", '"$lighthouse_port"').replace("@S@", '"$((lighthouse_port + 1))"')
     group_job = replace(job, train_args=_group_args(job, groups, "@LIGHTHOUSE@"))
@@ -71,21 +70,15 @@ def sbatch_groups_script(job: ClusterJob, groups: int, min_groups: int, heartbea
         "fault_tolerance.lighthouse=@LIGHTHOUSE@": '"fault_tolerance.lighthouse=http://${nodes[0]}:$lighthouse_port"',
     }
     group_cmd = " ".join(words.get(a, shlex.quote(a)) for a in _node_command(group_job, job.python, "@ENDPOINT@", "@ID@"))
-    processes = f"{job.nproc} process" + ("es" if job.nproc > 1 else "")
-    return f"""#!/bin/bash
-# Written by `scaletrain launch --ft-groups {groups} --slurm`: {groups} replica groups of {k} node(s) x
-# {processes}, and a torchft lighthouse on the first node.
-# Submit with: sbatch THIS_FILE (scaletrain's docs/fault-tolerance.md explains it).
-{header}
-
-set -euo pipefail
-: "${{SLURM_JOB_ID:?this is a Slurm batch script: submit it with sbatch}}"
-cd {shlex.quote(job.workdir)}
-
+    title = (
+        f"`scaletrain launch --ft-groups {groups} --slurm`: {groups} replica groups of {k} node(s) x\n"
+        f"# {processes(job)}, and a torchft lighthouse on the first node."
+    )
+    return f"""{sbatch_opening(job, groups * k, title, "docs/fault-tolerance.md")}
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 # Group g meets at its first node on port + g; the lighthouse listens on port + {groups}
 # and the start barrier's store on the port after it.
-port={port}
+port={sbatch_port(job)}
 lighthouse_port=$((port + {groups}))
 export {START_ENV}="${{nodes[0]}}:$((lighthouse_port + 1))"
 
