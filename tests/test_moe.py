@@ -65,27 +65,54 @@ def test_the_routed_output_is_each_tokens_top_k_experts_weighted(overrides):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_grouped_matmul_path_gives_the_loops_numbers(monkeypatch, dtype):
-    """CUDA runs the experts as one torch._grouped_mm; torch 2.13 has it on the CPU too, so
-    the path (its offsets, the stacked weights) is checked here against the loop: outputs
-    and gradients, an expert with no token included."""
+@pytest.mark.parametrize("capacity", ["0", "0.5"])
+def test_the_grouped_matmul_path_gives_the_loops_numbers(dtype, capacity):
+    """model.moe.experts_impl=grouped (one torch._grouped_mm per projection) against loop
+    (one matmul per expert): outputs and gradients, an expert with no token included, and
+    under a capacity the dropped slots (rows past the grouped kernel's last offset, which
+    it leaves unwritten) neither in the output nor in any gradient."""
     runs = []
-    for grouped in (False, True):
-        monkeypatch.setattr("scaletrain.models.moe._grouped_mm_applies", lambda tokens, weight, grouped=grouped: grouped)
-        layer = _moe().to(dtype)
+    for impl in ("loop", "grouped"):
+        layer = _moe(f"model.moe.experts_impl={impl}", f"model.moe.capacity_factor={capacity}").to(dtype)
         with torch.no_grad():
             layer.router.weight[3] = -50  # expert 3 never chosen: an empty group
         x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1)).abs().to(dtype)  # positive: row 3 scores lowest
-        y, _, stats = layer(x)
-        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(dtype))
-        runs.append((y, [p.grad for p in layer.experts.parameters()], stats))
-    assert runs[0][2][3] == 0
-    # Each output row is the same sum of products over the model width, in whatever order
-    # each kernel blocks it: a few ulps of the dtype (bf16 rounds to 8 bits).
+        x.requires_grad_(True)
+        y, aux, stats = layer(x)
+        (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(dtype)).sum().add(aux).backward()
+        runs.append((y, [x.grad, *(p.grad for p in layer.parameters())], stats))
+    assert runs[0][2][3] == 0 and torch.equal(runs[0][2], runs[1][2])
+    assert (runs[0][2][layer.n_experts + STAT_DROPPED] > 0) == (capacity != "0")
+    # Each output row, and each gradient entry, is the same sum of products (over the
+    # model width, the expert width, or an expert's rows) in whatever order each kernel
+    # blocks it: torch's CPU grouped kernel runs one matmul per group, the loop one per
+    # expert, so the sums may be ordered differently, by a few ulps of the largest term
+    # (fp32: 6e-8 each, 16-48 terms per sum here; bf16 rounds to 8 bits).
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(runs[1][0], runs[0][0], **tol)
     for got, want in zip(runs[1][1], runs[0][1]):
+        assert torch.isfinite(got).all()  # no unwritten row reached a gradient
         torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.unit
+def test_both_paths_run_under_autocast_as_ddp_runs_bf16():
+    # ddp's bf16 is autocast over fp32 weights and residual stream: the experts' products
+    # come out in bf16 (the grouped kernel, on no autocast list, is cast to it as the
+    # loop's matmuls are) and are summed into the fp32 tokens.
+    runs = []
+    for impl in ("loop", "grouped"):
+        layer = _moe(f"model.moe.experts_impl={impl}")
+        x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, aux, _ = layer(x)
+        (y.sum() + aux).backward()
+        assert y.dtype == torch.float32 and layer.experts.w1.grad.dtype == torch.float32
+        runs.append([y, x.grad, layer.experts.w1.grad])
+    for got, want in zip(*reversed(runs)):
+        # The same bf16 products, rounded to 8-bit mantissas at each step (kernels may round
+        # an intermediate differently): a few of bf16's 2^-8 relative steps of the largest value.
+        torch.testing.assert_close(got, want, rtol=0, atol=2**-5 * want.abs().max().item())
 
 
 @pytest.mark.unit

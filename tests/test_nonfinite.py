@@ -84,6 +84,18 @@ def test_abort_stops_at_the_first_nonfinite_step(data, tmp_path, monkeypatch):
     assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path / "abort" / "checkpoints")] == [1]
 
 
+def test_the_guard_reads_at_the_end_of_the_interval(data, tmp_path, monkeypatch):
+    # A step reads nothing from the device (docs/gpu.md): the NaN at step 2 is seen where the
+    # interval of 4 is read, after step 4; its rows are written with the counters, none saved.
+    run_dir = tmp_path / "abort4"
+    with pytest.raises(Diverged, match=r"^step 2: non-finite loss; train.nonfinite=abort stopped the run .*no checkpoint yet"):
+        run(run_dir, monkeypatch, "nan:2", "checkpoint.every=0", "train.log_every=4", "train.nonfinite=abort")
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and math.isnan(rows[1]["loss"])
+    assert [r["nonfinite_steps"] for r in rows] == [0, 1, 1, 1]
+    assert not list((run_dir / "checkpoints").glob("step_*"))
+
+
 @pytest.mark.timeout(300)
 def test_rollback_reloads_the_checkpoint_and_skips_the_bad_data(data, tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "rollback"

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, ValidationError, field_serializer, field_
 
 from scaletrain.config_data import DataConfig, MixSource  # noqa: F401  # re-exported: the schema's data section
 from scaletrain.config_eval import EvalConfig
+from scaletrain.config_float8 import float8_problem, with_implied_precision
 from scaletrain.config_ft import FaultToleranceConfig, fault_tolerance_problem
 from scaletrain.config_model import (  # noqa: F401  # re-exported: the schema's model sections
     MODEL_PRESETS,
@@ -28,6 +29,7 @@ from scaletrain.config_model import (  # noqa: F401  # re-exported: the schema's
     MoeSection,
     Section,
     TeacherConfig,
+    compiled_experts_problem,
 )
 from scaletrain.errors import UserError
 from scaletrain.stages import SCHEDULES, schedule_problem
@@ -58,6 +60,9 @@ class TrainConfig(Section):
     # torch.compile each block (inductor; a C++ compiler on CPU). ddp and fsdp; compiled at
     # the first step (tens of seconds on a CPU), then reused by every block.
     compile: bool = False
+    # The blocks' Linear layers train in float8 (torchao, tensorwise scales; not the head,
+    # embedding or routers): ddp and fsdp, bf16, Ada/Hopper GPUs (config_float8.py, docs/float8.md).
+    float8: bool = False
     lr: float = Field(3e-3, gt=0, le=10)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = Field(20, ge=0)
@@ -246,6 +251,9 @@ class TelemetryConfig(Section):
     # each rank waits for (exposed communication) and, from it, stragglers; 0: off.
     # Its cost is in docs/telemetry.md.
     comm_sample_every: int = Field(200, ge=0)
+    # Count each host read of a device tensor (a GPU's host sync) and where it was made, into
+    # the interval rows (telemetry/syncs.py, docs/gpu.md). For debugging: it slows the run.
+    host_syncs: bool = False
     cost_per_gpu_hour: float = Field(0.0, ge=0)  # per device (a GPU, or a process on CPU); 0: no cost shown
     # A rank whose mean step time over a log interval exceeds the median rank's by this
     # fraction is flagged as a straggler (with its host).
@@ -290,9 +298,15 @@ class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)  # replica groups (config_ft.py)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _implied(cls, data: Any) -> Any:
+        return with_implied_precision(data)  # train.float8 without a precision: bf16
+
     @model_validator(mode="after")
-    def _replica_groups_where_checked(self) -> Config:
-        problem = fault_tolerance_problem(self)
+    def _where_checked_beside_their_keys(self) -> Config:
+        # Replica groups (config_ft.py), train.float8 (config_float8.py), experts compiled (config_model.py).
+        problem = fault_tolerance_problem(self) or float8_problem(self) or compiled_experts_problem(self)
         if problem:
             raise ValueError(problem)
         return self

@@ -41,6 +41,11 @@ class MoeSection(Section):
     normalize_top_k: bool | None = None  # True: the top-k router weights sum to 1 (Mixtral)
     aux_loss_weight: float = Field(0.02, ge=0)  # load balancing (Switch); Mixtral's coefficient
     z_loss_weight: float = Field(0.001, ge=0)  # router z-loss (ST-MoE)
+    # How the experts run (the same numbers): grouped, one torch._grouped_mm per projection,
+    # nothing read back to the host; loop, one matmul per expert after one .tolist() of the
+    # token counts per layer and forward; auto, grouped where torch runs it without a host
+    # sync and in compiled blocks, else loop (docs/moe.md).
+    experts_impl: Literal["auto", "grouped", "loop"] = "auto"
 
 
 class ModelSource(Section):
@@ -113,6 +118,16 @@ class ModelConfig(ModelSource):
     lora: LoraSection | None = None
     # Distillation: a frozen teacher whose output distribution the model learns. None: off.
     teacher: TeacherConfig | None = None
+
+
+def compiled_experts_problem(cfg: Any) -> str | None:
+    """train.compile with model.moe.experts_impl=loop (cfg: the whole Config), or None."""
+    if cfg.train.compile and cfg.model.moe is not None and cfg.model.moe.experts_impl == "loop":
+        return (
+            "train.compile=true with model.moe.experts_impl=loop: the loop reads the token counts on the host (.tolist()), "
+            "which would break the compiled block's graph; accepted: model.moe.experts_impl=auto|grouped, or train.compile=false"
+        )
+    return None
 
 
 _SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "rope_theta", "moe")

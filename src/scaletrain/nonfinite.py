@@ -3,17 +3,20 @@
 The optimizer is never poisoned whatever the policy: every engine refuses to apply a step
 whose global gradient norm is not finite (Engine.step; weights and both Adam moments stay
 as they were), and a non-finite loss makes the gradients non-finite with it (NaN flows
-through the softmax into every logit's gradient). This module notices such steps, agrees
-on them across ranks, counts them, and says what the loop does next:
+through the softmax into every logit's gradient). The engines decide that on the device.
+This module notices such steps where the loop reads its metrics (the end of each log
+interval, and before a checkpoint, an evaluation or a rollback: docs/gpu.md), so a step
+makes no host sync for it; it counts them and says what the loop does next:
 
   skip      go on with the next batch (the step counts: its lr and its data are spent, as
             after an fp16 overflow); stop after `nonfinite_patience` bad steps in a row,
             since a run that only skips is not training
   rollback  after `nonfinite_patience` bad steps in a row, reload the newest valid
-            checkpoint and go on with the data after the bad steps: the window from the
-            checkpoint to here is skipped (PaLM's remedy for loss spikes). The same
-            checkpoint three times: stop
-  abort     stop at the first bad step, before anything of it is applied
+            checkpoint and go on with the data after the interval that held them: the
+            window from the checkpoint to there is skipped (PaLM's remedy for loss
+            spikes). The same checkpoint three times: stop
+  abort     stop at the end of the interval that holds the first bad step, which was not
+            applied; nothing of the interval is saved (no checkpoint falls inside one)
 
 Stopping is a one-line error (Diverged). The counters go into every metrics.jsonl row
 and into trainer.json, so they survive a resume.
@@ -21,14 +24,12 @@ and into trainer.json, so they survive a resume.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
+from typing import Any
 
 from scaletrain.config import TrainConfig
-from scaletrain.distributed import World
 from scaletrain.errors import UserError
 
 MAX_ROLLBACKS_TO_ONE = 3
@@ -39,10 +40,9 @@ class Diverged(UserError):
 
 
 class NonfiniteGuard:
-    def __init__(self, train: TrainConfig, precision: str, world: World, saved: dict[str, int] | None = None):
+    def __init__(self, train: TrainConfig, precision: str, saved: dict[str, int] | None = None):
         self.policy = train.nonfinite
         self.patience = train.nonfinite_patience
-        self.world = world
         # With fp16 the loss scaler owns overflowing gradients (skip and halve the scale, the
         # normal start of every fp16 run): only a non-finite loss counts there.
         self.check_grad = precision != "fp16"
@@ -50,49 +50,58 @@ class NonfiniteGuard:
         self.rollbacks = (saved or {}).get("rollbacks", 0)
         self.in_a_row = 0
         self.first_bad = 0
+        self.rollback_due = False  # set by review(): the loop rolls back next
         self._rolled_to: dict[int, int] = {}
 
     def counters(self) -> dict[str, int]:
         return {"nonfinite_steps": self.steps, "rollbacks": self.rollbacks}
 
-    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor, step: int, newest: Callable[[], Path | None]) -> bool:
-        """Collective, after the engine's step: True when this step was non-finite on any
-        rank (then: rollback due). Raises Diverged when the policy stops the run. One
-        all-reduce of two flags and one host sync per step."""
-        flags = torch.stack(
-            [~torch.isfinite(loss.detach()), ~torch.isfinite(grad_norm.detach().to(loss.device)) & self.check_grad]
-        ).float()
-        if self.world.distributed:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        bad_loss, bad_grad = flags.tolist()
-        if not (bad_loss or bad_grad):
-            self.in_a_row = 0
-            return False
+    def review(self, rows: list[dict[str, Any]], newest: Callable[[], Path | None]) -> Diverged | None:
+        """The steps of a log interval, in order, as telemetry read them (rows of "step",
+        "loss": the mean over ranks, non-finite when any rank's is, and "grad_norm": the
+        global norm): each row gets the counters as of its step; `rollback_due` is set when
+        the policy calls for a rollback. Returns the Diverged that stops the run, for the
+        caller to raise once the rows are written. Host only, and the same on every rank
+        (the rows are), so no collective: a step reads nothing from the device for this."""
+        self.rollback_due, stop = False, None
+        for row in rows:
+            if stop is None and not self.rollback_due:  # after either, the rows go with the run or the rollback
+                bad_loss = not math.isfinite(row["loss"])
+                bad_grad = self.check_grad and not math.isfinite(row["grad_norm"])
+                if bad_loss or bad_grad:
+                    stop = self._bad(row["step"], "loss" if bad_loss else "gradient norm", newest)
+                else:
+                    self.in_a_row = 0
+            row.update(self.counters())
+        return stop
+
+    def _bad(self, step: int, what: str, newest: Callable[[], Path | None]) -> Diverged | None:
         self.steps += 1
         self.in_a_row += 1
         self.first_bad = self.first_bad if self.in_a_row > 1 else step
-        what = "loss" if bad_loss else "gradient norm"
+        if self.policy != "abort" and self.in_a_row < self.patience:
+            return None
         last = newest()
         where = f"newest checkpoint: {last}" if last else "no checkpoint yet"
         if self.policy == "abort":
-            raise Diverged(
-                f"step {step}: non-finite {what}; train.nonfinite=abort stopped the run before applying it ({where}); "
+            # Read at the end of the log interval: the steps after it ran, and go with the run.
+            return Diverged(
+                f"step {step}: non-finite {what}; train.nonfinite=abort stopped the run without applying it ({where}); "
                 "accepted: train.nonfinite=skip|rollback, or a lower train.lr / train.clip_grad"
             )
-        if self.in_a_row < self.patience:
-            return False
         if self.policy == "skip":
-            raise Diverged(
+            return Diverged(
                 f"steps {self.first_bad}-{step}: {self.in_a_row} non-finite steps in a row (train.nonfinite_patience), "
                 f"none applied; train.nonfinite=skip gives up ({where}); accepted: train.nonfinite=rollback, "
                 "a lower train.lr, a larger train.nonfinite_patience"
             )
         if last is None:
-            raise Diverged(
+            return Diverged(
                 f"steps {self.first_bad}-{step}: {self.in_a_row} non-finite steps in a row and no checkpoint to roll "
                 "back to; accepted: checkpoint.every > 0 so that one exists, or train.nonfinite=skip"
             )
-        return True
+        self.rollback_due = True
+        return None
 
     def rolled_back(self, to_step: int) -> str:
         """Count a rollback to the checkpoint of `to_step`; the line that reports it."""

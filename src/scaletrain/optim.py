@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _foreach_utils
 
 from scaletrain.config import TrainConfig
 
@@ -32,8 +33,38 @@ def decay_groups(weight_decay: float) -> Callable[[nn.Module], list[dict[str, An
     return groups
 
 
-def build_adamw(groups: list[dict[str, Any]], cfg: TrainConfig, fused: bool = False) -> torch.optim.AdamW:
+def build_adamw(groups: list[dict[str, Any]], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """torch's AdamW, fused where torch has the kernel for the parameters' device (CUDA and
+    CPU among them): one kernel over all tensors instead of a dozen ops per tensor (on this
+    project's CPU 6x faster than foreach, docs/gpu.md), and the only implementation that
+    takes the non-finite flag into the kernel (skip_where): a skipped step needs no host sync."""
+    fused = device.type in _foreach_utils._get_fused_kernels_supported_devices()
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused or None)
+
+
+def after_load(optimizer: torch.optim.Optimizer) -> None:
+    """A load restores each group's `fused` with its state (skip_where follows the groups);
+    GradScaler follows the optimizer's flag instead, set when it was built: made to agree."""
+    optimizer._step_supports_amp_scaling = all(g.get("fused") for g in optimizer.param_groups)  # type: ignore[attr-defined]
+
+
+def skip_where(optimizer: torch.optim.Optimizer, skipped: torch.Tensor) -> None:
+    """optimizer.step(), applied nowhere when `skipped` (a 0-d bool on the device) is set:
+    weights, both moments and the step count stay exactly as they were. A fused optimizer
+    takes the flag into its kernel as GradScaler's found_inf, which it checks on the
+    device (and takes the step count back); another one reads the flag: one host sync.
+    Fused or not is each group's own: a resumed checkpoint of a foreach optimizer (an
+    earlier scaletrain's on a CPU) keeps its implementation, so it continues bit for bit."""
+    if not all(group.get("fused") for group in optimizer.param_groups):
+        if not skipped:
+            optimizer.step()
+        return
+    optimizer.found_inf = skipped.float()  # type: ignore[attr-defined]
+    optimizer.grad_scale = None  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
 
 
 def scaled_lr(cfg: TrainConfig, global_batch: int) -> float:

@@ -8,12 +8,14 @@ from dataclasses import replace
 
 import torch
 
+from scaletrain import defaults
 from scaletrain.batch import settle, with_micro_batch
 from scaletrain.config import AUTO_MICRO_BATCH, Config
 from scaletrain.distributed import World
 from scaletrain.errors import UserError
 from scaletrain.models import ModelSpec
 from scaletrain.parallel import dims_for
+from scaletrain.plan.candidate import Plan
 from scaletrain.plan.hardware import KNOWN_GPUS, Device, this_cpu
 from scaletrain.plan.planner import fmt, make_plan
 
@@ -29,27 +31,71 @@ def runtime_device(world: World, local_ranks: int) -> Device:
     return replace(cpu, memory=cpu.memory / local_ranks)
 
 
-def plan_run(cfg: Config, world: World, model: ModelSpec) -> tuple[Config, list[str]]:
-    """(config with the strategy and the micro-batch resolved, the global batch fixed, lines
-    to log). Errors only when auto finds nothing."""
+def runtime_target(world: World) -> defaults.Target:
+    """This rank's device, as far as the defaults go (defaults.py)."""
+    if world.device.type != "cuda":
+        return defaults.Target(world.device.type)
+    return defaults.Target("cuda", torch.cuda.get_device_name(world.device), torch.cuda.is_bf16_supported())
+
+
+def plan_run(
+    cfg: Config, world: World, model: ModelSpec, free: frozenset[str] = frozenset(), target: defaults.Target | None = None
+) -> tuple[Config, list[str]]:
+    """(config with the strategy and the micro-batch resolved, the device's defaults for the
+    keys in `free` that need a plan applied, the global batch fixed, lines to log). Errors
+    only when auto finds nothing."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
     nodes = max(1, world.world_size // local)
     device = runtime_device(world, local)
+    target = target or defaults.Target(world.device.type)
     auto = cfg.parallel.strategy == "auto"
     auto_batch = cfg.train.micro_batch == AUTO_MICRO_BATCH
     # The global batch every layout keeps; replica groups each read 1/groups of it.
     cfg = settle(cfg, dims_for(cfg.parallel, world.world_size).dp_size * cfg.fault_tolerance.groups)
-    if not (auto or auto_batch or world.is_main):
+    decide = target.gpu and bool(free & {"train.compile", "parallel.activation_checkpointing"})
+    if not (auto or auto_batch or decide or world.is_main):
         # Only rank 0 prints the plan; tracing activations (FakeTensorMode) costs each
-        # process ~1 s (it imports torch._dynamo). With auto every rank needs the choice.
+        # process ~1 s (it imports torch._dynamo). With auto (or a default that depends on
+        # the plan) every rank needs the choice.
         return cfg, []
+
+    def planned(c: Config) -> Plan:
+        return make_plan(c, model, world.world_size, nodes, device, all_strategies=auto, as_configured=not auto)
+
     try:
-        plan = make_plan(cfg, model, world.world_size, nodes, device, all_strategies=auto, as_configured=not auto)
+        plan = planned(cfg)
     except UserError as e:
         if auto or auto_batch:
             raise
         return cfg, [f"plan: warning: {e}"]
-    chosen, lines = plan.chosen, []
+    if decide and not auto:
+        cfg, applied = defaults.after_plan(cfg, target, free, lambda c: fits_and_time(planned(c)), accepted)
+        if applied:
+            plan = planned(cfg)
+            return _resolved(cfg, plan, auto, auto_batch, device, [f"defaults: {a}" for a in applied])
+    return _resolved(cfg, plan, auto, auto_batch, device, [])
+
+
+def fits_and_time(plan: Plan) -> tuple[bool, float]:
+    """Whether the plan's choice fits (at the configured micro-batch or the largest smaller
+    one), and its estimated step time."""
+    chosen = plan.chosen if plan.chosen.fits or plan.chosen.smaller is None else plan.chosen.smaller
+    return chosen.fits, chosen.step_time
+
+
+def accepted(cfg: Config) -> bool:
+    """Whether the config's own rules accept `cfg` (a default is never one it would refuse)."""
+    try:
+        Config.model_validate(cfg.model_dump())
+    except (UserError, ValueError):
+        return False
+    return True
+
+
+def _resolved(
+    cfg: Config, plan: Plan, auto: bool, auto_batch: bool, device: Device, lines: list[str]
+) -> tuple[Config, list[str]]:
+    chosen = plan.chosen
     s = chosen.setup
     if auto:
         parallel = cfg.parallel.model_copy(

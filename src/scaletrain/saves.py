@@ -72,6 +72,11 @@ class Saves:
         # exists would create it early (shifting Adam's step count).
         self._verify = self.cfg.checkpoint.verify_on_start
 
+    def due(self, step: int, last: bool) -> bool:
+        """Whether after_step will write (or verify) a checkpoint at `step`."""
+        every = self.cfg.checkpoint.every
+        return self.writes and (last or (every > 0 and step % every == 0)) or self._verify
+
     def after_step(self, step: int, last: bool, tokens_seen: int) -> None:
         """Collective: the checkpoint of `step` if one is due (checkpoint.every, or `last`);
         then the round trip of verify_on_start if still to do; logs a finished background save."""

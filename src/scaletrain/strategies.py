@@ -77,6 +77,10 @@ class Strategy:
     no_cp_why: str = ""
     keeps_gathered: bool = False  # parallel.reshard_after_forward=false (weights gathered from forward to backward)
     compile: bool = False  # train.compile (checked with these engines only)
+    # train.float8: the blocks' Linear layers as torchao Float8Linear (engines/float8.py),
+    # converted on the meta model before the engine wraps it.
+    float8: bool = False
+    no_float8_why: str = ""  # why a strategy without it has none, for the refusal
     teacher: bool = True  # model.teacher (engines/teacher.py holds it like the model)
     # fault_tolerance.groups > 1: replica groups of this layout, gradients averaged across
     # the live groups by torchft between backward and the optimizer step (replica_groups.py).
@@ -142,6 +146,7 @@ TABLE: dict[str, Strategy] = {
             whole_replicas=True,
             doc="torch DDP: every rank a whole replica, gradients all-reduced",
             compile=True,
+            float8=True,
             grad_compression=True,
             no_ep_why="DDP keeps every weight whole on every rank, and split experts are not",
             cp=True,
@@ -168,6 +173,7 @@ TABLE: dict[str, Strategy] = {
             replica_groups=True,
             keeps_gathered=True,
             compile=True,
+            float8=True,
             offload_params=("cpu",),
             partitions=3,
             buffers="fsdp_units",
@@ -200,6 +206,10 @@ TABLE: dict[str, Strategy] = {
                 # all-to-all over heads, its own attention wrapper), another design.
                 no_cp_why="DeepSpeed's engine reduces gradients over its data-parallel group only; its sequence "
                 "parallel is Ulysses (all-to-all over heads), another design",
+                # DeepSpeed holds the module's weights as its own 16-bit (ZeRO-3: partitioned)
+                # tensors and casts them itself; torchao's float8 weight casts have no place there.
+                no_float8_why="DeepSpeed holds and casts the weights itself (ZeRO-3 partitions them); torchao's float8 "
+                "Linear is not wired into it",
                 # The all-reduce across groups must sit between backward and the optimizer
                 # step; DeepSpeed's engine.step() reduces, clips and steps in one call.
                 no_replica_groups_why="DeepSpeed's engine reduces, clips and steps in one call, with no place for "

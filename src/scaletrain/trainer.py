@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from scaletrain import checkpoint, oom
+from scaletrain import checkpoint, defaults, oom
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
@@ -54,7 +54,7 @@ from scaletrain.optim import decay_groups, lr_at, scaled_lr
 from scaletrain.parallel import ParallelDims, describe, dims_for
 from scaletrain.paths import make_dir
 from scaletrain.preempt import PreemptionWatch
-from scaletrain.preflight import plan_run
+from scaletrain.preflight import plan_run, runtime_target
 from scaletrain.replica_groups import NoGroups, ReplicaGroups, data_ranks, group_dir, writes_checkpoints
 from scaletrain.rundir import RunPaths, check_resume, resume_point, write_run_info
 from scaletrain.saves import Saves
@@ -128,12 +128,11 @@ def loop(run: Run) -> None:
     """Optimizer steps until train.steps, a preemption, or an error."""
     last = run.cfg.train.steps
     while run.step < last:
-        if train_step(run):
+        train_step(run)
+        run.progress.advance(run.step)
+        if read_due(run, last) and settle(run):
             roll_back(run)
             continue
-        run.progress.advance(run.step)
-        if run.step % run.cfg.train.log_every == 0:
-            run.progress.show(run.telemetry.flush())
         if run.replicas.due(run.step):
             check_replicas(run)
         run.evaluation.after_step(run.step, run.step == last)  # before the save: no checkpoint without its eval row
@@ -145,9 +144,31 @@ def loop(run: Run) -> None:
             raise Preempted(run.step, signal.Signals(stop).name)
 
 
-def train_step(run: Run) -> bool:
+def read_due(run: Run, last: int) -> bool:
+    """Whether the host reads the device's figures after this step: at the end of a log
+    interval, and before whatever must know that no step since the last read went wrong
+    (a checkpoint, an evaluation, a replica check, the end). Between them a step reads
+    nothing from the device (docs/gpu.md)."""
+    step, is_last = run.step, run.step == last
+    return (
+        step % run.cfg.train.log_every == 0
+        or is_last
+        or run.saves.due(step, is_last)
+        or run.evaluation.due(step, is_last)
+        or run.replicas.due(step)
+    )
+
+
+def settle(run: Run) -> bool:
+    """Collective: the interval's metrics read, reviewed by the non-finite guard (which may
+    stop the run) and shown; True when the guard calls for a rollback."""
+    run.progress.show(run.telemetry.flush())
+    return run.guard.rollback_due
+
+
+def train_step(run: Run) -> None:
     """Optimizer step run.step + 1: forward and backward over the accumulation window, the
-    engine's step, its metrics. True when the non-finite policy calls for a rollback."""
+    engine's step, its metrics, all without reading anything from the device."""
     run.groups.before_step()  # replica groups: a group behind its peers takes their state (step, data position) here
     t0 = time.perf_counter()
     step = run.step + 1
@@ -161,6 +182,8 @@ def train_step(run: Run) -> bool:
             phase.now = "optimizer"
             stats = run.engine.step(lr)  # a non-finite step is not applied, whatever the policy
             mark("optimizer")
+            if stats.committed:  # else a replica group failed during it: applied nowhere, run again on the next batch
+                _record(run, step, lr, loss, stats, time.perf_counter() - t0)
     except torch.OutOfMemoryError as e:
         w = run.world
         oom.survive(run.cfg, run.paths.root, w.world_size, w.rank, run.batches.dp_size, step, phase.now, e, run.saves.let_finish)
@@ -169,19 +192,17 @@ def train_step(run: Run) -> bool:
         if run.world.world_size > 1 and oom.peer_ran_out(run.paths.root, step):
             oom.exit_with_peer(run.saves.let_finish)
         raise
-    if not stats.committed:  # a replica group failed during it: applied nowhere, run again on the next batch
-        return False
+
+
+def _record(run: Run, step: int, lr: float, loss: torch.Tensor, stats: Any, dt: float) -> None:
     # `tokens`: the trained ones (fine-tuning records: their responses); tokens_per_s: all processed.
     run.step, run.tokens_seen = step, run.tokens_seen + (run.batches.step_tokens if run.batches.masked else run.tokens_per_step)
     run.watchdog.beat(step)
-    roll_back = run.guard.check(loss, stats.grad_norm, step, run.saves.newest)
-    dt = time.perf_counter() - t0
-    scaler = {"loss_scale": stats.loss_scale, "skipped": stats.skipped} if stats.loss_scale else {}
+    scaler = {"loss_scale": stats.loss_scale, "skipped": stats.skipped} if stats.loss_scale is not None else {}
     run.telemetry.record(
         loss, stats.grad_norm, step=step, lr=lr, tokens_per_s=run.tokens_per_step / dt, step_time_s=dt,
-        tokens=run.tokens_seen, **scaler, **run.guard.counters(), **run.groups.fields(),
+        tokens=run.tokens_seen, **scaler, **run.groups.fields(),
     )  # fmt: skip
-    return roll_back
 
 
 class Phase:
@@ -202,7 +223,6 @@ class Phase:
 
 def roll_back(run: Run) -> None:
     """train.nonfinite=rollback: back to the newest valid checkpoint; its later rows go."""
-    run.telemetry.flush()
     state = run.saves.roll_back()
     run.step, run.tokens_seen = state.step, state.tokens_seen
     run.metrics.truncate_after(run.step)  # the rows of the undone steps; the counters keep the tally
@@ -268,13 +288,14 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     stack.callback(progress.close)
     watch = PreemptionWatch(world)
     stack.callback(watch.close)
-    guard = NonfiniteGuard(cfg.train, cfg.precision, world, resumed.nonfinite if resumed else {})
+    guard = NonfiniteGuard(cfg.train, cfg.precision, resumed.nonfinite if resumed else {})
     flush = lambda: progress.show(telemetry.flush())  # noqa: E731
     watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=lambda line: print(line, file=sys.stderr, flush=True))
     saves = Saves(
         cfg, world, dims, engine, spec, data, paths, guard, metrics, layout, lambda: batches.position, flush, watchdog.paused, say,
         writes=writes_checkpoints(cfg),
     )  # fmt: skip
+    telemetry.review = lambda rows: guard.review(rows, saves.newest)  # each interval's steps, as they are read
     # A clean stop (the end, a preemption, a one-line error agreed by every rank) lets the
     # checkpoint in flight complete; a crash does not wait for it (it stays without its marker).
     stack.push(
@@ -313,7 +334,12 @@ def _checked_plan(
     """The data, the model spec, the plan (strategy auto resolved) and the layout, and
     whether the checkpoint may be continued: all checked before anything is allocated."""
     data = _training_data(cfg, world)
+    free, target = defaults.unset(cfg), runtime_target(world)  # the keys the device decides, and the device
     spec = model_spec(cfg, data.vocab_size, data.eos_id)
+    groups = dims_for(cfg.parallel, world.world_size).dp_size * cfg.fault_tolerance.groups
+    cfg, applied = defaults.before_plan(cfg, target, spec.vocab_size, groups, free)
+    if cfg.train.loss_chunk_tokens != spec.loss_chunk_tokens:
+        spec = model_spec(cfg, data.vocab_size, data.eos_id)
     if cfg.data.document_mask:  # the attention the FLOPs count: the documents' (models/documents.py)
         spec = with_fields(spec, mean_context=measured_context(data))
     spec.build_meta(cfg.data.seq_len)  # a model.trainable pattern that matches nothing stops here
@@ -323,7 +349,8 @@ def _checked_plan(
             "model.teacher does not combine with fine-tuning records (data.format prompt_response or chat): the KL to the "
             "teacher is over every position, the prompt's included; accepted: one of the two"
         )
-    cfg, notes = plan_run(cfg, world, spec)  # resolves strategy=auto
+    cfg, notes = plan_run(cfg, world, spec, free, target)  # resolves strategy=auto, the defaults that need a plan
+    notes = [f"defaults: {a}" for a in applied] + notes
     dims = dims_for(cfg.parallel, world.world_size)
     cfg, remembered = oom.remembered(cfg, paths.root, dims.dp_size)  # a smaller micro-batch after an OOM
     notes += remembered

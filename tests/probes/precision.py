@@ -49,7 +49,9 @@ def step(engine, poison: bool) -> dict:
     stats = engine.step(1e-2)
     after = snapshot(engine)
     changed = any(not torch.equal(b, a) for b, a in zip(before, after))
-    return {"skipped": stats.skipped, "scale": stats.loss_scale, "changed": changed}
+    # An engine keeps them on the device (no host sync in a step): read here, as telemetry does.
+    scale = None if stats.loss_scale is None else float(stats.loss_scale)
+    return {"skipped": bool(stats.skipped), "scale": scale, "changed": changed}
 
 
 def snapshot(engine) -> list[torch.Tensor]:

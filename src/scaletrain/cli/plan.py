@@ -31,6 +31,11 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
     pl.add_argument("--cpu-memory", help="host memory per node, e.g. 1TiB (checks offload)")
     pl.add_argument("--headroom", type=float, default=0.1, help="share of device memory kept free (default 0.1)")
     pl.add_argument("--configured-only", action="store_true", help="only the strategy in the config, not all of them")
+    pl.add_argument(
+        "--device-defaults",
+        action="store_true",
+        help="plan with what train applies on such a GPU to the keys you did not set (bf16, auto micro-batch, ...: docs/gpu.md)",
+    )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument("--emit-deepspeed", metavar="PATH", help="write the chosen plan as DeepSpeed JSON for HF Trainer")
     pl.add_argument("--measure", action="store_true", help="run 3 real steps and compare measured with predicted peaks")

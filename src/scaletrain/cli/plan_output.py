@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from scaletrain import defaults
 from scaletrain.cli.console import console
 from scaletrain.config import Config
 from scaletrain.engines.deepspeed_config import build_deepspeed_config
@@ -17,6 +18,7 @@ from scaletrain.plan import Setup, make_plan, planning_spec
 from scaletrain.plan.goodput import Failures, GoodputEstimate, estimate_goodput
 from scaletrain.plan.hardware import gpu, parse_size, this_cpu
 from scaletrain.plan.report import print_plan
+from scaletrain.preflight import accepted, fits_and_time
 from scaletrain.strategies import FORMATS, TABLE
 
 
@@ -32,7 +34,28 @@ def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
     # with strategy auto, the planner chooses.
     named = "strategy" in cfg.parallel.model_fields_set and cfg.parallel.strategy != "auto"
     all_strategies = cfg.parallel.strategy == "auto" or not opts.configured_only
-    plan = make_plan(cfg, model, world, opts.nodes, device, cpu_per_node, opts.headroom, all_strategies, as_configured=named)
+
+    def planned(c: Config) -> Any:
+        return make_plan(c, planning_spec(c), world, opts.nodes, device, cpu_per_node, opts.headroom, all_strategies, named)
+
+    # What `train` on such a GPU applies to the keys nobody set (defaults.py): planned with
+    # them under --device-defaults, else named, so that the plan and the run can be told apart.
+    target = defaults.Target("cpu") if device.name == this_cpu().name else defaults.Target("cuda", device.name)
+    free = defaults.unset(cfg)
+    dp = dims_for(cfg.parallel, world).dp_size
+    with_defaults, applied = defaults.before_plan(cfg, target, model.vocab_size, dp, free)
+    if opts.device_defaults:
+        cfg = with_defaults
+        cfg, more = defaults.after_plan(cfg, target, free, lambda c: fits_and_time(planned(c)), accepted)
+        applied += more
+    plan, model = planned(cfg), planning_spec(cfg)
+    if applied:
+        say = (
+            "planned with the device's defaults"
+            if opts.device_defaults
+            else "train applies on such a GPU (--device-defaults plans with them)"
+        )
+        plan.notes.append(f"{say}: " + "; ".join(applied))
     if opts.emit_deepspeed:
         path = emit_deepspeed(cfg, plan.chosen.setup, world, Path(opts.emit_deepspeed))
         plan.notes.append(f"DeepSpeed JSON ({plan.chosen.setup.label}) for Hugging Face Trainer written to {path}")

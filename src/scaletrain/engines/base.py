@@ -46,9 +46,12 @@ ParamGroups = Callable[[nn.Module], list[dict[str, Any]]]
 
 @dataclass
 class StepStats:
-    grad_norm: torch.Tensor  # 0-d, stays on device: the trainer syncs once per log interval
-    loss_scale: float | None  # fp16 dynamic loss scale after this step; None without scaling
-    skipped: bool  # not applied: non-finite gradients (an fp16 overflow, a NaN); nothing changed
+    # Each figure stays where the engine has it, a 0-d tensor on the device where it can:
+    # telemetry reads them all once per log interval, so a step makes no host sync
+    # (DeepSpeed's own step reads its norm and overflow flag: host values there).
+    grad_norm: torch.Tensor  # the global gradient norm, before clipping
+    loss_scale: torch.Tensor | float | None  # fp16 dynamic loss scale after this step; None without scaling
+    skipped: torch.Tensor | bool  # not applied: non-finite gradients (an fp16 overflow, a NaN); nothing changed
     # Replica groups: False when the quorum did not commit the step (a group failed during
     # it); nothing changed and the step runs again on the next batch (replica_groups.py).
     committed: bool = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     _CHECKPOINT_PREFIX,
@@ -30,13 +31,39 @@ def plain_name(name: str) -> str:
     return name.replace(_CHECKPOINT_PREFIX, "")
 
 
+# torch.compile's backend for the blocks. A test that checks dynamo's decisions (graphs,
+# breaks, recompilations: the same under any backend) may take aot_eager, which skips
+# inductor's C++ compilation (tens of seconds per graph on a 2-core CPU).
+BACKEND = "inductor"
+# At most 2 kinds of block x 2 grad modes x 16 micro-batch shapes (see compile_blocks).
+RECOMPILE_LIMIT = 64
+
+
 def compile_blocks(blocks: nn.Module) -> None:
     """torch.compile each block in place, after activation checkpointing and before any
     sharding (torchtitan's order: the compiled graph includes the recompute, and FSDP's
     hooks stay outside it). `nn.Module.compile` compiles the forward only: the module keeps
     its class and parameter names, so checkpoints and engines see the same model. Every
     block runs the same code, so dynamo compiles it once (modules are graph inputs) and the
-    other blocks reuse it. Compilation happens at the first step."""
+    other blocks reuse it. Compilation happens at the first step.
+
+    fullgraph (the built-in blocks): a graph break is an error here, not a silent split
+    into smaller graphs with eager Python between them. dynamic=False: a block sees one micro-batch shape per
+    run (RankBatches), so its graph is specialized to it; a new shape (an evaluation's
+    shorter last micro-batch, a micro-batch halved after an out-of-memory error) compiles
+    one more static graph instead of turning every later graph dynamic (docs/engines.md)."""
+    from scaletrain.models.moe import moe_layers
+
+    for layer in moe_layers(blocks):
+        _check_compilable(layer.experts)
+    import torch._dynamo
+
+    # Every compiled block runs nn.Module._call_impl, one code object whose graphs dynamo
+    # counts against one limit: each kind of block (dense, mixture of experts) x grad mode
+    # (training, evaluation) x micro-batch shape (an evaluation's shorter last one, each
+    # halving after an out-of-memory error). Under fullgraph=True, going past torch's
+    # default of 8 is a hard failure mid-run (FailOnRecompileLimitHit), not a slowdown.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
         # Inductor picks its CPU vector width from the CPU, not from ATen's capability: with
         # ATen's portable kernels forced, its vectorized C++ does not compile ("'at::vec'
@@ -45,4 +72,34 @@ def compile_blocks(blocks: nn.Module) -> None:
 
         inductor.cpp.simdlen = 1
     for block in blocks.children():
-        block.compile()
+        block.compile(backend=BACKEND, fullgraph=_built_in(block), dynamic=False)
+
+
+def _built_in(block: nn.Module) -> bool:
+    """Whether `block` (or the one a checkpoint wrapper holds) is scaletrain's own, which
+    compiles whole. A Hugging Face model's layer may not: transformers 5.23's output-
+    capturing hooks (a Mixtral's router logits) read a ContextVar, which dynamo cannot
+    trace, so it breaks the graph there, as before; compile_counters shows the breaks."""
+    from scaletrain.models.llama import TransformerBlock
+
+    return isinstance(getattr(block, "_checkpoint_wrapped_module", block), TransformerBlock)
+
+
+def _check_compilable(experts: nn.Module) -> None:
+    """A compiled mixture of experts runs its experts as torch._grouped_mm (the loop reads
+    its split sizes on the host, a graph break; the config refuses experts_impl=loop with
+    train.compile); one UserError where that cannot be."""
+    from scaletrain.errors import UserError
+
+    if not hasattr(torch, "_grouped_mm"):
+        raise UserError(
+            f"train.compile=true with a mixture of experts needs torch._grouped_mm, which torch {torch.__version__} lacks; "
+            "accepted: train.compile=false"
+        )
+    dim, hidden = experts.get_parameter("w1").shape[-2:]
+    if dim % 8 or hidden % 8:  # 16 bytes of bf16; fp32 would take 4, but the dtype is not known yet
+        raise UserError(
+            f"train.compile=true with a mixture of experts runs them as torch._grouped_mm, which takes rows of a multiple "
+            f"of 16 bytes: model.dim={dim} and the expert width {hidden} (model.moe.expert_ffn_dim) must be multiples of 8; "
+            "accepted: such widths, or train.compile=false"
+        )

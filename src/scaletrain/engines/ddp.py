@@ -20,6 +20,7 @@ from scaletrain.engines import compression
 from scaletrain.engines.base import ParamGroups
 from scaletrain.engines.block_wrappers import apply_activation_checkpointing, compile_blocks
 from scaletrain.engines.context import split_context
+from scaletrain.engines.float8 import apply_float8
 from scaletrain.engines.precision import autocast_context, make_loss_scaler
 from scaletrain.engines.teacher import replicated_teacher
 from scaletrain.engines.torch_engine import TorchEngineMixin
@@ -41,6 +42,8 @@ class DDPEngine(TorchEngineMixin):
         teacher: ModelSpec | None = None,
     ):
         model = spec.build_meta(cfg.data.seq_len)
+        # Float8 first (torchtitan's order): checkpointing and compile then wrap Float8Linear.
+        self.float8 = apply_float8(model, spec, world.device, fsdp=False) if cfg.train.float8 else None
         if cfg.parallel.activation_checkpointing:
             apply_activation_checkpointing(spec.blocks(model))
         if cfg.train.compile:
@@ -76,7 +79,7 @@ class DDPEngine(TorchEngineMixin):
         self.precision = cfg.precision
         self.clip_grad = cfg.train.clip_grad
         self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/frozen_base.py)
-        self.optimizer = build_adamw(param_groups(model), cfg.train, fused=world.device.type == "cuda")
+        self.optimizer = build_adamw(param_groups(model), cfg.train, world.device)
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
         if teacher is not None:
             self.teacher = replicated_teacher(teacher, cfg.data.seq_len, world.device, cfg.train.seed, cfg.precision)

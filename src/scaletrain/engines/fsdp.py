@@ -34,6 +34,7 @@ from scaletrain.engines.base import Mark, MicroBatch, ParamGroups, no_mark
 from scaletrain.engines.block_wrappers import apply_activation_checkpointing, compile_blocks
 from scaletrain.engines.context import split_context
 from scaletrain.engines.expert_parallel import shard_experts, split_experts
+from scaletrain.engines.float8 import Float8, apply_float8
 from scaletrain.engines.pipeline import MergedStages, Pipeline
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
 from scaletrain.engines.teacher import frozen_meta, teacher_seed
@@ -69,8 +70,14 @@ class FSDPEngine(TorchEngineMixin):
             return _shard_and_materialize(model, spec, world, dims, cfg, offload)
 
         self.pipeline: Pipeline | None = None
+        self.float8: Float8 | None = None
         if dims.pp == 1:
-            model = build(spec.build_meta(cfg.data.seq_len))
+            model = spec.build_meta(cfg.data.seq_len)
+            # Float8 first (torchtitan's order), on the meta model: then checkpointing, compile
+            # and fully_shard, whose all-gathers carry the converted weights in float8.
+            if cfg.train.float8:  # config_float8.py: never with tp or pp
+                self.float8 = apply_float8(model, spec, world.device, fsdp=True)
+            model = build(model)
         else:
             spec.check_pp(dims.pp)
             ids, parts, ranges = stage_parts(spec, dims, world.rank, par.pp_schedule, cfg.data.seq_len)
@@ -92,9 +99,9 @@ class FSDPEngine(TorchEngineMixin):
         self.device = world.device
         self.clip_grad = cfg.train.clip_grad
         self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/frozen_base.py)
-        # AdamW sees the sharded DTensor parameters: optimizer state is sharded the same way.
-        fused = world.device.type == "cuda" and not offload
-        self.optimizer = build_adamw(param_groups(model), cfg.train, fused=fused)
+        # AdamW sees the sharded DTensor parameters: optimizer state is sharded the same way
+        # (in host memory where the parameters are offloaded: the fused CPU kernel then steps them).
+        self.optimizer = build_adamw(param_groups(model), cfg.train, torch.device("cpu") if offload else world.device)
         # Under tensor parallelism without sequence parallel the norms are 1-D (dp) DTensors
         # beside the 2-D (dp, tp) rest, and one foreach norm cannot mix meshes: the gradient
         # norm is taken per mesh. Grouped once here, not every step.

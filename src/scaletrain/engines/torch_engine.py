@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import scaletrain.checkpoint.dcp_format  # noqa: F401  # its filter of DCP's single-process warning
 from scaletrain.distributed import side_group
 from scaletrain.engines.base import AccumulationWindow, StepStats, set_lr
+from scaletrain.optim import after_load, skip_where
 
 # Engine-neutral state (Engine.state_dict): full tensors on every rank, plain names,
 # torch's flattened optimizer layout ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr").
@@ -42,10 +43,16 @@ TRAINED = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_para
 
 
 def save_dcp(
-    model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, background: bool = False, frozen: bool = True
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    background: bool = False,
+    frozen: bool = True,
+    staging: Staging | None = None,
 ) -> Future[Any] | None:
-    """Write now; or copy the state to CPU memory and write that from a thread (the future
-    completes once it is on disk). Without `frozen`, the frozen parameters are left out."""
+    """Write now; or copy the state to CPU memory (`staging`'s, reused save after save) and
+    write that from a thread (the future completes once it is on disk). Without `frozen`,
+    the frozen parameters are left out."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=LOCAL)
     if not frozen:
         left_out = frozen_keys(model)
@@ -54,15 +61,51 @@ def save_dcp(
     if not background:
         dcp.save(state, checkpoint_id=str(path))
         return None
-    stager = make_stager(model_sd)
+    once = staging is None  # no engine to keep it: freed with this save
+    staging = staging or Staging()
     # async_save returns once the copy is done (training may change the weights right
     # after). Its collectives (the save plan, the final metadata) run on a gloo group of
     # their own: on training's group they interleave with training's and deadlock. A plain
     # Future: the staging/upload pair comes only with an asynchronous stager.
     group = side_group("checkpoint")
-    written = cast(Future, dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=stager))
-    written.add_done_callback(lambda _: stager.close())  # its CPU copy is not needed any more
+    written = cast(
+        Future, dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=staging.stager(model_sd))
+    )
+    if once:
+        written.add_done_callback(lambda _: staging.close())
     return written
+
+
+class Staging:
+    """The CPU memory background saves copy the state into, made at the first save and kept
+    for every later one: torch's stager keeps one buffer per source storage (the weights and
+    optimizer state are updated in place, so their storages stay the same), pinned from a
+    GPU. Pinning is the costly part of a fresh buffer (on an H100 a 1B-parameter FSDP state,
+    12 GB, blocked 3.6-5.3 s per save when pinned anew each time, docs/checkpointing.md); a
+    save copies into it at the bus's speed (non-blocking, then one synchronize). On a CPU a
+    plain copy (the pinned and non-blocking options need an accelerator).
+
+    One save is in flight at a time (saves.py waits for the one before), so the next copy
+    never overwrites a buffer still being written. Closed with the engine: a closed stager
+    cannot stage again (torch clears its copy dispatch table: `KeyError: <class 'type'>`,
+    what an earlier version that closed it after each save and then reused it ran into)."""
+
+    def __init__(self) -> None:
+        self._stager: DefaultStager | None = None
+
+    def stager(self, model_sd: dict[str, Any]) -> DefaultStager:
+        if self._stager is None:
+            on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in model_sd.values())
+            options = StagingOptions(
+                use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=on_gpu
+            )
+            self._stager = DefaultStager(options)
+        return self._stager
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
 
 def frozen_keys(model: nn.Module) -> set[str]:
@@ -82,20 +125,6 @@ def _place(t: Any) -> tuple[int, tuple[int, ...]] | None:
     if not isinstance(local, torch.Tensor) or local.numel() == 0:
         return None
     return int(local.data_ptr()), tuple(local.shape)
-
-
-def make_stager(model_sd: dict[str, Any]) -> DefaultStager:
-    """Where async_save copies the state to. From a GPU into pinned memory: the copy runs at
-    the bus's speed (non-blocking, then one synchronize); measured on an H100, a 1B-parameter
-    FSDP state (12 GB) blocked 4 s pinned against 9 s unpinned (docs/checkpointing.md). On
-    a CPU a plain copy (the pinned and non-blocking options need an accelerator).
-
-    A new one per save: a stager kept for the next save (its buffers cached) failed on
-    torch 2.11 + CUDA at the second save (KeyError: <class 'type'> while copying a DTensor)."""
-    on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in model_sd.values())
-    return DefaultStager(
-        StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=on_gpu)
-    )
 
 
 def load_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -129,6 +158,8 @@ class TorchEngineMixin(AccumulationWindow):
     # fault_tolerance.groups > 1: averages the gradients over the live replica groups and
     # says whether the step may be applied (scaletrain/replica_groups.py), before clipping.
     across: Any = None
+    staging: Staging | None = None  # background saves' CPU copy, made at the first one
+    float8: Any = None  # train.float8: engines/float8.py's Float8 (its after_step hook)
 
     def clip_gradients(self) -> torch.Tensor:
         """Clip (if configured) and return the global gradient norm as a 0-d tensor."""
@@ -141,33 +172,49 @@ class TorchEngineMixin(AccumulationWindow):
         set_lr(self.optimizer, lr)
         if self.across is not None and not self.across.reduce():
             self.optimizer.zero_grad(set_to_none=True)
-            return StepStats(torch.zeros((), device=self.device), None, True, committed=False)
+            return StepStats(torch.zeros((), device=self.device), None, torch.zeros((), dtype=torch.bool), committed=False)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip_gradients()
-        loss_scale, skipped = None, False
         if self.scaler:
-            before = self.scaler.get_scale()
-            # Skips the update after an overflow; with DTensor gradients the overflow flag is
-            # all-reduced, so every rank skips together.
+            # What the scaler found while unscaling (all-reduced over a DTensor's mesh), taken
+            # before update() forgets it: the step is skipped exactly when it is set.
+            skipped = sum(self.scaler._found_inf_per_device(self.optimizer).values()) > 0
+            # With a fused optimizer the scaler hands it found_inf and the kernel skips on the
+            # device: no host sync (with another optimizer it reads the flag itself).
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            loss_scale = self.scaler.get_scale()
-            skipped = loss_scale < before
-        elif torch.isfinite(grad_norm):
-            # One host sync per step (the scaler's step above makes the same one): a NaN or
-            # inf gradient would poison both Adam moments for good, so it is never applied.
-            self.optimizer.step()
-        else:
-            skipped = True
+            loss_scale = self.scaler._get_scale_async()
+            assert loss_scale is not None
+            return self._stepped(grad_norm, loss_scale.detach().clone().reshape(()), skipped)
+        # A NaN or inf gradient would poison both Adam moments for good: never applied.
+        skipped = ~torch.isfinite(grad_norm)
+        skip_where(self.optimizer, skipped)
+        return self._stepped(grad_norm, None, skipped)
+
+    def _stepped(self, grad_norm: torch.Tensor, loss_scale: torch.Tensor | None, skipped: torch.Tensor) -> StepStats:
+        self._weights_changed()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(grad_norm.detach(), loss_scale, skipped)
+        return StepStats(grad_norm.detach(), loss_scale, skipped.detach().reshape(()))
 
     def save(self, path: Path, background: bool = False) -> Future[Any] | None:
-        return save_dcp(self.model, self.optimizer, path, background, frozen=self.save_frozen)
+        if background and self.staging is None:
+            self.staging = Staging()
+        return save_dcp(self.model, self.optimizer, path, background, frozen=self.save_frozen, staging=self.staging)
 
     def load(self, path: Path) -> None:
         load_dcp(self.model, self.optimizer, path)
+        self._loaded()
+
+    def _loaded(self) -> None:
+        after_load(self.optimizer)
+        self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        # train.float8 under FSDP2: the weights' float8 scales, from their new values, in one
+        # all-reduce (engines/float8.py); they must follow every change, loads included.
+        if self.float8 is not None:
+            self.float8.after_step()
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=NEUTRAL)
@@ -194,6 +241,7 @@ class TorchEngineMixin(AccumulationWindow):
                 value = _like(template[fqn], value)
             optim_sd[key] = value
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+        self._loaded()
 
     def extra_state(self) -> dict[str, Any]:
         return {"loss_scaler": self.scaler.state_dict()} if self.scaler else {}

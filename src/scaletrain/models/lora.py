@@ -24,6 +24,7 @@ from torch import nn
 
 from scaletrain.errors import UserError
 from scaletrain.models.params import base_name, canonical_name, copy_full, is_adapter, name_generator
+from scaletrain.models.torchao_noise import quiet_torchao
 
 BUILTIN_TARGETS = ("wq", "wk", "wv", "wo")  # the built-in model's attention projections
 
@@ -53,7 +54,8 @@ def lora_spec(cfg: Any, model_type: str | None) -> LoraSpec | None:
         if model_type is None:
             targets = BUILTIN_TARGETS
         else:
-            from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+            with quiet_torchao():  # peft imports torchao where it is installed (models/torchao_noise.py)
+                from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
 
             if model_type not in DEFAULTS:
                 raise UserError(
@@ -67,7 +69,8 @@ def lora_spec(cfg: Any, model_type: str | None) -> LoraSpec | None:
 def apply_lora(model: nn.Module, lora: LoraSpec) -> None:
     """Inject LoRA layers into the (meta-device) model in place; freezes all but the adapters."""
     try:
-        from peft import LoraConfig, inject_adapter_in_model
+        with quiet_torchao():  # peft imports torchao where it is installed (models/torchao_noise.py)
+            from peft import LoraConfig, inject_adapter_in_model
     except ImportError:
         raise UserError("model.lora needs the peft package; accepted: pip install 'scaletrain[lora]', or no model.lora") from None
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.targets))

@@ -23,11 +23,18 @@ of it holds experts/ep of the experts (a DTensor sharded on dim 0), and the rout
 slots travel to their expert's rank and back with `all_to_all_single` (torch's
 autograd-aware functional collective, so the backward is the reverse exchange).
 
-The experts run one after the other on the slots sorted by expert (any device), or as one
-grouped matrix multiply (`torch._grouped_mm`) on CUDA in bf16, where torch has it; both
-compute the same products. Under FakeTensorMode (the planner tracing what a block keeps
-for backward) the routing is taken as balanced: the token counts per expert are data the
-tracer does not have, and balanced routing is what the planner assumes.
+The experts run as one grouped matrix multiply per projection (`torch._grouped_mm`, its
+offsets a cumulative sum on the device), or one after the other on the slots sorted by
+expert (the loop, which reads the token counts on the host: one `.tolist()` per layer and
+forward). `model.moe.experts_impl` chooses; auto takes the grouped kernel where torch runs
+it without reading the offsets back (CUDA bf16 on compute capability 9.x/10.x, and the
+CPU where a probe call succeeds), and always inside a compiled block, whose graph the
+loop's `.tolist()` would break. Both compute the same products. Every size in a step is
+static (dropped slots included: they stay as rows whose output is zeroed), so nothing
+else is read back and a compiled block has no data-dependent shape. Under
+FakeTensorMode (the planner tracing what a block keeps for backward) the loop runs with
+the routing taken as balanced: the token counts per expert are data the tracer does not
+have, and balanced routing is what the planner assumes.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.models.feed_forward import FeedForward
+from scaletrain.models.grouped_mm import grouped_swiglu, uses_grouped_mm
 
 if TYPE_CHECKING:
     from scaletrain.models.presets import ModelShape
@@ -57,25 +65,27 @@ class GroupedExperts(nn.Module):
     hidden], w2 (down) [E, hidden, dim]. Under expert parallelism the weights are DTensors
     sharded on dim 0 and each rank runs its own experts (the local shard)."""
 
-    def __init__(self, experts: int, dim: int, hidden: int):
+    def __init__(self, experts: int, dim: int, hidden: int, impl: str = "auto"):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.impl = impl  # model.moe.experts_impl: auto | grouped | loop
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, splits: list[int] | None) -> torch.Tensor:
         """SwiGLU of each (local) expert on its contiguous run of `tokens` (sorted by expert);
-        `counts` [local experts] slots each, `splits` the same as a list where known."""
+        `counts` [local experts] slots each, `splits` the same as a list where known. Rows
+        past sum(counts) (dropped slots) come out unspecified: the caller masks them."""
         w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
-        if _grouped_mm_applies(tokens, w1):
-            offsets = torch.cumsum(counts, 0).to(torch.int32)
-            gate = torch._grouped_mm(tokens, w1, offs=offsets)
-            up = torch._grouped_mm(tokens, w3, offs=offsets)
-            return torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets)
+        if uses_grouped_mm(self.impl, tokens, w1):
+            return grouped_swiglu(tokens, w1, w3, w2, counts)
+        sizes = splits if splits is not None else counts.tolist()  # the host needs the split sizes
+        rest = tokens.shape[0] - sum(sizes)
+        parts = tokens.split([*sizes, rest])
         # Every expert runs, an empty one too: each weight then has a gradient on every
         # rank (zero where no token came), so sharded reductions see the same tensors everywhere.
-        parts = tokens.split(splits if splits is not None else counts.tolist())
-        return torch.cat([(F.silu(p @ w1[i]) * (p @ w3[i])) @ w2[i] for i, p in enumerate(parts)])
+        out = torch.cat([(F.silu(p @ w1[i]) * (p @ w3[i])) @ w2[i] for i, p in enumerate(parts[:-1])])
+        return F.pad(out, (0, 0, 0, rest)) if rest else out
 
 
 class MoE(nn.Module):
@@ -86,7 +96,7 @@ class MoE(nn.Module):
         self.capacity_factor, self.normalize = shape.capacity_factor, shape.normalize_top_k
         self.aux_weight, self.z_weight = shape.aux_loss_weight, shape.z_loss_weight
         self.router = nn.Linear(d, e, bias=False)
-        self.experts = GroupedExperts(e, d, h)
+        self.experts = GroupedExperts(e, d, h, shape.experts_impl)
         self.shared: nn.Module | None = None
         if shape.shared_experts:
             self.shared = FeedForward(d, h * shape.shared_experts)  # the dense SwiGLU, as wide as they are together
@@ -107,29 +117,38 @@ class MoE(nn.Module):
         flat = chosen.reshape(-1)
         order = flat.argsort(stable=True)
         routed, splits = _counts(flat, e, n * k, x)
-        counts = routed
+        counts, kept = routed, None
         dropped = torch.zeros((), device=x.device)
-        if self.capacity_factor and splits is not None:
-            # Fake tensors (the planner): balanced routing, each expert's first slots kept.
-            # Which slots does not matter to a trace; their number does.
-            capacity = math.ceil(self.capacity_factor * n * k / e)
-            splits = [min(s, capacity) for s in splits]
-            order, counts = order[: sum(splits)], torch.tensor(splits, device=x.device)
-            dropped = torch.tensor(float(n * k - sum(splits)), device=x.device)
-        elif self.capacity_factor:
+        if self.capacity_factor:
+            # Each expert keeps its first `capacity` slots in token order; the dropped ones
+            # move behind all kept ones (a stable sort on the flag) and stay rows whose
+            # output is zeroed: every size stays n x k, none is read back from the device.
             capacity = math.ceil(self.capacity_factor * n * k / e)
             starts = torch.cumsum(routed, 0) - routed
-            position = torch.arange(n * k, device=x.device) - torch.repeat_interleave(starts, routed, output_size=n * k)
-            kept = position < capacity
-            order, counts, splits = order[kept], routed.clamp(max=capacity), None
-            dropped = (~kept).sum()
-        source = order // k  # the token each kept slot belongs to
+            kept = torch.arange(n * k, device=x.device) - starts[flat[order]] < capacity
+            behind = (~kept).to(torch.int32).argsort(stable=True)
+            order, kept = order[behind], kept[behind][:, None]
+            counts, dropped = routed.clamp(max=capacity), (~kept).sum()
+            if splits is not None:  # fake tensors (the planner): balanced, each expert's first slots kept
+                splits = [min(s, capacity) for s in splits]
+        source = order // k  # the token each slot belongs to
         slot_weights = weights.reshape(-1)[order]
+        slots = tokens[source]
+        if kept is not None:
+            # The grouped kernel leaves the rows past its last offset unwritten, in its
+            # forward and in its input gradient: `where` (not a product, which would carry
+            # a NaN through) keeps them out of the output and of the tokens' gradient.
+            slots = torch.where(kept, slots, 0)
         if self.ep_group is None:
-            out = self.experts(tokens[source], counts, splits)
+            out = self.experts(slots, counts, splits)
         else:
-            out = _expert_parallel(self.experts, tokens[source], counts, self.ep_group)
-        y = torch.zeros_like(tokens).index_add_(0, source, out * slot_weights[:, None].to(out.dtype))
+            out = _expert_parallel(self.experts, slots, counts, self.ep_group)
+        if kept is not None:
+            out = torch.where(kept, out, 0)
+        # Under autocast the experts' products come out in its dtype, the tokens in theirs:
+        # the sum is taken in the tokens' (index_add_ takes one dtype).
+        weighted = (out * slot_weights[:, None].to(out.dtype)).to(tokens.dtype)
+        y = torch.zeros_like(tokens).index_add_(0, source, weighted)
         if self.shared is not None:
             y = y + self.shared(tokens)
         # Load balancing: f_e from the routing decisions (no gradient), P_e from the probabilities.
@@ -154,20 +173,25 @@ def _expert_parallel(experts: GroupedExperts, slots: torch.Tensor, counts: torch
     # How many slots every rank sends to each of my experts: [source rank, local expert].
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
-    sent_to = counts.view(ep, local).sum(1).tolist()  # the host needs the split sizes
-    received = received.view(ep, local)
-    from_each = received.sum(1).tolist()
-    arrived = all_to_all_single_autograd(slots, from_each, sent_to, group)
+    # The host needs the split sizes: one read for all of them (what this rank sends to
+    # each rank, then the grid it receives), the one host sync per layer and forward that
+    # expert parallelism keeps (docs/moe.md).
+    sizes = torch.cat([counts.view(ep, local).sum(1), received]).tolist()
+    sent_to, grid = sizes[:ep], sizes[ep:]
+    from_each = [sum(grid[r * local : (r + 1) * local]) for r in range(ep)]
+    kept = sum(sent_to)  # the slots past it were dropped by a capacity: they stay here
+    arrived = all_to_all_single_autograd(slots[:kept], from_each, sent_to, group)
     # Arrived slots are grouped by source rank, then by local expert: regroup by expert
     # (stable, so each expert sees rank 0's slots, then rank 1's: token order within each).
     device = slots.device
     key = (torch.arange(local, device=device).view(1, local) * ep + torch.arange(ep, device=device).view(ep, 1)).reshape(-1)
-    by_expert = torch.repeat_interleave(key, received.reshape(-1)).argsort(stable=True)
-    per_expert = received.sum(0)
-    out = experts(arrived[by_expert], per_expert, per_expert.tolist())
+    by_expert = torch.repeat_interleave(key, received, output_size=sum(from_each)).argsort(stable=True)
+    splits = [sum(grid[i::local]) for i in range(local)]
+    out = experts(arrived[by_expert], received.view(ep, local).sum(0), splits)
     back = torch.empty_like(by_expert)
     back[by_expert] = torch.arange(by_expert.numel(), device=device)
-    return all_to_all_single_autograd(out[back], sent_to, from_each, group)
+    returned = all_to_all_single_autograd(out[back], sent_to, from_each, group)
+    return F.pad(returned, (0, 0, 0, slots.shape[0] - kept)) if slots.shape[0] > kept else returned
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -184,18 +208,9 @@ def _counts(flat: torch.Tensor, experts: int, slots: int, like: torch.Tensor) ->
         base, extra = divmod(slots, experts)
         splits = [base + (i < extra) for i in range(experts)]
         return torch.tensor(splits, device=flat.device), splits
-    return torch.bincount(flat, minlength=experts), None
-
-
-def _grouped_mm_applies(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch._grouped_mm: CUDA, bf16, and rows whose byte strides are multiples of 16."""
-    return (
-        tokens.is_cuda
-        and tokens.dtype == weight.dtype == torch.bfloat16
-        and hasattr(torch, "_grouped_mm")
-        and tokens.shape[-1] % 8 == 0
-        and weight.shape[-1] % 8 == 0
-    )
+    # A scatter, not bincount: CUDA's bincount reads the largest value back to size its
+    # output (a host sync), and its size is data to a compiler; this one is `experts`.
+    return torch.zeros(experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat)), None
 
 
 def routing_stats(model: nn.Module) -> Callable[[], torch.Tensor | None]:

@@ -35,6 +35,7 @@ class ModelShape:
     normalize_top_k: bool = True
     aux_loss_weight: float = 0.0
     z_loss_weight: float = 0.0
+    experts_impl: str = "auto"  # how the experts run (models/moe.py); no tensor's shape
 
     @property
     def head_dim(self) -> int:
@@ -221,6 +222,7 @@ def resolve_shape(cfg: ModelSource, vocab_size: int | None = None) -> ModelShape
             base[key] = moe.get(key, base.get(key, default))
         base["expert_ffn_dim"] = moe.get("expert_ffn_dim", base.get("expert_ffn_dim") or base["ffn_dim"])
         base["aux_loss_weight"], base["z_loss_weight"] = cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight
+        base["experts_impl"] = cfg.moe.experts_impl
     elif base.get("experts"):  # a mixture-of-experts preset: the auxiliary losses' defaults
         base["aux_loss_weight"], base["z_loss_weight"] = AUX_LOSS_WEIGHT, Z_LOSS_WEIGHT
     shape = ModelShape(**base)
@@ -247,6 +249,13 @@ def _check(s: ModelShape) -> None:
         )
     if s.experts and not 1 <= s.top_k <= s.experts:
         raise UserError(f"model.moe.top_k={s.top_k} must be between 1 and model.moe.experts={s.experts}")
+    if s.experts and s.experts_impl == "grouped" and (s.dim % 8 or s.expert_ffn_dim % 8):
+        # torch._grouped_mm takes rows of a multiple of 16 bytes (8 bf16 elements).
+        raise UserError(
+            f"model.moe.experts_impl=grouped needs model.dim={s.dim} and the expert width {s.expert_ffn_dim} "
+            "(model.moe.expert_ffn_dim) to be multiples of 8 (torch._grouped_mm's rows); accepted: such widths, "
+            "or model.moe.experts_impl=auto|loop"
+        )
     if s.experts and s.dense_layers >= s.n_layers:
         raise UserError(
             f"model.moe.dense_layers={s.dense_layers} leaves no mixture-of-experts block of {s.n_layers}; "

@@ -262,8 +262,8 @@ class LlamaSpec:
         return 0.0, float(block), float(6 * s.dim * s.vocab_size)
 
 
-# ModelShape's fields of the routing, not of any tensor's shape; and those of the experts.
-_ROUTING = ("capacity_factor", "normalize_top_k", "aux_loss_weight", "z_loss_weight")
+# ModelShape's fields that shape no tensor (the routing, how the experts run); and those of the experts.
+_ROUTING = ("capacity_factor", "normalize_top_k", "aux_loss_weight", "z_loss_weight", "experts_impl")
 _EXPERT_SHAPE = ("experts", "top_k", "shared_experts", "expert_ffn_dim", "dense_layers")
 
 

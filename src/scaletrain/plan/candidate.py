@@ -49,6 +49,8 @@ class Candidate:
         # Only a mixture of experts has these: a dense model's JSON stays as it was.
         if moe:
             out |= {"ep": self.setup.ep, "ep_comm_bytes_per_step": self.ep_comm_bytes}
+        if self.setup.float8:  # only float8 layouts: the other rows stay as they were
+            out["float8"] = True
         if self.setup.cp > 1:  # only layouts with cp: the other rows stay as they were
             out |= {"cp": self.setup.cp, "cp_comm_bytes_per_step": self.cp_comm_bytes}
         return out
@@ -69,6 +71,8 @@ class Plan:
     # A mixture of experts: its parameters (total and active per token), experts and FLOPs
     # per token (experts.moe_summary); empty for a dense model.
     moe: dict[str, Any] = field(default_factory=dict)
+    # train.float8: the chosen layout's step time and peak beside the same in bf16 (plan/float8.py).
+    float8: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         out = {
@@ -89,4 +93,6 @@ class Plan:
         }
         if self.moe:
             out["moe"] = self.moe | {"ep": self.chosen.setup.ep}
+        if self.float8:
+            out["float8"] = self.float8
         return out

@@ -32,17 +32,26 @@ class Device:
     # reductions pay besides their bytes. NCCL within a node: ~20 us; gloo on a loaded
     # CPU: milliseconds (docs/parallelism.md: tp 2 halved the tiny model's throughput).
     collective_latency: float = 20e-6
+    # Dense float8 FLOP/s (e4m3/e5m2 tensor cores: train.float8); 0: none (A100, a CPU).
+    peak_flops_8: float = 0.0
+    # Device memory bandwidth (bytes/s): what float8's casts of activations and weights,
+    # memory-bound kernels, cost (plan/float8.py); 0: unknown, not counted.
+    memory_bw: float = 0.0
 
 
 # Vendor datasheet figures (dense, no sparsity). Inter-node: one 400 Gb/s NIC per GPU
 # (H100/H200), 200 Gb/s (A100). Host link: PCIe Gen5 x16 ~ 55 GB/s usable, Gen4 ~ 25.
+# Float8 (NVIDIA H100, H200 and L40S datasheets, which quote it with sparsity: dense is half):
+# H100 SXM and H200 3,958 -> 1,979 TFLOP/s, H100 PCIe 3,026 -> 1,513, L40S 1,466 -> 733;
+# the A100 has none. Memory bandwidth: H100 SXM 3.35 TB/s, PCIe 2.0, H200 4.8, A100 80GB
+# 2.039, 40GB 1.555, L40S 0.864.
 KNOWN_GPUS = {
-    "h100": Device("H100 SXM", 80 * GiB, 989e12, 67e12, 450e9, 50e9, 55e9),
-    "h100-pcie": Device("H100 PCIe", 80 * GiB, 756e12, 51e12, 64e9, 25e9, 55e9),
-    "h200": Device("H200", 141 * GiB, 989e12, 67e12, 450e9, 50e9, 55e9),
-    "a100": Device("A100 SXM", 80 * GiB, 312e12, 19.5e12, 300e9, 25e9, 25e9),
-    "a100-40gb": Device("A100 SXM 40GB", 40 * GiB, 312e12, 19.5e12, 300e9, 25e9, 25e9),
-    "l40s": Device("L40S", 48 * GiB, 362e12, 91.6e12, 32e9, 25e9, 25e9),
+    "h100": Device("H100 SXM", 80 * GiB, 989e12, 67e12, 450e9, 50e9, 55e9, peak_flops_8=1979e12, memory_bw=3.35e12),
+    "h100-pcie": Device("H100 PCIe", 80 * GiB, 756e12, 51e12, 64e9, 25e9, 55e9, peak_flops_8=1513e12, memory_bw=2.0e12),
+    "h200": Device("H200", 141 * GiB, 989e12, 67e12, 450e9, 50e9, 55e9, peak_flops_8=1979e12, memory_bw=4.8e12),
+    "a100": Device("A100 SXM", 80 * GiB, 312e12, 19.5e12, 300e9, 25e9, 25e9, memory_bw=2.039e12),
+    "a100-40gb": Device("A100 SXM 40GB", 40 * GiB, 312e12, 19.5e12, 300e9, 25e9, 25e9, memory_bw=1.555e12),
+    "l40s": Device("L40S", 48 * GiB, 362e12, 91.6e12, 32e9, 25e9, 25e9, peak_flops_8=733e12, memory_bw=0.864e12),
 }
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)

@@ -20,6 +20,7 @@ import torch
 from scaletrain.models.spec import ModelSpec
 from scaletrain.plan.activations import block_activations, head_activations
 from scaletrain.plan.experts import ungathered
+from scaletrain.plan.float8 import buffer_saving, saved_saving
 from scaletrain.plan.pipeline import gathered_stage_bytes, in_flight, rank_share
 from scaletrain.plan.setup import Setup
 from scaletrain.strategies import TABLE
@@ -225,7 +226,7 @@ def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float]:
     block = block_activations(model, s.micro_batch, s.local_seq_len, r, low)
     head = head_activations(model, s.micro_batch, s.local_seq_len, r, low)
     recompute = 0.0
-    saved = block.saved / s.tp + gathered_kv_bytes(model, s, low)
+    saved = (block.saved - saved_saving(model, s, r, low.itemsize)) / s.tp + gathered_kv_bytes(model, s, low)
     if s.tp > 1 and not s.sequence_parallel:
         # Without sequence parallel four [tokens, hidden] tensors per block stay whole on
         # every rank: both norms' inputs and outputs (the latter feed the column-parallel
@@ -280,10 +281,11 @@ def engine_buffers(model: ModelSpec, s: Setup) -> float:
         gathered = 2 if s.precision != "fp32" else 4  # MixedPrecisionPolicy param dtype
         # Under expert parallel a block's gathered experts are this rank's E/ep only.
         per_block, in_all = ungathered(model, s)
-        if not s.reshard_after_forward:
-            return float((n_params - in_all) * gathered)  # every unit stays gathered until its backward
+        # train.float8 gathers its Linear layers' weights at 1 byte (plan/float8.py).
+        if not s.reshard_after_forward:  # every unit stays gathered until its backward
+            return float((n_params - in_all) * gathered - buffer_saving(model, s, gathered, all_units=True))
         # Root unit gathered throughout, plus the current and the prefetched block.
-        return float((root_params + 2 * (block_params - per_block)) * gathered)
+        return float((root_params + 2 * (block_params - per_block)) * gathered - buffer_saving(model, s, gathered, False))
     if row.buffers == "zero3_gather":
         # DeepSpeed gathers per module; its estimator: 4 bytes x the largest layer. Plus the
         # gradient reduce bucket: stage3.py's __init__ allocates one per communication dtype

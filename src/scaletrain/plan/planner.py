@@ -28,6 +28,7 @@ from scaletrain.plan.experts import (
     moe_summary,
     sharded_traffic,
 )
+from scaletrain.plan.float8 import bf16_beside, check_device, compute_saving, gather_saving, plannable
 from scaletrain.plan.hardware import Device, fmt
 from scaletrain.plan.memory import estimate, kv_width, trainable_share
 from scaletrain.plan.pipeline import bubble, pp_comm_bytes_per_step, pp_options, rank_share, why_pp
@@ -72,6 +73,7 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
         options += [replace(o, activation_checkpointing=True) for o in options]
     # A configured tp or pp keeps only the strategies that compose with it.
     options = [o for o in options if (dims.tp == 1 or TABLE[o.strategy].tp) and (dims.pp == 1 or TABLE[o.strategy].pp)]
+    options = [o for o in options if not base.float8 or plannable(o)]  # train.float8: where it runs
     if p.strategy == "auto":
         return options
     return [base, *(o for o in options if o != base)]
@@ -218,7 +220,8 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
     shard = s.shard
     if s.ep > 1:  # each rank's experts over the ranks holding the same ones (plan/experts.py)
         return sharded_traffic(model, s, psi, trainable_share(model), gathers, param_bytes, grad_bytes)
-    total = (shard - 1) / shard * (psi * gathers * param_bytes + train * grad_bytes)
+    gathered = psi * param_bytes - gather_saving(model, s, param_bytes)  # train.float8: its weights at 1 byte
+    total = (shard - 1) / shard * (gathered * gathers + train * grad_bytes)
     if s.dp_replicate > 1:  # hybrid: all-reduce the gradient shards across replicas
         r = s.dp_replicate
         total += 2 * (r - 1) / r * train / shard * grad_bytes
@@ -244,7 +247,7 @@ def step_time(
         flops += tokens * s.teacher.flops_per_token(s.seq_len) / 3
     peak = device.peak_flops_32 if s.precision == "fp32" else device.peak_flops_16
     # A pipeline rank also idles for the bubble: busy (1 - bubble) of the step.
-    compute = flops / (peak * device.assumed_mfu) / (1 - bubble(s))
+    compute = (flops / (peak * device.assumed_mfu) - compute_saving(model, s, device, tokens)) / (1 - bubble(s))
     per_node = s.dp * s.cp * s.tp * s.pp // nodes
     # Ranks are laid out tp innermost, then cp, dp, pp outermost (parallel.py): the dp group
     # spans nodes once dp x cp x tp exceeds a node, a pipeline's neighbours once it fills one.
@@ -292,6 +295,8 @@ def make_plan(
     if world < 1 or nodes < 1 or world % nodes:
         raise UserError(f"{world} devices cannot be split over {nodes} nodes; accepted: devices per node x nodes")
     usable = device.memory * (1 - headroom)
+    if cfg.train.float8:
+        check_device(device)
     cfg = settle(cfg, dims_for(cfg.parallel, world).dp_size)  # the global batch every layout keeps
     judge = lambda s: evaluate(model, s, cfg, device, nodes, usable, cpu_per_node)  # noqa: E731
     setups = setups_for(cfg, world, nodes, all_strategies, model)
@@ -316,6 +321,8 @@ def make_plan(
     plan.notes += _what_chunking_buys(model, chosen)
     plan.notes += moe_note(model, cfg.data.seq_len)
     plan.moe = moe_summary(model, cfg.data.seq_len)
+    float8_notes, plan.float8 = bf16_beside(chosen, judge)
+    plan.notes += float8_notes
     return plan
 
 

@@ -39,6 +39,9 @@ class Setup:
     # sharded) over dp x cp (models/context_parallel.py).
     cp: int = 1
     teacher: ModelSpec | None = None  # model.teacher: a frozen model beside the trained one
+    # train.float8: the blocks' Linear layers in float8 (plan/float8.py: their matmuls at the
+    # float8 peak, FSDP's all-gathers of their weights at 1 byte).
+    float8: bool = False
     # The planner chose the micro-batch (train.micro_batch=auto, or a smaller one than
     # configured at the same global batch): the label says which.
     searched: bool = False
@@ -62,6 +65,8 @@ class Setup:
             parts.append(f"ep {self.ep}")
         if self.cp > 1:
             parts.append(f"cp {self.cp}")
+        if self.float8:
+            parts.append("float8")
         if self.activation_checkpointing:
             parts.append("AC")
         if self.searched:
@@ -112,4 +117,5 @@ class Setup:
             ep=dims.ep,
             cp=dims.cp,
             teacher=teacher,
+            float8=cfg.train.float8,
         )

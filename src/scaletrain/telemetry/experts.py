@@ -21,20 +21,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+import numpy as np
 
 from scaletrain.models.moe import EXTRA_STATS, STAT_AUX, STAT_DROPPED, STAT_TOKENS
 
 
-def expert_load(per_rank: list[torch.Tensor | None], forwards: int) -> dict[str, Any] | None:
+def expert_load(per_rank: list[Any], forwards: int) -> dict[str, Any] | None:
     """The interval's "moe" field from each rank's statistics ([MoE layers, experts +
-    EXTRA_STATS], on the CPU; None from a dense model) and `forwards`, the micro-batch
+    EXTRA_STATS] arrays on the host; None from a dense model) and `forwards`, the micro-batch
     forwards each rank ran in the interval; None when there is no mixture of experts."""
     seen = [s for s in per_rank if s is not None]
     if not seen:
         return None
     # float64, as the model sums them: slot counts stay whole numbers however long the interval.
-    total = torch.stack([s.double() for s in seen]).sum(0)
+    total = np.stack([np.asarray(s, dtype=np.float64) for s in seen]).sum(0)
     experts = total.shape[1] - EXTRA_STATS
     layers = []
     for row in total.tolist():
@@ -50,4 +50,4 @@ def expert_load(per_rank: list[torch.Tensor | None], forwards: int) -> dict[str,
                 "dropped": round(row[experts + STAT_DROPPED]),
             }
         )
-    return {"tokens": round(total[0, experts + STAT_TOKENS].item()), "layers": layers}
+    return {"tokens": round(float(total[0, experts + STAT_TOKENS])), "layers": layers}

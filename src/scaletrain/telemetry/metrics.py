@@ -1,7 +1,8 @@
 """Per-step metrics: recorded without host syncs, gathered across ranks once per interval.
 
-Losses and grad norms stay on the device as 0-d tensors until `flush`, which does one
-device-to-host copy (a second for a mixture of experts' routing sums) and one
+Losses, grad norms and the other per-step figures an engine keeps on the device (the loss
+scale, whether a step was skipped) stay there as 0-d tensors until `flush`, which reads
+them with a mixture of experts' routing sums in one device-to-host copy, and does one
 all_gather_object (on a gloo side group, so nothing of it touches the GPU) of everything
 the interval needs from every rank: losses, the phase times, memory, the communication
 sample, the expert load (experts.py). metrics.jsonl still gets one JSON object per
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from scaletrain import faults
@@ -26,6 +28,7 @@ from scaletrain.distributed import World, side_group
 from scaletrain.telemetry.clock import PhaseClock
 from scaletrain.telemetry.device import gpu_utilisation, memory_peak
 from scaletrain.telemetry.experts import expert_load
+from scaletrain.telemetry.syncs import host_only
 
 
 @dataclass(frozen=True)
@@ -73,41 +76,63 @@ class StepRecorder:
         self.mix: Callable[[], dict[str, Any] | None] = lambda: None
 
     def record(self, local_loss: torch.Tensor, grad_norm: torch.Tensor, **fields: Any) -> None:
-        self._losses.append(local_loss.detach().float())
-        self._norms.append(grad_norm.detach().float())
+        """One step's row; a tensor among `fields` (a 0-d one: the loss scale, whether the
+        step was skipped) stays on the device until the flush reads it with the rest."""
+        self._losses.append(local_loss.detach())
+        self._norms.append(grad_norm.detach())
         self._rows.append(fields)
+
+    def _read(self) -> tuple[list[float], list[float], np.ndarray | None]:
+        """The interval's device figures in one read: this rank's losses and gradient norms,
+        the rows' tensor fields (in place) and the expert load (taken here, once per interval)."""
+        device = self._losses[0].device
+        fields = [(row, k) for row in self._rows for k, v in row.items() if isinstance(v, torch.Tensor)]
+        routing = self.routing()
+        parts = [torch.stack(self._losses), torch.stack([t.to(device) for t in self._norms])]
+        parts += [row[k].to(device).reshape(1) for row, k in fields]
+        if routing is not None:
+            parts.append(routing.to(device).reshape(-1))
+        # float64: exact for the fp32 losses and for the routing's slot counts, whatever they sum to.
+        values = torch.cat([p.double() for p in parts]).tolist()  # the one read of the interval
+        n = len(self._rows)
+        losses, norms, rest = values[:n], values[n : 2 * n], values[2 * n :]
+        for (row, k), v in zip(fields, rest):
+            row[k] = bool(v) if row[k].dtype == torch.bool else v
+        moe = np.asarray(rest[len(fields) :], dtype=np.float64).reshape(routing.shape) if routing is not None else None
+        return losses, norms, moe
 
     def flush(self, comm: dict[str, float] | None = None) -> Flushed:
         """Collective when distributed (every rank calls it at the same steps). `comm`: this
         rank's communication sample of the interval, if one was taken (telemetry.comm)."""
         if not self._rows:
             return Flushed()
-        both = torch.stack([torch.stack(self._losses), torch.stack(self._norms).to(self._losses[0].device)]).cpu()
+        losses, norms, routing = self._read()
         phases = self.clock.take()
         peak, reserved = memory_peak(self.world.device)
         n = len(self._rows)
-        routing = self.routing()  # taken here, once per interval: no host sync per step
         mine: dict[str, Any] = {
-            "losses": both[0],
+            "losses": losses,
             "phases": {f"{k}_s": v / n for k, v in phases.items()},
             "mem_peak_bytes": peak,
             "mem_reserved_bytes": reserved,
             "gpu_util": gpu_utilisation(self.world.device),
             "comm": comm,
-            "moe": routing.cpu() if routing is not None else None,
+            "moe": routing,
         }
         everyone = [mine] * self.world.world_size
         if self._group is not None:
-            torch.distributed.all_gather_object(everyone, mine, group=self._group)
+            with host_only():  # a gloo side group: pickled into CPU tensors, none on the device
+                torch.distributed.all_gather_object(everyone, mine, group=self._group)
         now = time.perf_counter()
         wall, self._since = now - self._since, now
-        # Summed in rank order in fp32, as an all-reduce of the stacked losses would. The
+        # Summed in rank order in fp32, as an all-reduce of the stacked losses would (numpy:
+        # host arithmetic on host values, which no host-sync count mistakes for a read). The
         # tensor-parallel ranks of one data-parallel rank each hold its loss, so the mean
         # over all ranks is the mean over data-parallel ranks.
-        losses = (torch.stack([r["losses"] for r in everyone]).sum(0) / len(everyone)).tolist()
+        mean = np.asarray([r["losses"] for r in everyone], dtype=np.float32).sum(0) / np.float32(len(everyone))
         rows = [
             {"step": row.pop("step"), "loss": loss, "grad_norm": norm, **row}
-            for row, loss, norm in zip(self._rows, losses, both[1].tolist())
+            for row, loss, norm in zip(self._rows, mean.tolist(), norms)
         ]
         self._losses, self._norms, self._rows = [], [], []
         step = rows[-1]["step"]

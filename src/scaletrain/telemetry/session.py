@@ -14,11 +14,13 @@ import torch
 from scaletrain.config import Config
 from scaletrain.distributed import World
 from scaletrain.engines.base import Mark
+from scaletrain.engines.compile_stats import compile_counters
 from scaletrain.telemetry.clock import PhaseClock
 from scaletrain.telemetry.comm import CommSampler
 from scaletrain.telemetry.device import as_json, device_info
 from scaletrain.telemetry.metrics import Flushed, MetricsLog, Rates, StepRecorder
 from scaletrain.telemetry.profile import ProfileWindow
+from scaletrain.telemetry.syncs import HostSyncs
 
 
 class Telemetry:
@@ -54,6 +56,12 @@ class Telemetry:
         self.recorder = StepRecorder(world, hosts, self.clock, rates, metrics.gpu_hours())
         self.sampler = CommSampler(t.comm_sample_every if world.distributed else 0, world.device)
         self.window = ProfileWindow(t.profile_steps, run_dir / "profile", world.rank, world.device)
+        # telemetry.host_syncs: the host reads of device tensors, counted into each interval row.
+        self.syncs = HostSyncs(world.device) if t.host_syncs else None
+        self.compiled = cfg.train.compile  # each interval row says what dynamo did (engines/compile_stats.py)
+        # Looks over each interval's rows before they are written (the non-finite guard: it
+        # adds its counters) and may return the error that stops the run, raised after.
+        self.review: Callable[[list[dict[str, Any]]], Exception | None] | None = None
         self.sinks = None
         if world.is_main and (t.tensorboard or t.wandb):
             from scaletrain.telemetry.sinks import Sinks  # imports its packages only when asked for
@@ -78,25 +86,39 @@ class Telemetry:
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[Mark]:
-        """Around the whole of optimizer step `step` (1-based); gives the phase marker."""
+        """Around the whole of optimizer step `step` (1-based), its record included; gives
+        the phase marker."""
         self.window.before_step(step)
-        with self.sampler.around(step, allowed=not self.window.active):
+        with self.sampler.around(step, allowed=not self.window.active), self._counting("step"):
             self.clock.start()
             yield self.clock.mark
         self.window.after_step(step)
 
     def record(self, loss: torch.Tensor, grad_norm: torch.Tensor, **fields: Any) -> None:
+        """A step's figures; tensors among them are read at the flush, not now."""
         self.recorder.record(loss, grad_norm, **fields)
 
     def flush(self) -> Flushed:
-        """Collective: the interval's rows and figures from every rank, written (rank 0)."""
-        flushed = self.recorder.flush(self.sampler.take())
+        """Collective: the interval's rows and figures from every rank, reviewed and written
+        (rank 0); then the review's error, if it has one."""
+        with self._counting("flush"):
+            flushed = self.recorder.flush(self.sampler.take())
+        stop = self.review(flushed.rows) if self.review is not None and flushed.rows else None
+        if self.syncs is not None and flushed.events:
+            flushed.events[0]["host_syncs"] = self.syncs.take()  # the interval's steps and this flush
+        if self.compiled and flushed.events:
+            flushed.events[0]["compile"] = compile_counters()  # so far in this process
         self.metrics.write_flushed(flushed)
         if self.sinks is not None:
             self.sinks.log_steps(flushed.rows)
             for event in flushed.events:
                 self.sinks.log_event(event)
+        if stop is not None:
+            raise stop
         return flushed
+
+    def _counting(self, kind: str) -> contextlib.AbstractContextManager[None]:
+        return self.syncs.counting(kind) if self.syncs is not None else contextlib.nullcontext()
 
     def event(self, row: dict[str, Any]) -> None:
         self.metrics.write([row])

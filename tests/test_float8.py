@@ -1,0 +1,246 @@
+"""train.float8 on a CPU: which Linear layers torchao converts (meta-device models, the 1b
+preset's shape included), that names and state keep their form through the real engines,
+where the config and the device refuse it, and the planner's float8 figures. No float8
+matmul runs here: they need a GPU of compute capability 8.9+ (docs/float8.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from scaletrain.config import load_config
+from scaletrain.config_float8 import float8_device_problem
+from scaletrain.engines.float8 import apply_float8, convert
+from scaletrain.errors import UserError
+from scaletrain.models import model_spec
+from scaletrain.plan import make_plan
+from scaletrain.plan.float8 import CAST_16, CAST_32, cast_bytes, converted
+from scaletrain.plan.hardware import KNOWN_GPUS, gpu
+from scaletrain.plan.memory import engine_buffers, estimate
+from scaletrain.plan.planner import comm_bytes_per_step, step_time
+from scaletrain.plan.setup import Setup
+
+from helpers import base_overrides, one_line_error, probe, train
+
+H100 = gpu("h100", None)
+BLOCK = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+# A mixture of experts whose router (dim 128 -> 16 experts) has float8-sized dimensions, so
+# only the rule that a router never converts keeps it out; one dense block, one shared expert.
+MOE = ["model.preset=tiny-moe", "model.moe={experts: 16, shared_experts: 1, dense_layers: 1}"]
+SHARED = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.shared.w1", "feed_forward.shared.w2")
+SHARED += ("feed_forward.shared.w3",)
+
+
+def spec_of(*overrides: str):
+    return model_spec(load_config([], list(overrides)), 1024)
+
+
+def float8_names(model: nn.Module) -> set[str]:
+    return {name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+
+
+def expected(n_layers: int, per_block, first=None) -> set[str]:
+    return {f"layers.{i}.{leaf}" for i in range(n_layers) for leaf in (first if i == 0 and first else per_block)}
+
+
+CASES = {
+    "tiny": (["model.preset=tiny"], expected(4, BLOCK)),
+    "small": (["model.preset=small"], expected(6, BLOCK)),
+    "1b": (["model.preset=1b"], expected(16, BLOCK)),  # the GPU check's model, on meta: no memory
+    "moe": (MOE, expected(4, SHARED, first=BLOCK)),
+    # A feed-forward width that is no multiple of 16 (w1, w3: 128 -> 360; w2: 360 -> 128).
+    "odd": (["model.preset=tiny", "model.ffn_dim=360"], expected(4, BLOCK[:4])),
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_blocks_linears_convert_and_nothing_else(case, fsdp):
+    overrides, want = CASES[case]
+    spec = spec_of(*overrides)
+    model = spec.build_meta(64)
+    params = list(model.named_parameters())
+    keys = list(model.state_dict())
+    convert(model, spec, fsdp)
+    assert float8_names(model) == want
+    assert isinstance(model.tok_embeddings, nn.Embedding)
+    assert type(model.output) is nn.Linear  # the head stays bf16
+    for moe in (m for m in model.modules() if hasattr(m, "router")):
+        assert type(moe.router) is nn.Linear
+    # The same names (checkpoints, resharding and exports key on them) and shapes; without
+    # FSDP's float8 all-gather the very same Parameter objects (under it, a Parameter of
+    # torchao's subclass around the same tensor).
+    assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in params]
+    assert list(model.state_dict()) == keys
+    if not fsdp:
+        assert [id(p) for _, p in model.named_parameters()] == [id(p) for _, p in params]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("run.device=cpu", ["run.device=cpu", "compute capability 8.9"]),
+        ("parallel.strategy=zero2", ["parallel.strategy=ddp or fsdp, not zero2", "accepted: parallel.strategy=ddp|fsdp"]),
+        ("parallel.strategy=auto", ["not auto", "parallel.strategy=ddp|fsdp"]),
+        ("precision=fp32", ["precision=fp32", "accepted: precision=bf16"]),
+        ("precision=fp16", ["precision=fp16", "accepted: precision=bf16"]),
+        ("parallel.tp=2", ["parallel.tp=2", "accepted: parallel.tp=1"]),
+        ("model.source=hf", ["model.source=hf", "accepted: model.source=builtin"]),
+    ],
+)
+def test_the_config_refuses_in_one_line(override, words):
+    base = ["train.float8=true", "precision=bf16", "parallel.strategy=fsdp"]
+    if override == "model.source=hf":
+        override = "model.source=hf"
+        base.append("model.hf_config={model_type: llama}")
+    with pytest.raises(UserError) as e:
+        load_config([], [*base, override])
+    msg = str(e.value)
+    assert "\n" not in msg and "train.float8=true" in msg and "train.float8=false" in msg, msg
+    for w in words:
+        assert w in msg, msg
+
+
+@pytest.mark.unit
+def test_the_config_accepts_ddp_and_fsdp_in_bf16():
+    for strategy in ("ddp", "fsdp"):
+        cfg = load_config([], ["train.float8=true", "precision=bf16", f"parallel.strategy={strategy}", "train.compile=true"])
+        assert cfg.train.float8
+    assert not load_config([], []).train.float8  # off unless asked
+
+
+@pytest.mark.unit
+def test_the_device_must_have_float8_matmuls():
+    cpu = float8_device_problem("cpu", None, "cpu")
+    assert cpu and "this run's device is cpu" in cpu and "train.float8=false" in cpu
+    a100 = float8_device_problem("cuda", (8, 0), "NVIDIA A100-SXM4-80GB")
+    assert a100 and "NVIDIA A100-SXM4-80GB has 8.0" in a100 and "8.9" in a100
+    assert float8_device_problem("cuda", (8, 9), "NVIDIA L40S") is None  # Ada
+    assert float8_device_problem("cuda", (9, 0), "NVIDIA H100 80GB HBM3") is None
+    assert "ROCm" in (float8_device_problem("cuda", (9, 4), "AMD Instinct MI300X", hip=True) or "")
+    if not torch.cuda.is_available():  # the engines' entry: refused before torchao is imported
+        with pytest.raises(UserError, match="this run's device is cpu"):
+            apply_float8(spec_of().build_meta(8), spec_of(), torch.device("cpu"), fsdp=True)
+
+
+@pytest.mark.unit
+def test_without_torchao_one_line_names_the_extra(monkeypatch):
+    for name in ("torchao", "torchao.float8", "torchao.float8.float8_linear"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import torchao...` now fails as if absent
+    spec = spec_of()
+    with pytest.raises(UserError) as e:
+        convert(spec.build_meta(8), spec, fsdp=False)
+    assert str(e.value) == (
+        "train.float8=true needs torchao; accepted: pip install 'scaletrain[float8]' (torchao==0.18.0), or train.float8=false"
+    )
+
+
+@pytest.mark.dist
+def test_state_through_the_engines_keeps_names_and_plain_tensors(tmp_path):
+    (r,) = probe("float8_checkpoint", [], tmp_path)
+    for strategy in ("ddp", "fsdp"):
+        got = r[strategy]
+        assert got["converted"] == sorted(expected(2, BLOCK)), got
+        assert got["same_keys"] and got["plain_tensors"] and got["same_init"], got
+    assert r["fsdp"]["weight_type"] == "WeightWithDynamicFloat8CastTensor"  # all-gathered in float8
+    assert r["ddp"]["weight_type"] == "Parameter"
+    assert r["step"] == {"optimizer_plain": True, "moments": 20 * 2, "scales": 14}, r["step"]
+    assert r["f8_into_plain"] and r["plain_into_f8"], r
+    # The float8 run's checkpoint reads where torchao is not even installed: torch.load's
+    # weights_only (DCP's reader) refuses torchao's tensor subclass, which must not be in it.
+    read = (
+        "import sys, torch; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as c; "
+        f"c({str(tmp_path / 'f8')!r}, {str(tmp_path / 'f8.pt')!r}); "
+        f"sd = torch.load({str(tmp_path / 'f8.pt')!r}, weights_only=True); "
+        "assert 'torchao' not in sys.modules; print(type(sd['model']['layers.0.attention.wq.weight']).__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "Tensor", done.stderr[-2000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a run without a GPU")
+def test_a_run_without_a_gpu_is_refused_in_one_line(small_dataset, tmp_path):
+    # run.device=auto passes the config's check (it names no device); the engine then finds a CPU.
+    args = [*base_overrides(small_dataset, tmp_path / "run", steps=1), "run.device=auto", "train.float8=true", "precision=bf16"]
+    one_line_error(train(args), "train.float8=true needs a GPU", "this run's device is cpu", "accepted: train.float8=false")
+
+
+# ----------------------------------------------------------------------------- the planner
+
+
+def one_gpu(spec, strategy: str, float8: bool, dp: int = 1, **kw) -> Setup:
+    return Setup(strategy=strategy, dp=dp, micro_batch=4, seq_len=2048, precision="bf16", float8=float8, **kw)
+
+
+@pytest.mark.unit
+def test_the_1b_models_converted_weights_and_flops():
+    spec = spec_of("model.preset=1b")
+    c = converted(spec)
+    per_block = 2048 * 2048 * 2 + 2048 * 512 * 2 + 3 * 2048 * 8192  # wq, wo; wk, wv (8 kv heads); w1, w3, w2
+    assert (c.params, c.block_params) == (16 * per_block, per_block)
+    assert c.flops_per_token == 6 * 16 * per_block
+    assert c.in_features == 16 * (4 * 2048 + 2 * 2048 + 8192) and c.out_features == 16 * (2 * 2048 + 2 * 512 + 2 * 8192 + 2048)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_step_time_runs_the_converted_matmuls_at_the_float8_peak(strategy):
+    spec = spec_of("model.preset=1b")
+    cfg = load_config([], ["model.preset=1b", "precision=bf16"])
+    s8, s16 = one_gpu(spec, strategy, True), one_gpu(spec, strategy, False)
+    tokens = 4 * 2048
+    t8, t16 = (step_time(spec, s, cfg, H100, 1, 0.0) for s in (s8, s16))
+    f = tokens * converted(spec).flops_per_token
+    mfu = H100.assumed_mfu
+    assert (H100.peak_flops_8, H100.peak_flops_16, H100.memory_bw) == (1979e12, 989e12, 3.35e12)
+    saving = f / (989e12 * mfu) - f / (1979e12 * mfu) - cast_bytes(spec, s8, tokens) / 3.35e12
+    assert t16 - t8 == pytest.approx(saving, rel=1e-9)
+    assert 1.1 < t16 / t8 < 1.5  # torchtitan's 8B: 1.28x over bf16 with compile, at 8 x H100
+    c = converted(spec)
+    weights = CAST_32 * c.params * (2 if strategy == "ddp" else 2 / s8.shard)  # ddp: fwd + bwd; fsdp: per gather
+    assert cast_bytes(spec, s8, tokens) == pytest.approx(tokens * CAST_16 * (2 * c.in_features + 2 * c.out_features) + weights)
+
+
+@pytest.mark.unit
+def test_fsdp_all_gathers_and_holds_the_converted_weights_at_one_byte():
+    spec = spec_of("model.preset=1b")
+    c = converted(spec)
+    s8, s16 = one_gpu(spec, "fsdp", True, dp=8), one_gpu(spec, "fsdp", False, dp=8)
+    gathers = 2  # forward, and again in backward (resharded after forward)
+    assert comm_bytes_per_step(spec, s16, 1) - comm_bytes_per_step(spec, s8, 1) == pytest.approx(7 / 8 * c.params * gathers)
+    assert engine_buffers(spec, s16) - engine_buffers(spec, s8) == pytest.approx(2 * c.block_params)  # 2 units gathered
+    kept = replace(s8, reshard_after_forward=False)
+    assert engine_buffers(spec, replace(kept, float8=False)) - engine_buffers(spec, kept) == pytest.approx(c.params)
+    # FSDP's blocks save what a bf16 block saves (torchao keeps the bf16 input for backward).
+    assert estimate(spec, s8).activations == estimate(spec, s16).activations
+
+
+@pytest.mark.unit
+def test_ddp_saves_no_16bit_weight_copies_under_float8():
+    spec = spec_of("model.preset=1b")
+    s8, s16 = one_gpu(spec, "ddp", True), one_gpu(spec, "ddp", False)
+    fewer = estimate(spec, s16).activations - estimate(spec, s8).activations
+    assert fewer == pytest.approx(16 * converted(spec).block_params * 2)  # a bf16 copy per weight, per block
+
+
+@pytest.mark.unit
+def test_the_plan_shows_float8_beside_bf16_and_only_where_it_runs():
+    cfg = load_config([], ["model.preset=1b", "data.seq_len=2048", "precision=bf16", "train.float8=true"])
+    spec = spec_of("model.preset=1b")
+    plan = make_plan(cfg, spec, 8, 1, replace(H100, memory=80 * 2**30))
+    assert {c.setup.strategy for c in plan.candidates} == {"ddp", "fsdp"}  # no zero1-3, no tp or pp
+    assert all(c.setup.float8 and "float8" in c.setup.label for c in plan.candidates)
+    f = plan.as_dict()["float8"]
+    assert f["bf16_step_time_s"] > f["step_time_s"] > 0 and f["speedup"] > 1
+    assert any(n.startswith("train.float8: ") and "in bf16" in n for n in plan.notes)
+    assert all(c["float8"] for c in plan.as_dict()["candidates"])
+    with pytest.raises(UserError, match="A100 SXM, has none"):
+        make_plan(cfg, spec, 8, 1, KNOWN_GPUS["a100"])
