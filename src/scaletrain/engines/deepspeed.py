@@ -336,14 +336,15 @@ class DeepSpeedEngine(AccumulationWindow):
         return {CONFIG_FILE: self._config_json}
 
 
-# The AdamW group settings torch has and DeepSpeed does not (torch 2.13 defaults).
+# The AdamW group settings torch has and DeepSpeed does not: torch 2.13's defaults, but for
+# `fused`, which the torch engines' AdamW is wherever torch has the kernel (optim.build_adamw).
 _TORCH_ADAMW_FLAGS = {
     "amsgrad": False,
     "foreach": None,
     "maximize": False,
     "capturable": False,
     "differentiable": False,
-    "fused": None,
+    "fused": True,
     "decoupled_weight_decay": True,
 }
 
