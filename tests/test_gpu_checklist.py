@@ -1,21 +1,30 @@
-"""scripts/gpu_checklist.py: its list of checks, its GPU mode against faked processes, its CPU mode for real.
+"""scripts/gpu_checklist.py: its list of checks, --list and its budget, GPU mode against faked processes, CPU mode for real.
 
-The GPU parts need a GPU this machine lacks, so: the declarative list is checked against what the bash
-checklist ran (every engine x precision, each CUDA-only check marked so); `--list` prints every exact
-command and runs nothing; GPU mode runs in-process with every process faked (what the driver makes of
-what the runs report: the DeepSpeed optimizer fallback, the planned micro-batch, the out-of-memory
-retry, the MFU tables); and the CPU mode runs end to end as a user runs it, then with one run's config
-made invalid.
+The GPU parts need a GPU this machine lacks, so: the declarative list is checked against the issue's
+order (the environment, five engines in bf16, the 1b preset's micro-batch and runs, four planner
+configurations, other issues' checks, then what runs when time is left), every check with an expected
+time; `--list` prints every exact command, its expected time, the running total and the one line where
+a budget cuts, and runs nothing; GPU mode runs in-process with every process faked and a faked clock
+(what the driver makes of what the runs report: the DeepSpeed optimizer fallback, the planned
+micro-batch, the out-of-memory retry, the host reads of a step, the MFU tables; which checks a budget
+skips and the timeout each command gets; results.jsonl, summary.md and logs.tar.gz on disk before
+each next command starts); and the CPU mode runs end to end as the lent machine runs it (`--work`,
+`--budget`), then with one run's config made invalid.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import re
+import shlex
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,10 +32,38 @@ from helpers import run
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_checklist.py"
 KNOBS = ("STEP_TIMEOUT", "ENGINE_STEPS", "MFU_STEPS", "MFU_MAX_MB", "DS_OPTIMIZER", "KEEP_CHECKPOINTS", "FORCE_CPU")
-# Part 2 of the bash checklist: these 7 engine configurations, each in bf16 and fp16, on CUDA.
-ENGINES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3-offload", "fsdp-offload")
+ST = f"{sys.executable} -m scaletrain"  # how the checklist starts the CLI: this interpreter
+# The issue's order on a GPU, part by part.
+ENV = ("nvidia-smi", "scaletrain CLI", "python/torch/deepspeed", "DeepSpeed optimizer")  # part 1
+FIVE = ("ddp", "fsdp", "zero2", "zero3", "zero3-offload")  # part 2 in bf16; part 6 in fp16
+MB = ("plan 1b AC=false", "plan 1b AC=true", "MFU 1b")  # part 3: the micro-batch the planner allows
+RUNS_1B = ("1b-eager-mb{mb}{ac_tag}", "1b-compiled-mb{mb}{ac_tag}", "1b-float8-compiled-mb{mb}{ac_tag}")  # part 3
+PLANNER = ("1b-fsdp-bf16-AC-mb4", "1b-fsdp-bf16-mb2", "1b-zero3-bf16-AC-mb4", "small-zero2-bf16")  # part 4
+MORE = ("moe-small-bf16", "document-mask-bf16", "cp-attention-kernels", "oom-1b-mb64")  # part 5: issues 27, 28, 29, 26
+LEFT = ("zero1-bf16", "fsdp-offload-bf16", "1b-eager-mb{mb}-AC", "small-ddp-fp32", "small-fsdp-bf16", "small-zero3-bf16")
+FP16 = tuple(f"{e}-fp16" for e in FIVE)  # part 6's end
 CPU_CHECKS = ("scaletrain CLI", "python/torch/deepspeed", "ddp-cpu", "fsdp-cpu", "zero2-cpu", "tiny-ddp-cpu", "tiny-zero2-cpu")
 GPU_SKIPPED = "GPU parts (engines and planner on CUDA, 1b MFU)"
+H100 = {
+    "python": "3.11.7",
+    "torch": "2.13.0",
+    "torch_cuda": "12.8",
+    "deepspeed": "0.19.8",
+    "scaletrain": "0.1.0",
+    "host": "gpu",
+    "cuda_available": True,
+    "device_count": 1,
+    "device_name": "NVIDIA H100 80GB HBM3",
+    "capability": "9.0",
+    "device_memory": 85_029_158_912,
+    "bf16": True,
+    "nccl": "2.27.3",
+}  # fmt: skip  (no nvcc)
+CLEAN = {"step": 0, "flush": 1, "sites": {}}  # a steady interval's host reads: none inside the steps, one at the flush
+
+
+def filled(names, mb=8, ac_tag=""):
+    return [n.format(mb=mb, ac_tag=ac_tag) for n in names]
 
 
 @pytest.fixture
@@ -45,91 +82,218 @@ def results(out: Path) -> dict[str, dict]:
     return {r["name"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
 
 
+# ---------------------------------------------------------------------------- the list
+
+
 @pytest.mark.unit
-def test_the_list_is_well_formed(checklist):
+def test_the_list_runs_in_the_issues_order(checklist):
+    on_gpu = [c.name for c in checklist.CHECKS if "no-cuda" not in c.needs]
+    assert on_gpu == [
+        *ENV, *(f"{e}-bf16" for e in FIVE), *MB, *RUNS_1B, *PLANNER, *MORE, *LEFT, *FP16,
+    ]  # fmt: skip
+    on_cpu = [c.name for c in checklist.CHECKS if "cuda" not in c.needs]
+    assert on_cpu == ["nvidia-smi", *CPU_CHECKS]
+    parts = {}
+    for c in checklist.CHECKS:
+        parts.setdefault(c.part, []).append(c.name)
+    assert parts == {
+        1: list(ENV),
+        2: [*(f"{e}-bf16" for e in FIVE), "ddp-cpu", "fsdp-cpu", "zero2-cpu"],
+        3: [*MB, *RUNS_1B],
+        4: [*PLANNER, "tiny-ddp-cpu", "tiny-zero2-cpu"],
+        5: list(MORE),
+        6: [*LEFT, *FP16],
+    }
+    assert [c.part for c in checklist.CHECKS] == sorted(c.part for c in checklist.CHECKS)
+    assert checklist.CHECKS[-15:-11] == checklist.MORE_CHECKS and {c.part for c in checklist.MORE_CHECKS} == {5}
     checks = {c.name: c for c in checklist.CHECKS}
     assert len(checks) == len(checklist.CHECKS), "check names are unique"
-    for engine in ENGINES:
-        for precision in ("bf16", "fp16"):
-            c = checks.pop(f"{engine}-{precision}")
-            assert c.part == 2 and c.steps == 20 and {f"precision={precision}", "run.device=cuda"} <= set(c.argv)
-    # Everything else the bash checklist reported on.
-    assert set(checks) == {
-        *("nvidia-smi", "DeepSpeed optimizer", *CPU_CHECKS),
-        *("small-ddp-fp32", "small-fsdp-bf16", "small-zero2-bf16", "small-zero3-bf16"),
-        *("1b-fsdp-bf16-AC-mb4", "1b-fsdp-bf16-mb2", "1b-zero3-bf16-AC-mb4"),
-        *("moe-small-bf16", "oom-1b-mb64"),  # a mixture of experts (issue 27), a real out-of-memory error (issue 26)
-        "document-mask-bf16",  # FlexAttention's block mask (issue 28)
-        "cp-attention-kernels",  # context parallel's chunk attention on flash and cuDNN (issue 29)
-        *(
-            "plan 1b AC=false",
-            "plan 1b AC=true",
-            "MFU 1b",
-            "1b-eager-mb{mb}{ac_tag}",
-            "1b-compiled-mb{mb}{ac_tag}",
-            "1b-eager-mb{mb}-AC",
-        ),
-    }
+    # Every check has an expected time: GPU mode's table holds exactly the checks GPU mode runs, CPU_S the CPU mode's.
+    assert set(checklist.times.GPU_S) == set(on_gpu) and set(checklist.times.CPU_S) == set(on_cpu)
+    # Training runs and their steps: 3 on GPU (ENGINE_STEPS), 10 for fp16 and the CPU stand-ins, 20 for the 1b runs.
+    assert {n: c.steps for n, c in checks.items() if c.steps} == {
+        **{f"{e}-bf16": 3 for e in (*FIVE, "zero1", "fsdp-offload")},
+        **dict.fromkeys(("ddp-cpu", "fsdp-cpu", "zero2-cpu"), 10),
+        **dict.fromkeys((*RUNS_1B, "1b-eager-mb{mb}-AC"), 20),
+        "moe-small-bf16": 4, "document-mask-bf16": 3, "oom-1b-mb64": 3,
+        **dict.fromkeys(FP16, 10),
+    }  # fmt: skip
+    assert {n for n, c in checks.items() if c.retry_oom} == {*RUNS_1B, "1b-eager-mb{mb}-AC"}
+    assert {c.judge for c in checklist.CHECKS} == set(checklist.JUDGES)  # every judge used, none missing
     for c in checklist.CHECKS:
-        assert c.judge in checklist.JUDGES and c.part in (1, 2, 3, 4), c
-        # CUDA-only: whatever runs on the device, uses the DeepSpeed optimizer found for it, or is part 4.
-        on_cuda = "run.device=cuda" in c.argv or checklist.DS in c.argv or c.judge == "ds_optimizer" or c.part == 4
-        on_cuda |= any(str(w).endswith("cp_kernels.py") for w in c.argv)  # a script of CUDA kernels alone
+        assert c.judge in checklist.JUDGES and c.part in range(1, 7), c
+        # CUDA-only: what runs on the device, uses the DeepSpeed optimizer found for it, or plans for it.
+        on_cuda = "run.device=cuda" in c.argv or checklist.DS in c.argv or "--configured-only" in c.argv
+        on_cuda |= c.judge in ("ds_optimizer", "micro_batch") or any(w.endswith("cp_kernels.py") for w in c.argv)
         assert ("cuda" in c.needs) == on_cuda, c.name
         assert ("no-cuda" in c.needs) == ("run.device=cpu" in c.argv), c.name  # the CPU stand-ins
-        assert (c.steps > 0) == (c.judge == "trains") and (c.judge == "measure") == ("--measure" in c.argv), c.name
+        assert (c.steps > 0) == (c.judge in ("trains", "host_syncs")), c.name
+        assert (c.judge == "measure") == ("--measure" in c.argv), c.name
     offload = {c.name: c.argv for c in checklist.CHECKS if "offload" in c.name}
-    assert all("parallel.offload_params=cpu" in argv for argv in offload.values()) and len(offload) == 4
+    assert list(offload) == ["zero3-offload-bf16", "fsdp-offload-bf16", "zero3-offload-fp16"]
+    assert all("parallel.offload_params=cpu" in argv for argv in offload.values())
+    # The mixture of experts counts its host reads: two intervals of 2 steps (the later log_every wins).
+    moe = checks["moe-small-bf16"]
+    assert moe.judge == "host_syncs" and moe.argv.index("train.log_every=2") > moe.argv.index("train.log_every=1")
+    assert "telemetry.host_syncs=true" in moe.argv and "model.moe={{}}" in moe.argv
 
 
 @pytest.mark.unit
-def test_list_prints_every_command_and_runs_nothing(checklist, monkeypatch, capsys, tmp_path):
+def test_list_prints_every_command_its_expected_time_and_where_the_budget_cuts(checklist, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(checklist.helpers, "Launched", lambda *a, **k: pytest.fail(f"--list ran {a}"))
     assert checklist.main([str(tmp_path / "out"), "--list"]) == 0
     out = capsys.readouterr().out
     assert not (tmp_path / "out").exists()
-    for c in checklist.CHECKS:
-        assert f"[{c.part}] {c.name}" in out
-    assert out.count("\n       $ ") == sum(1 for c in checklist.CHECKS if c.argv)
-    st, runs = f"{sys.executable} -m scaletrain", tmp_path / "out" / "runs"
-    for exact in (  # as they run: the fixed tail of a training run, and the templates filled at run time
-        f"{st} train model.preset=tiny run.device=cpu precision=fp32 train.log_every=5 parallel.strategy=zero2 "
-        f"parallel.bucket_size=2000000 train.steps=10 checkpoint.every=0 train.resume=never run.dir={runs}/zero2-cpu",
-        f"{st} train model.preset=small run.device=cuda train.log_every=5 parallel.strategy=fsdp parallel.offload_params=cpu "
-        f"precision=fp16 train.steps=20 checkpoint.every=0 train.resume=never run.dir={runs}/fsdp-offload-fp16",
-        f"{st} plan model.preset=small data.seq_len=256 train.micro_batch=8 run.device=cuda parallel.strategy=zero3 "
-        "precision=bf16 '{ds_extra}' --measure --json",
-        f"{st} plan model.preset=tiny run.device=cpu precision=fp32 parallel.strategy=ddp --measure --json",
-    ):
-        assert f"       $ {exact}\n" in out
-
-
-def fake_run_dir(run_dir: Path, steps: int, engine: str) -> None:
-    """What a run writes that the checklist reads: step rows, two log intervals, run.json."""
-    run_dir.mkdir(parents=True)
-    rows = [{"step": s, "loss": 11.8 - 0.1 * s} for s in range(1, steps + 1)]
-    rows += [{"event": "interval", "tokens_per_s": 40000.0, "mfu": 0.42, "step_s": 0.4, "mem_peak_bytes": 60 * 2**30,
-              "phases": {"forward_s": 0.1, "backward_s": 0.25, "optimizer_s": 0.05}}] * 2  # fmt: skip
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run_dir / "run.json").write_text(
-        json.dumps({"engine": engine, "device": "cuda", "peak_flops": 989e12, "peak_flops_source": "table"})
+    assert out.startswith(
+        "Expected seconds: estimate for GPU mode (scripts/gpu_checklist_times.py, plus 0.5 s of the checklist's own per "
+        "check); where --budget 540 cuts, with 5 s kept for the end\n"
     )
+    assert out.count("\n       $ ") == sum(1 for c in checklist.CHECKS if c.argv)
+    assert out.count("\n       (no command)\n") == 2  # the DeepSpeed optimizer and the micro-batch: judged from earlier checks
+    times = checklist.times
+    total, cut = 0.0, None
+    for c in checklist.CHECKS:
+        line = re.search(rf"^\[{c.part}\] {re.escape(c.name)}.*; judge: {c.judge}; (.*)$", out, re.MULTILINE)
+        assert line, c.name
+        if "no-cuda" in c.needs:
+            assert line[1] == f"~{times.CPU_S[c.name] + times.OVERHEAD_S:.0f} s, measured, CPU, CPU mode only"
+            continue
+        s = times.GPU_S[c.name] + times.OVERHEAD_S
+        total += s
+        assert line[1].startswith(f"~{s:.0f} s, estimate, {total:.0f} s in all"), line[0]
+        if cut is None and total > 540 - times.RESERVE_S:
+            cut = c.name
+        assert ("skipped under --budget 540" in line[1]) == (cut is not None), line[0]
+    # Parts 1-5 fit the lent machine's 540 s; part 6 is what is left.
+    assert cut == "zero1-bf16" and out.count("------ a 540 s budget (--budget 540) cuts here") == 1
+    assert out.index("cuts here") < out.index("[6] zero1-bf16") and out.index("cuts here") > out.index("[5] oom-1b-mb64")
+    assert out.rstrip().endswith(f"GPU mode: {total:.0f} s expected for every check; 526 s of them run under --budget 540")
+    runs = tmp_path / "out" / "runs"
+    for exact in (  # as they run: the fixed tail of a training run, and the templates filled at run time
+        "[1] DeepSpeed optimizer (needs cuda): FusedAdam where nvcc can build it, else WARN and torch's AdamW "
+        "(DS_OPTIMIZER); judge: ds_optimizer; ~0 s, estimate, 13 s in all\n       (no command)",
+        "[2] zero2-cpu (needs no-cuda): zero2 trains on CPU (stand-in); judge: trains; ~6 s, measured, CPU, CPU mode only\n"
+        f"       $ {ST} train model.preset=tiny run.device=cpu precision=fp32 train.log_every=5 parallel.strategy=zero2 "
+        f"parallel.bucket_size=2000000 train.steps=10 checkpoint.every=0 train.resume=never run.dir={runs}/zero2-cpu",
+        f"       $ {ST} train model.preset=small run.device=cuda train.log_every=1 parallel.strategy=zero2 '{{ds_extra}}' "
+        f"precision=bf16 train.steps=3 checkpoint.every=0 train.resume=never run.dir={runs}/zero2-bf16",
+        f"       $ {ST} plan model.preset=1b model.vocab_size=128256 data.seq_len=2048 precision=bf16 parallel.strategy=fsdp "
+        "parallel.activation_checkpointing=true train.micro_batch=1 --gpus-per-node 1 --gpu '{gpu_kind}' "
+        "--gpu-memory '{gpu_memory}B' --configured-only --json",
+        f"       $ {ST} train model.preset=1b model.vocab_size=128256 data.seq_len=2048 precision=bf16 run.device=cuda "
+        "parallel.strategy=fsdp 'train.micro_batch={mb}' train.log_every=5 'parallel.activation_checkpointing={ac}' "
+        "train.compile=true train.float8=true train.steps=20 checkpoint.every=0 train.resume=never "
+        f"'run.dir={runs}/1b-float8-compiled-mb{{mb}}{{ac_tag}}'",
+        "[5] moe-small-bf16 (needs cuda): a mixture of experts trains in bf16 on CUDA (the grouped matmul), no host sync "
+        "in a step; judge: host_syncs; ~12 s, estimate, 449 s in all\n"
+        f"       $ {ST} train model.preset=small run.device=cuda train.log_every=1 'model.moe={{}}' parallel.strategy=fsdp "
+        "precision=bf16 telemetry.host_syncs=true train.log_every=2 train.steps=4 checkpoint.every=0 train.resume=never "
+        f"run.dir={runs}/moe-small-bf16",
+        f"       $ {sys.executable} {SCRIPT.parent / 'cp_kernels.py'}",
+        "[6] fsdp-offload-bf16 (needs cuda): fsdp-offload trains in bf16 on CUDA; judge: trains; ~14 s, estimate, 552 s "
+        "in all: skipped under --budget 540\n"
+        f"       $ {ST} train model.preset=small run.device=cuda train.log_every=1 parallel.strategy=fsdp "
+        f"parallel.offload_params=cpu precision=bf16 train.steps=3 checkpoint.every=0 train.resume=never "
+        f"run.dir={runs}/fsdp-offload-bf16",
+        f"       $ {ST} plan model.preset=small data.seq_len=256 train.micro_batch=8 run.device=cuda parallel.strategy=zero3 "
+        "precision=bf16 '{ds_extra}' --measure --json",
+        f"       $ {ST} train model.preset=small run.device=cuda train.log_every=1 parallel.strategy=zero3 "
+        "parallel.offload_optimizer=cpu parallel.offload_params=cpu precision=fp16 train.steps=10 checkpoint.every=0 "
+        f"train.resume=never run.dir={runs}/zero3-offload-fp16",
+    ):
+        assert f"{exact}\n" in out, exact
+
+    # Another budget cuts elsewhere, once.
+    assert checklist.main(["--list", "--budget", "60"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("cuts here") == 1 and "a 60 s budget (--budget 60) cuts here" in out
+    assert "where --budget 60 cuts" in out.splitlines()[0]
+
+    # A table of round numbers, a measured source, --work and --set: a check after the cut that still fits is not
+    # marked (the budget skips, it does not stop), and --set goes after the other overrides, the runs into --work.
+    table = {n: 19.5 for n in checklist.times.GPU_S} | {"nvidia-smi": 4.5, "DeepSpeed optimizer": 0, "MFU 1b": 0}
+    monkeypatch.setattr(checklist.times, "GPU_S", table)
+    monkeypatch.setattr(checklist.times, "SOURCE", "H100 80GB, 2026-12-01")
+    work = tmp_path / "work"
+    argv = [str(tmp_path / "o"), "--list", "--budget", "60", "--work", str(work), "--set", "data.dir=/scratch"]
+    assert checklist.main(argv) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "o").exists() and not work.exists()
+    assert out.startswith("Expected seconds: H100 80GB, 2026-12-01 for GPU mode (")
+    lines = [ln for ln in out.splitlines() if ln.startswith(("[1]", "[2] ddp-bf16", "[2] fsdp-bf16", "[3] MFU", "---"))]
+    assert lines == [
+        "[1] nvidia-smi: the GPUs the driver sees (SKIP without nvidia-smi); judge: nvidia_smi; ~5 s, measured, 5 s in all",
+        "[1] scaletrain CLI: the CLI starts; judge: first_line; ~20 s, measured, 25 s in all",
+        "[1] python/torch/deepspeed: versions and the device; FAIL where nvidia-smi lists a GPU torch cannot use; "
+        "judge: env; ~20 s, measured, 45 s in all",
+        "[1] DeepSpeed optimizer (needs cuda): FusedAdam where nvcc can build it, else WARN and torch's AdamW "
+        "(DS_OPTIMIZER); judge: ds_optimizer; ~0 s, measured, 46 s in all",  # 45.5
+        "------ a 60 s budget (--budget 60) cuts here: a check that no longer fits is skipped, a later one that fits still runs",
+        "[2] ddp-bf16 (needs cuda): ddp trains in bf16 on CUDA; judge: trains; ~20 s, measured, 66 s in all: "
+        "skipped under --budget 60",
+        "[2] fsdp-bf16 (needs cuda): fsdp trains in bf16 on CUDA; judge: trains; ~20 s, measured, 86 s in all: "
+        "skipped under --budget 60",
+        "[3] MFU 1b (needs cuda, planned): the runs' micro-batch: the largest power of two within the plan and "
+        "MFU_MAX_MB; activation checkpointing (a recompute of each block) only where nothing fits without; "
+        "judge: micro_batch; ~0 s, measured, 186 s in all",  # 45.5 + 0.5 = 46 of 55 fit: not skipped
+    ]
+    assert out.rstrip().endswith("GPU mode: 626 s expected for every check; 46 s of them run under --budget 60")
+    assert (
+        f"       $ {ST} train model.preset=small run.device=cuda train.log_every=1 parallel.strategy=fsdp precision=bf16 "
+        f"train.steps=3 checkpoint.every=0 train.resume=never run.dir={work}/runs/fsdp-bf16 data.dir=/scratch\n"
+    ) in out
+    assert (
+        f"       $ {ST} plan model.preset=tiny run.device=cpu precision=fp32 parallel.strategy=ddp data.dir=/scratch "
+        "--measure --json\n"
+    ) in out
 
 
-@pytest.mark.unit
-def test_gpu_mode_with_faked_processes(checklist, monkeypatch, tmp_path):
-    """An H100 without nvcc, as the processes report it; the 1b eager run at micro-batch 8 runs out of memory."""
-    h100 = {"python": "3.11.7", "torch": "2.13.0", "torch_cuda": "12.8", "deepspeed": "0.19.8", "scaletrain": "0.1.0",
-            "host": "gpu", "cuda_available": True, "device_count": 1, "device_name": "NVIDIA H100 80GB HBM3",
-            "capability": "9.0", "device_memory": 85_029_158_912, "bf16": True, "nccl": "2.27.3"}  # fmt: skip
-    commands = []
+# ---------------------------------------------------------------------------- GPU mode, every process faked
 
-    class FakeProcess:  # helpers.Launched, its wait() answering as the real process would
-        def __init__(self, argv):
-            self.wait = lambda timeout: fake_run(argv)
+
+def fake_run_dir(run_dir: Path, steps: int, engine: str, fp16: bool, host_syncs, loss) -> None:
+    """What a run writes that the checklist reads: step rows, two log intervals (each with its host reads,
+    where `host_syncs` gives them), run.json, config.yaml."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rows = [{"step": s, "loss": loss(s), **({"skipped": s == 1} if fp16 else {})} for s in range(1, steps + 1)]
+    for counted in host_syncs:
+        rows.append({"event": "interval", "steps": 2, "tokens_per_s": 40000.0, "mfu": 0.42, "step_s": 0.4,
+                     "mem_peak_bytes": 60 * 2**30, "phases": {"forward_s": 0.1, "backward_s": 0.25, "optimizer_s": 0.05},
+                     **({} if counted is None else {"host_syncs": counted})})  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    info = {"engine": engine, "device": "cuda", "peak_flops": 989e12, "peak_flops_source": "table"}
+    (run_dir / "run.json").write_text(json.dumps(info))
+    (run_dir / "config.yaml").write_text(f"parallel:\n  strategy: {engine}\n")
+
+
+@pytest.fixture
+def fake_gpu(checklist, monkeypatch, tmp_path):
+    """GPU mode in-process: an H100 without nvcc as every process reports it, and a faked clock that only
+    the processes move. Returns (commands, hooks): commands, each (argv, timeout) as started; hooks, which
+    a test sets: "before" (argv), called as a process starts; "takes" (argv) -> its seconds (past its
+    timeout: killed there, as the helpers do); "oom" (overrides) -> whether it runs out of memory;
+    "host_syncs" (overrides) -> each interval row's host reads (None: the field left out); "loss" (step) -> its loss."""
+    commands, hooks, clock = [], {}, [1000.0]
+
+    class FakeProcess:  # helpers.Launched: wait() answers as the real process would, _read what it wrote so far
+        _read = staticmethod(lambda f: f.getvalue())
+
+        def __init__(self, argv, one_thread):
+            assert one_thread is False
+            self.argv, self._out, self._err = argv, io.StringIO(), io.StringIO()
+
+        def wait(self, timeout):
+            commands.append((self.argv, timeout))
+            hooks.get("before", lambda argv: None)(self.argv)
+            takes = hooks.get("takes", lambda argv: 0)(self.argv)
+            if takes > timeout:  # the helpers kill the tree and raise
+                clock[0] += timeout
+                self._out.write("step 1 ...\n")
+                raise AssertionError(f"timed out after {timeout:.0f} s: {' '.join(self.argv)}")
+            clock[0] += takes
+            return fake_run(self.argv)
 
     def fake_run(argv):
-        commands.append(argv)
         o = dict(w.split("=", 1) for w in argv if "=" in w and not w.startswith("-"))
         done = lambda stdout="", rc=0, stderr="": subprocess.CompletedProcess(argv, rc, stdout, stderr)  # noqa: E731
         if argv[0] == "nvidia-smi":
@@ -137,103 +301,358 @@ def test_gpu_mode_with_faked_processes(checklist, monkeypatch, tmp_path):
         if "--version" in argv:
             return done("scaletrain 0.1.0\n")
         if "--env-json" in argv:
-            return done(json.dumps(h100))
+            return done(json.dumps(H100))
         if argv[1].endswith("cp_kernels.py"):  # one JSON line per backend and cp
             return done('{"backend": "FLASH_ATTENTION", "cp": 2, "max_abs_diff": 0.0039, "atol": 0.02, "ok": true}\n')
         if "--configured-only" in argv:  # the planner for this device: 9 fit without activation checkpointing, 18 with
             mb = 18 if o["parallel.activation_checkpointing"] == "true" else 9
-            plan = {
-                "chosen": "fsdp",
-                "max_micro_batch": mb,
-                "candidates": [{"strategy": "fsdp", "fits": True, "memory": {"peak": 2**34}}],
-            }
+            plan = {"chosen": "fsdp", "max_micro_batch": mb, "candidates": [{"strategy": "fsdp", "fits": True,
+                                                                             "memory": {"peak": 2**34}}]}  # fmt: skip
             return done(json.dumps(plan))
         if "--measure" in argv:
             measured = {"peak": 1.9e9, "cuda_max_allocated": 1.6e9}
-            return done(
-                json.dumps({"strategy": o["parallel.strategy"], "world": 1, "predicted": {"peak": 2e9}, "measured": measured})
-            )
-        if (
-            o.get("train.micro_batch") == "8"
-            and o["train.compile"] == "false"
-            and o["parallel.activation_checkpointing"] == "false"
-        ):
+            out = {"strategy": o["parallel.strategy"], "world": 1, "predicted": {"peak": 2e9}, "measured": measured}
+            return done("measuring 3 steps\n" + json.dumps(out) + "\n")
+        if hooks.get("oom", lambda o: False)(o):
             return done(rc=1, stderr="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
-        fake_run_dir(Path(o["run.dir"]), int(o["train.steps"]), o["parallel.strategy"])
+        syncs = hooks.get("host_syncs", lambda o: [CLEAN, CLEAN])(o)
+        loss = hooks.get("loss", lambda step: 11.8 - 0.1 * step)
+        fake_run_dir(Path(o["run.dir"]), int(o["train.steps"]), o["parallel.strategy"], o["precision"] == "fp16", syncs, loss)
         return done("training finished\n")
 
     monkeypatch.chdir(tmp_path)  # main changes into the repository; this changes back afterwards
     monkeypatch.setattr(checklist.shutil, "which", lambda program: program)  # nvidia-smi "is there"
-    monkeypatch.setattr(checklist.helpers, "Launched", lambda argv, one_thread: FakeProcess(argv))
+    monkeypatch.setattr(checklist.helpers, "Launched", FakeProcess)
+    monkeypatch.setattr(checklist, "time", SimpleNamespace(monotonic=lambda: clock[0], strftime=time.strftime))
+    return commands, hooks
+
+
+def eager_mb8(o: dict[str, str]) -> bool:
+    """The 1b eager run at micro-batch 8 without activation checkpointing: out of memory."""
+    ac = o.get("parallel.activation_checkpointing")
+    return o.get("train.micro_batch") == "8" and o.get("train.compile") == "false" and ac == "false"
+
+
+@pytest.mark.unit
+def test_gpu_mode_with_faked_processes(checklist, fake_gpu, capsys, tmp_path):
+    """An H100 without nvcc, as the processes report it; the 1b eager run at micro-batch 8 runs out of memory
+    (FAIL, retried at 4); no budget: every check runs, part 6 too, each command given STEP_TIMEOUT."""
+    commands, hooks = fake_gpu
+    hooks["oom"] = eager_mb8
+    hooks["takes"] = lambda argv: 1  # each command a second of the faked clock
     out = tmp_path / "out"
     assert checklist.main([str(out)]) == 1  # the out-of-memory attempt counts as a failure
-    got = results(out)
+    got, printed = results(out), capsys.readouterr().out
+    assert list(got) == [  # in the list's order, the templates filled, the retry after the attempt
+        *ENV, *(f"{e}-bf16" for e in FIVE), *MB, "1b-eager-mb8", "1b-eager-mb4", *filled(RUNS_1B[1:]), *PLANNER, *MORE,
+        *filled(LEFT), *FP16,
+    ]  # fmt: skip
     assert {n for n, r in got.items() if r["status"] == "FAIL"} == {"1b-eager-mb8"}
     assert got["DeepSpeed optimizer"]["status"] == "WARN" and not {*CPU_CHECKS[2:], GPU_SKIPPED} & set(got)
-    for engine in ENGINES:
-        for precision in ("bf16", "fp16"):
+    assert got["DeepSpeed optimizer"]["detail"] == (
+        "no nvcc to build FusedAdam: ZeRO without offload uses torch's AdamW (DS_OPTIMIZER=auto)"
+    )
+    assert [r["part"] for r in got.values()] == sorted(r["part"] for r in got.values())  # in the list's order
+    assert not any(r["status"] == "SKIP" for r in got.values())  # no budget: everything, part 6 too
+    assert all(timeout == 900 for _, timeout in commands) and len(commands) == len(got) - 2  # two without a command
+    assert all(got[n]["seconds"] == (1.0 if got[n]["cmd"] else 0.0) for n in got)
+    for engine in (*FIVE, "zero1", "fsdp-offload"):
+        for precision, steps in (("bf16", 3), ("fp16", 10)):
+            if f"{engine}-{precision}" not in got:  # zero1 and fsdp-offload: bf16 only
+                assert engine in ("zero1", "fsdp-offload") and precision == "fp16"
+                continue
             r = got[f"{engine}-{precision}"]
-            assert r["status"] == "PASS" and r["data"]["steps"] == 20
+            assert r["status"] == "PASS" and r["data"]["steps"] == steps and f"precision={precision}" in r["cmd"]
+            assert r["detail"].endswith(", 1 fp16 steps skipped (1 s)") == (precision == "fp16"), r["detail"]
             # No nvcc: torch's AdamW for ZeRO without offload, and for nothing else.
             assert (checklist.TORCH_ADAM in r["cmd"]) == (engine in ("zero1", "zero2", "zero3")), r["cmd"]
-    assert "--gpu h100 --gpu-memory 85029158912B" in got["plan 1b AC=false"]["cmd"]
-    assert got["MFU 1b"]["detail"].startswith("micro-batch 8 x 2048 tokens, activation checkpointing false")
-    assert [n for n in got if n.startswith("1b-") and "bf16" not in n] == [
-        "1b-eager-mb8",
-        "1b-eager-mb4",
-        "1b-compiled-mb8",
-        "1b-eager-mb8-AC",
-    ]
+    assert got["ddp-bf16"]["cmd"] == (
+        f"{ST} train model.preset=small run.device=cuda train.log_every=1 parallel.strategy=ddp precision=bf16 "
+        f"train.steps=3 checkpoint.every=0 train.resume=never run.dir={out}/runs/ddp-bf16"
+    )
+    assert got["zero2-bf16"]["cmd"] == (
+        f"{ST} train model.preset=small run.device=cuda train.log_every=1 parallel.strategy=zero2 "
+        f"'{checklist.TORCH_ADAM}' precision=bf16 train.steps=3 checkpoint.every=0 train.resume=never "
+        f"run.dir={out}/runs/zero2-bf16"
+    )
+    assert got["ddp-bf16"]["detail"] == "loss 11.700 -> 11.500, 40,000 tok/s, MFU 42.0%, peak 60.00 GiB (1 s)"
+    # Part 3: the plans for this device, the micro-batch, the out-of-memory retry at half of it, back to 8 after.
+    assert got["plan 1b AC=false"]["cmd"].endswith(
+        "parallel.activation_checkpointing=false train.micro_batch=1 --gpus-per-node 1 --gpu h100 "
+        "--gpu-memory 85029158912B --configured-only --json"
+    )
+    assert got["plan 1b AC=true"]["detail"] == "largest micro-batch that fits: 18 (peak at micro-batch 1: 16.0 GiB) (1 s)"
+    assert got["MFU 1b"]["detail"] == (
+        "micro-batch 8 x 2048 tokens, activation checkpointing false (the planner: up to 9 without AC, 18 with)"
+    )
+    assert got["1b-eager-mb8"]["detail"] == f"exit 1, log {out}/logs/1b-eager-mb8.log (1 s)"
+    assert "\n       | torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n" in printed
+    assert "\n     out of memory at micro-batch 8: once more at 4\n" in printed
+    assert printed.count("once more at") == 1  # the retry trained: no further halving
     assert "train.micro_batch=4 " in got["1b-eager-mb4"]["cmd"] and "train.compile=true" in got["1b-compiled-mb8"]["cmd"]
+    assert "train.micro_batch=8 " in got["1b-compiled-mb8"]["cmd"] and "train.float8=true" in got["1b-float8-compiled-mb8"]["cmd"]
+    assert {got[n]["check"] for n in ("1b-eager-mb8", "1b-eager-mb4")} == {"1b-eager-mb{mb}{ac_tag}"}
+    assert got["1b-eager-mb8-AC"]["cmd"].endswith(
+        "train.micro_batch=8 train.log_every=5 parallel.activation_checkpointing=true train.compile=false train.steps=20 "
+        f"checkpoint.every=0 train.resume=never run.dir={out}/runs/1b-eager-mb8-AC"
+    )
+    # gpu_checklist_times.measured: the seconds per check as GPU_S names them, a retry's attempts added.
+    measured = checklist.times.measured(out / "results.jsonl")
+    assert set(measured) == set(checklist.times.GPU_S) and measured["1b-eager-mb{mb}{ac_tag}"] == 2.0
+    # Part 5.
+    assert got["moe-small-bf16"]["status"] == got["oom-1b-mb64"]["status"] == "PASS"
+    assert got["moe-small-bf16"]["detail"] == (
+        "0 reads in 2 steps, 1 at the flush: {}; loss 11.700 -> 11.400, 40,000 tok/s, MFU 42.0%, peak 60.00 GiB (1 s)"
+    )
+    assert got["moe-small-bf16"]["data"]["host_syncs"] == CLEAN
+    assert got["moe-small-bf16"]["cmd"] == (
+        f"{ST} train model.preset=small run.device=cuda train.log_every=1 'model.moe={{}}' parallel.strategy=fsdp "
+        "precision=bf16 telemetry.host_syncs=true train.log_every=2 train.steps=4 checkpoint.every=0 train.resume=never "
+        f"run.dir={out}/runs/moe-small-bf16"
+    )
+    assert "train.global_batch=64 train.micro_batch=64 train.steps=3" in got["oom-1b-mb64"]["cmd"]
+    assert got["document-mask-bf16"]["status"] == "PASS" and "data.document_mask=true" in got["document-mask-bf16"]["cmd"]
+    assert got["cp-attention-kernels"]["status"] == "PASS" and "FLASH_ATTENTION" in got["cp-attention-kernels"]["detail"]
+    # Every run once, in order (the 1b eager one twice: the retry).
+    run_dirs = [Path(dict(w.split("=", 1) for w in argv if "=" in w)["run.dir"]).name for argv, _ in commands if "train" in argv]
+    assert run_dirs == [
+        *(f"{e}-bf16" for e in FIVE), "1b-eager-mb8", "1b-eager-mb4", *filled(RUNS_1B[1:]),
+        "moe-small-bf16", "document-mask-bf16", "oom-1b-mb64", "zero1-bf16", "fsdp-offload-bf16", "1b-eager-mb8-AC", *FP16,
+    ]  # fmt: skip
+    assert sum(1 for argv, _ in commands if "plan" in argv) == 2 + 4 + 3
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# scaletrain GPU checklist: NVIDIA H100 80GB HBM3 (GPU mode)")
+    assert "Wall time of the checklist: 33 s.\n" in summary  # the faked clock: 33 commands of a second
+    assert "| 2 | zero2-bf16 | PASS | loss 11.700 -> 11.500, 40,000 tok/s, MFU 42.0%, peak 60.00 GiB (1 s) |" in summary
     assert "| small-zero3-bf16 | zero3 | 1.86 GiB | 1.77 GiB | +5.3% | 1.49 GiB | +25.0% |" in summary
     assert "| 1b-compiled-mb8 | 40,000 | 42.0% | 400.0 | 60.00 GiB | 989 TFLOP/s (table) | PASS |" in summary
     assert "| 1b-eager-mb8-AC | - | 100.0 (25%) | 250.0 (62%) | 50.0 (12%) | - | - | 400.0 |" in summary
-    assert got["moe-small-bf16"]["status"] == got["oom-1b-mb64"]["status"] == "PASS"
-    assert "model.moe={}" in got["moe-small-bf16"]["cmd"] and "train.micro_batch=64" in got["oom-1b-mb64"]["cmd"]
-    assert got["document-mask-bf16"]["status"] == "PASS" and "data.document_mask=true" in got["document-mask-bf16"]["cmd"]
-    assert got["cp-attention-kernels"]["status"] == "PASS" and "FLASH_ATTENTION" in got["cp-attention-kernels"]["detail"]
-    assert sum(1 for argv in commands if "train" in argv) == 14 + 3 + 4
+    assert "| ddp-fp16 | ddp | none (one process, no DDP wrapper) | 11.700 | 10.800 |" in summary
+    assert "| fsdp-bf16 | fsdp | nccl (group of one) |" in summary
+    assert printed.rstrip().endswith(f"summary: {out}/summary.md (GPU mode, 33 s, 1 failed)\nFAIL: 1 check(s) failed")
+
+
+@pytest.mark.unit
+def test_the_host_reads_of_a_step_give_warn_and_a_run_that_does_not_count_them_fails(checklist, fake_gpu, tmp_path):
+    """moe-small-bf16's judge: the last (steady) interval's reads inside its steps; the first holds start-up."""
+    commands, hooks = fake_gpu
+    sites = {"scaletrain/models/moe.py:212 _experts: tolist": 2, "scaletrain/trainer.py:431 step: item": 1}
+    cases = {  # the intervals' host reads -> status, the detail's start, exit code
+        "read": ([CLEAN, {"step": 3, "flush": 1, "sites": sites}], "WARN", f"3 reads in 2 steps, 1 at the flush: {sites}; ", 0),
+        "none": ([None, None], "FAIL", "no host_syncs in the interval rows; ", 1),
+        "start-up": ([{"step": 5, "flush": 1, "sites": sites}, CLEAN], "PASS", "0 reads in 2 steps, 1 at the flush: {}; ", 0),
+    }
+    for case, (syncs, status, start, code) in cases.items():
+        hooks["host_syncs"] = lambda o, syncs=syncs: syncs
+        out = tmp_path / case
+        assert checklist.main([str(out), "--only", "moe-*"]) == code, case
+        got = results(out)
+        assert list(got) == [*ENV, "moe-small-bf16"]  # part 1 always, then only the check named
+        r = got["moe-small-bf16"]
+        assert (
+            r["status"] == status
+            and r["detail"] == f"{start}loss 11.700 -> 11.400, 40,000 tok/s, MFU 42.0%, peak 60.00 GiB (0 s)"
+        )
+        assert r["data"]["host_syncs"] == syncs[-1] and r["data"]["steps"] == 4
+    # A run that trained wrong stays FAIL, its reads counted all the same.
+    hooks["host_syncs"], hooks["loss"] = lambda o: [CLEAN, {"step": 1, "flush": 1, "sites": sites}], lambda s: 11 + 0.1 * s
+    assert checklist.main([str(tmp_path / "wrong"), "--only", "moe-*"]) == 1
+    r = results(tmp_path / "wrong")["moe-small-bf16"]
+    assert r["status"] == "FAIL" and r["detail"] == (
+        f"1 reads in 2 steps, 1 at the flush: {sites}; loss did not fall (11.1000 -> 11.4000); "
+        "loss 11.100 -> 11.400, 40,000 tok/s, MFU 42.0%, peak 60.00 GiB (0 s)"
+    )
+    assert [argv[-1] for argv, _ in commands if "model.moe={}" in argv] == [
+        f"run.dir={tmp_path}/{d}/runs/moe-small-bf16" for d in (*cases, "wrong")
+    ]
+
+
+@pytest.mark.unit
+def test_a_check_that_does_not_fit_the_budget_is_skipped_and_a_later_one_that_fits_runs(checklist, fake_gpu, monkeypatch, capsys, tmp_path):  # fmt: skip
+    commands, hooks = fake_gpu
+    table = dict(checklist.times.GPU_S)
+    monkeypatch.setattr(checklist.times, "GPU_S", table)
+    table["zero2-bf16"] = 1000
+    out = tmp_path / "out"
+    assert checklist.main([str(out), "--budget", "300"]) == 0
+    got, printed = results(out), capsys.readouterr().out
+    assert got["zero2-bf16"]["status"] == "SKIP" and got["zero2-bf16"]["detail"].startswith("budget: expects ~1000 s")
+    assert got["zero2-bf16"]["detail"].endswith("s left of --budget 300") and "strategy=zero2" in got["zero2-bf16"]["cmd"]
+    assert re.search(r"^SKIP \[2\] zero2-bf16: budget: expects ~1000 s \(estimate\), 295 s left of --budget 300$", printed, re.M)
+    assert f"\n       $ {got['zero2-bf16']['cmd']}\n" in printed and "seconds" not in got["zero2-bf16"]  # what would have run
+    assert got["zero3-bf16"]["status"] == "PASS" and got["zero3-offload-bf16"]["status"] == "PASS"
+    assert got["1b-compiled-mb8"]["status"] == got["1b-float8-compiled-mb8"]["status"] == "PASS"
+    assert [n for n, r in got.items() if r["status"] == "SKIP"] == ["zero2-bf16"]
+    assert not any("zero2-bf16" in " ".join(argv) for argv, _ in commands)
+    assert all(timeout == 295 for _, timeout in commands)  # the budget's end, before STEP_TIMEOUT's
+    assert len(commands) == len(got) - 3  # all but the skip and the two without a command: part 6 too
+
+    # A check that takes longer than expected: it ends where the budget ends, and so does the checklist.
+    table["1b-compiled-mb{mb}{ac_tag}"] = 280
+    hooks["takes"] = lambda argv: 295 if "train.compile=true" in argv else 0
+    commands.clear()
+    assert checklist.main([str(out), "--budget", "300"]) == 0
+    got, printed = results(out), capsys.readouterr().out
+    assert got["1b-compiled-mb8"]["status"] == "PASS" and commands[-1][1] == 295  # its timeout: all that was left
+    after = list(got)[list(got).index("1b-compiled-mb8") + 1 :]
+    assert after == ["1b-float8-compiled-mb8", *PLANNER, *MORE, *filled(LEFT), *FP16]
+    assert all(got[n]["status"] == "SKIP" and got[n]["detail"].startswith("budget:") for n in after)
+    assert got["1b-float8-compiled-mb8"]["detail"] == "budget: expects ~80 s (estimate), 0 s left of --budget 300"
+    assert got["1b-float8-compiled-mb8"]["cmd"].endswith(f"run.dir={out}/runs/1b-float8-compiled-mb8")
+    assert f"summary: {out}/summary.md (GPU mode, 295 s, 0 failed)" in printed
+
+    # One that takes longer than that: killed where the budget ends, with what it wrote until then.
+    hooks["takes"] = lambda argv: 400 if "train.compile=true" in argv else 0
+    assert checklist.main([str(out), "--budget", "300"]) == 1
+    got = results(out)
+    log = out / "logs" / "1b-compiled-mb8.log"
+    assert got["1b-compiled-mb8"]["status"] == "FAIL" and commands[-1][1] == 295
+    assert got["1b-compiled-mb8"]["detail"] == f"killed after 295 s (the budget's end), log {log} (295 s)"
+    assert log.read_text() == "step 1 ...\n\ngpu_checklist: killed after 295 s (the budget's end)\n"
+    assert list(got)[list(got).index("1b-compiled-mb8") + 1 :] == after
+    assert all(got[n]["status"] == "SKIP" for n in after)
+
+    # The plans skipped: no micro-batch, so neither its line (which would fail) nor the runs that need it.
+    hooks.pop("takes")
+    table.update({"plan 1b AC=false": 1000, "plan 1b AC=true": 1000})
+    assert checklist.main([str(out), "--budget", "300"]) == 0
+    got = results(out)
+    assert [n for n, r in got.items() if r["status"] == "SKIP"] == ["zero2-bf16", "plan 1b AC=false", "plan 1b AC=true"]
+    assert "MFU 1b" not in got and [n for n in got if n.startswith("1b-")] == list(PLANNER[:3])
+    assert not any("{" in n for n in got)
+    assert list(got) == [*ENV, *(f"{e}-bf16" for e in FIVE), *MB[:2], *PLANNER, *MORE, *LEFT[:2], *LEFT[3:], *FP16]
+
+
+def slug(name: str) -> str:
+    return name.replace(" ", "-").replace("/", "-")
+
+
+class Killed(BaseException):
+    """What a kill at the device tool's limit does to the checklist: it stops wherever it is."""
+
+
+@pytest.mark.unit
+def test_results_and_summary_are_on_disk_before_the_next_command_starts(checklist, fake_gpu, tmp_path):
+    """Before each command starts, results.jsonl, summary.md and logs.tar.gz (with --work) hold every result
+    so far; then a run killed at the fourth engine leaves what it had."""
+    commands, hooks = fake_gpu
+    out, work, seen = tmp_path / "out", tmp_path / "work", []
+
+    def snapshot(argv):
+        lines = (out / "results.jsonl").read_text().splitlines()
+        summary = (out / "summary.md").read_text() if (out / "summary.md").exists() else ""
+        members = set()
+        if (out / "logs.tar.gz").exists():
+            with tarfile.open(out / "logs.tar.gz") as tar:
+                members = set(tar.getnames())
+        rows = re.findall(r"^\| \d \| (.+?) \| (?:PASS|FAIL|WARN|SKIP) \|", summary, re.M)
+        seen.append((shlex.join(argv), [json.loads(ln)["name"] for ln in lines], rows, summary, members))
+
+    hooks["before"], hooks["oom"] = snapshot, eager_mb8
+    assert checklist.main([str(out), "--work", str(work), "--budget", "3000"]) == 1
+    got = results(out)
+    names, cmds = list(got), [r["cmd"] for r in got.values()]
+    assert len(seen) == len(commands) == 33
+    for cmd, in_results, in_summary, summary, members in seen:
+        before = names[: cmds.index(cmd)]  # every result before this command's check
+        assert in_results == before and in_summary == before, cmd
+        assert not before or "so far (still running, or stopped)." in summary
+        logs = {f"logs/{slug(n)}.log" for n in before if got[n]["cmd"]}
+        wrote = [n for n in before if "run.dir=" in got[n]["cmd"] and n != "1b-eager-mb8"]  # out of memory: nothing
+        run_files = {f"runs/{n}/{f}" for n in wrote for f in ("config.yaml", "metrics.jsonl", "run.json")}
+        assert members == logs | run_files, cmd
+    assert "so far" not in (out / "summary.md").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["env.json", "logs.tar.gz", "results.jsonl", "summary.md"]
+    assert (work / "logs" / "1b-eager-mb8.log").read_text().startswith("torch.OutOfMemoryError")
+
+    # Killed partway, as the zero3 run starts: what was known until then stays, complete.
+    def killed(argv):
+        if "parallel.strategy=zero3" in argv and "precision=bf16" in argv and "parallel.offload_params=cpu" not in argv:
+            raise Killed
+
+    hooks["before"], out, work = killed, tmp_path / "killed", tmp_path / "killed-work"
+    with pytest.raises(Killed):
+        checklist.main([str(out), "--work", str(work), "--budget", "3000"])
+    done = [*ENV, "ddp-bf16", "fsdp-bf16", "zero2-bf16"]
+    assert list(results(out)) == done and all(r["status"] in ("PASS", "WARN") for r in results(out).values())
+    summary = (out / "summary.md").read_text()
+    assert "so far (still running, or stopped)." in summary
+    assert re.findall(r"^\| \d \| (.+?) \| (?:PASS|WARN) \|", summary, re.M) == done
+    assert "| zero2-bf16 | zero2 | nccl (group of one) | 11.700 | 11.500 | 40,000 | 60.00 GiB | PASS |" in summary
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert {n for n in tar.getnames() if n.startswith("runs/zero2-bf16/")} == {
+            "runs/zero2-bf16/config.yaml", "runs/zero2-bf16/metrics.jsonl", "runs/zero2-bf16/run.json"}  # fmt: skip
+        assert tar.extractfile("logs/zero2-bf16.log").read() == b"training finished\n"
+    assert json.loads((out / "env.json").read_text()) == H100
+
+
+# ---------------------------------------------------------------------------- CPU mode, for real
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_cpu_mode_end_to_end_then_a_planted_failure(small_dataset, tmp_path):
-    """The CPU mode as a user runs it, on the session's small corpus: every check passes; then one
-    run's config is made invalid (train.lr=-1), and that check fails with its command and the exit is 1."""
+    """The CPU mode as the lent machine runs it (--work, --budget 540), on the session's small corpus: every
+    check passes and OUT_DIR holds four files; then one run's config is made invalid (train.lr=-1), and
+    that check fails with its command and the end of its log, and the exit is 1."""
     checklist = [sys.executable, str(SCRIPT)]
     data = f"data.paths={small_dataset}"  # not the stdlib corpus: no tokenizing, nothing in the repository's data/
     env = {"FORCE_CPU": "1", "ENGINE_STEPS": "6"}  # the CPU mode wherever this runs; short engine runs
-    ok = tmp_path / "ok"
-    proc = run([*checklist, str(ok), "--set", data], env=env, timeout=240)
+    ok, work = tmp_path / "ok", tmp_path / "work"
+    proc = run([*checklist, str(ok), "--work", str(work), "--budget", "540", "--set", data], env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"gpu_checklist: results in {ok}, logs and runs in {work}\n")
     got = results(ok)
     assert {n: r["status"] for n, r in got.items() if n != "nvidia-smi"} == {
         **dict.fromkeys(CPU_CHECKS, "PASS"),
         GPU_SKIPPED: "SKIP",
     }
-    assert "SKIP [4] GPU parts (engines and planner on CUDA, 1b MFU): GPU parts skipped: no CUDA device" in proc.stdout
+    assert list(got)[1:] == [*CPU_CHECKS, GPU_SKIPPED] and list(got)[0] == "nvidia-smi"
+    assert "\nSKIP [4] GPU parts (engines and planner on CUDA, 1b MFU): GPU parts skipped: no CUDA device\n" in proc.stdout
+    assert re.search(rf"^summary: {re.escape(str(ok))}/summary\.md \(CPU mode, \d+ s, 0 failed\)$", proc.stdout, re.M)
     assert proc.stdout.rstrip().endswith("PASS: every check passed")
     first = {e: got[f"{e}-cpu"]["data"] for e in ("ddp", "fsdp", "zero2")}
     assert all(d["steps"] == 6 and d["engine"] == e and d["last_loss"] < d["first_loss"] for e, d in first.items())
     assert len({(d["first_loss"], d["last_loss"]) for d in first.values()}) == 1  # the engines agree to the printed digits too
-    assert got["ddp-cpu"]["cmd"].endswith(f"train.steps=6 checkpoint.every=0 train.resume=never run.dir={ok}/runs/ddp-cpu {data}")
+    assert got["ddp-cpu"]["cmd"] == (
+        f"{sys.executable} -m scaletrain train model.preset=tiny run.device=cpu precision=fp32 train.log_every=5 "
+        f"parallel.strategy=ddp train.steps=6 checkpoint.every=0 train.resume=never run.dir={work}/runs/ddp-cpu {data}"
+    )
+    assert got["tiny-zero2-cpu"]["cmd"] == (
+        f"{sys.executable} -m scaletrain plan model.preset=tiny run.device=cpu precision=fp32 parallel.strategy=zero2 "
+        f"{data} --measure --json"
+    )
     assert got["tiny-zero2-cpu"]["data"]["strategy"] == "zero2" and got["tiny-zero2-cpu"]["data"]["measured"] > 0
-    assert not list((ok / "runs").glob("*/checkpoints")) and (ok / "logs" / "zero2-cpu.log").exists()
+    assert all(got[n]["seconds"] > 0 for n in CPU_CHECKS)
+    # OUT_DIR: four files (what the device tool brings back); the logs and runs in --work, without checkpoints.
+    assert sorted(p.name for p in ok.iterdir()) == ["env.json", "logs.tar.gz", "results.jsonl", "summary.md"]
+    assert json.loads((ok / "env.json").read_text())["cuda_available"] is False
+    assert not list((work / "runs").glob("*/checkpoints")) and (work / "logs" / "zero2-cpu.log").exists()
+    with tarfile.open(ok / "logs.tar.gz") as tar:
+        names = set(tar.getnames())
+        assert names == {
+            *(f"logs/{slug(n)}.log" for n in CPU_CHECKS),
+            *(f"runs/{e}-cpu/{f}" for e in ("ddp", "fsdp", "zero2") for f in ("config.yaml", "metrics.jsonl", "run.json")),
+        } | ({"logs/nvidia-smi.log"} if got["nvidia-smi"]["cmd"] else set())
+        assert tar.extractfile("runs/fsdp-cpu/metrics.jsonl").read() == (work / "runs/fsdp-cpu/metrics.jsonl").read_bytes()
+        assert tar.extractfile("logs/scaletrain-CLI.log").read().decode().startswith("scaletrain 0.1")
     summary = (ok / "summary.md").read_text()
-    assert summary.startswith("# scaletrain GPU checklist: CPU (CPU mode)")
+    assert summary.startswith("# scaletrain GPU checklist: CPU (CPU mode)") and "so far" not in summary
     assert "| 2 | zero2-cpu | PASS |" in summary and "| ddp-cpu | ddp | none (one process, no DDP wrapper) |" in summary
     assert "| fsdp-cpu | fsdp | gloo (group of one) |" in summary and "| tiny-ddp-cpu | ddp |" in summary
     assert "## MFU" not in summary and f"- ddp-cpu: `{got['ddp-cpu']['cmd']}`" in summary
 
-    bad = tmp_path / "bad"
-    proc = run([*checklist, str(bad), "--only", "ddp-cpu", "--set", data, "--set", "train.lr=-1"], env=env, timeout=120)
+    bad, bad_work = tmp_path / "bad", tmp_path / "bad-work"
+    argv = [str(bad), "--work", str(bad_work), "--budget", "540", "--only", "ddp-cpu", "--set", data, "--set", "train.lr=-1"]
+    proc = run([*checklist, *argv], env=env, timeout=120)
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-2000:]
-    line = re.search(r"^FAIL \[2\] ddp-cpu: exit 2, log .*\n {7}\$ (.*)$", proc.stdout, re.MULTILINE)
-    assert line and line[1].endswith("train.lr=-1"), proc.stdout[-4000:]
+    line = re.search(r"^FAIL \[2\] ddp-cpu: exit 2, log (.*) \(\d+ s\)\n {7}\$ (.*)$", proc.stdout, re.MULTILINE)
+    assert line and line[1] == f"{bad_work}/logs/ddp-cpu.log", proc.stdout[-4000:]
+    assert line[2].endswith(f"run.dir={bad_work}/runs/ddp-cpu {data} train.lr=-1"), line[2]
     assert re.search(r"^ {7}\| scaletrain: error: .*train\.lr", proc.stdout, re.MULTILINE)  # the end of its log, under it
     assert proc.stdout.rstrip().endswith("FAIL: 1 check(s) failed")
     assert {n: r["status"] for n, r in results(bad).items() if n != "nvidia-smi"} == {
         **dict.fromkeys(CPU_CHECKS[:2], "PASS"), "ddp-cpu": "FAIL", GPU_SKIPPED: "SKIP"}  # fmt: skip
     assert "| 2 | ddp-cpu | FAIL | exit 2" in (bad / "summary.md").read_text()
+    with tarfile.open(bad / "logs.tar.gz") as tar:
+        assert "scaletrain: error:" in tar.extractfile("logs/ddp-cpu.log").read().decode()
