@@ -539,7 +539,7 @@ def env_json() -> int:
     from torch.utils.cpp_extension import CUDA_HOME  # where DeepSpeed looks for the nvcc that builds FusedAdam
 
     import scaletrain
-    from scaletrain.distributed import versions  # python, torch, scaletrain, deepspeed: what run.json records
+    from scaletrain.launch.distributed import versions  # python, torch, scaletrain, deepspeed: what run.json records
 
     cuda = torch.cuda
     info = {**versions(), "host": platform.node(), "torch_cuda": torch.version.cuda, "cuda_available": cuda.is_available()}

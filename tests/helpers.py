@@ -191,7 +191,7 @@ def base_overrides(data_dir: Path, run_dir: Path, steps: int = 10) -> list[str]:
     ]
 
 
-# Evaluation during the equivalence runs (evaluation.py): every 4 steps and after the last
+# Evaluation during the equivalence runs (training/evaluation.py): every 4 steps and after the last
 # (steps 4, 8, 10 of 10), 2 global batches of the reference's 4 sequences. On the training
 # corpus itself, read in its file order: a fixed set of windows is all an equivalence
 # needs, and eval.data (unlike eval.split) leaves the training stream as it was, so every
@@ -350,7 +350,7 @@ def copy_until(run: Path, to: Path, step: int) -> None:
     """A run directory as `run` was after its checkpoint at `step`: what a kill right after it leaves."""
     (to / "checkpoints").mkdir(parents=True)
     shutil.copytree(run / "checkpoints" / f"step_{step}", to / "checkpoints" / f"step_{step}")
-    # The step rows and the evaluations up to it (a resumed run keeps those, evaluation.py).
+    # The step rows and the evaluations up to it (a resumed run keeps those, training/evaluation.py).
     rows = [r for r in read_metrics(run / "metrics.jsonl", events=True) if r["step"] <= step and r.get("event", "eval") == "eval"]
     (to / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 

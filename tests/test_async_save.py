@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import scaletrain.trainer as trainer
+import scaletrain.training.trainer as trainer
 from scaletrain import checkpoint
 from scaletrain.checkpoint.restore import first_difference
 from scaletrain.config import load_config
@@ -43,12 +43,12 @@ def test_background_saves_copy_into_the_buffers_of_the_first(tmp_path):
     # The engine keeps its staging memory (engines/torch_engine.py Staging): the second save
     # copies into the CPU buffers the first one made (pinned, on a GPU) instead of new ones,
     # and each checkpoint still holds its own step's weights.
-    from scaletrain.distributed import init_distributed, shutdown
+    from scaletrain.config.parallel import dims_for
     from scaletrain.engines import build_engine
     from scaletrain.engines.base import MicroBatch
+    from scaletrain.launch.distributed import init_distributed, shutdown
     from scaletrain.models import model_spec
-    from scaletrain.optim import decay_groups
-    from scaletrain.parallel import dims_for
+    from scaletrain.training.optim import decay_groups
 
     world = init_distributed("cpu", None, 60)
     try:

@@ -1,4 +1,4 @@
-"""The global batch that stays put (batch.py) and the planner's micro-batch search: which
+"""The global batch that stays put (config/batch.py) and the planner's micro-batch search: which
 micro-batches a run may take, and that a plan that does not fit at the configured one
 finds one that does at the same global batch."""
 
@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from scaletrain.batch import micro_batches, settle, with_micro_batch
 from scaletrain.config import AUTO_MICRO_BATCH, load_config
+from scaletrain.config.batch import micro_batches, settle, with_micro_batch
 from scaletrain.errors import UserError
-from scaletrain.faults import parse
-from scaletrain.plan import make_plan, planning_spec
-from scaletrain.plan.hardware import gpu
-from scaletrain.plan.memory import estimate
-from scaletrain.plan.planner import at_micro_batch
+from scaletrain.planning import make_plan, planning_spec
+from scaletrain.planning.hardware import gpu
+from scaletrain.planning.memory import estimate
+from scaletrain.planning.planner import at_micro_batch
+from scaletrain.resilience.faults import parse
 
 pytestmark = pytest.mark.unit
 

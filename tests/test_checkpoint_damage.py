@@ -13,7 +13,7 @@ import torch
 
 from scaletrain import checkpoint
 from scaletrain.checkpoint.restore import first_difference
-from scaletrain.distributed import ALONE
+from scaletrain.launch.distributed import ALONE
 
 from helpers import assert_bit_exact, base_overrides, check, copy_until, eval_overrides, run_info, train, trainer_state
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from scaletrain import checkpoint
-from scaletrain.distributed import World
+from scaletrain.launch.distributed import World
 
 from helpers import trainer_state
 
@@ -80,8 +80,8 @@ def test_save_load_round_trip_restores_state_and_rng(tmp_path):
 
 
 def test_fault_points_parse_and_refuse_bad_values():
-    from scaletrain import faults
     from scaletrain.errors import UserError
+    from scaletrain.resilience import faults
 
     assert faults.parse("") == []
     assert faults.parse("save:12") == [("save", 12, None)]

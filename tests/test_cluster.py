@@ -19,9 +19,9 @@ import yaml
 
 from scaletrain import checkpoint
 from scaletrain.cli import main
-from scaletrain.cluster import PORT_BASE, ClusterJob, pytorchjob, sbatch_script
 from scaletrain.errors import UserError
-from scaletrain.launch import LaunchOptions, launch_command
+from scaletrain.launch.cluster import PORT_BASE, ClusterJob, pytorchjob, sbatch_script
+from scaletrain.launch.torchrun import LaunchOptions, launch_command
 from scaletrain.telemetry.metrics import read_metrics
 
 from helpers import Launched, base_overrides, check, losses, metric_rows, run, run_info
@@ -187,7 +187,7 @@ def test_sbatch_script_requeues_on_preemption_and_meets_at_the_first_node():
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
     assert "if [[ $status -eq 75 && $ended_by_slurm -eq 0 ]]" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert "port=29999" in sbatch_script(slurm_job(port=29999))
-    # What each node runs is launch.py's own rendezvous command.
+    # What each node runs is launch/torchrun.py's own rendezvous command.
     cmd = launch_command(LaunchOptions(nproc=8, nnodes=4, rdzv_endpoint="node1:29501", rdzv_id="77"))
     assert {"--nnodes=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node1:29501", "--rdzv-id=77"} <= set(cmd)
     assert "--standalone" not in cmd and not any(a.startswith("--node-rank") for a in cmd)
@@ -297,7 +297,7 @@ def test_replica_groups_on_slurm_are_a_lighthouse_and_one_srun_per_group(tmp_pat
     assert main(["launch", "--ft-groups", "3", "--nproc", "8", "--nnodes", "2", "--slurm", "job.sbatch", "train.steps=10"]) == 0
     text = (tmp_path / "job.sbatch").read_text()
     assert "#SBATCH --nodes=6" in text and "for ((g = 0; g < 3; g++))" in text
-    lighthouse = '-m scaletrain.launch_groups --min-groups 1 --heartbeat-timeout-s 5 --port "$lighthouse_port" --store-port'
+    lighthouse = '-m scaletrain.launch.groups --min-groups 1 --heartbeat-timeout-s 5 --port "$lighthouse_port" --store-port'
     assert lighthouse + ' "$((lighthouse_port + 1))" &' in text
     assert 'export SCALETRAIN_FT_START="${nodes[0]}:$((lighthouse_port + 1))"' in text
     assert "SCALETRAIN_FT_GROUP=$g srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --relative=$((g * 2))" in text
@@ -315,7 +315,7 @@ def test_replica_groups_on_kubernetes_are_a_lighthouse_service_and_one_pytorchjo
     deployment, service, *jobs = yaml.safe_load_all((tmp_path / "job.yaml").read_text())
     assert (deployment["kind"], service["kind"], [j["kind"] for j in jobs]) == ("Deployment", "Service", ["PyTorchJob"] * 2)
     lighthouse = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert lighthouse["command"][:5] == ["python", "-m", "scaletrain.launch_groups", "--min-groups", "2"]
+    assert lighthouse["command"][:5] == ["python", "-m", "scaletrain.launch.groups", "--min-groups", "2"]
     assert lighthouse["image"] == "img:1"
     assert service["metadata"]["name"] == "scaletrain-lighthouse"
     assert [p["port"] for p in service["spec"]["ports"]] == [29510, 29511]

@@ -137,8 +137,8 @@ class Compiles:
     """What dynamo compiled during each step and evaluation of in-process runs (engines/compile_stats.py)."""
 
     def __init__(self, monkeypatch):
-        import scaletrain.evaluation as evaluation
-        import scaletrain.trainer as trainer
+        import scaletrain.training.evaluation as evaluation
+        import scaletrain.training.trainer as trainer
 
         self.events: list[tuple[str, int, dict[str, int]]] = []  # (what, step, compile counters after it)
         self.start = compile_counters() or {"graphs": 0, "graph_breaks": 0, "recompiles": 0}
@@ -184,8 +184,8 @@ def test_compiled_blocks_compile_each_graph_once_without_a_break(small_dataset, 
     import torch._dynamo
 
     import scaletrain.engines.block_wrappers as block_wrappers
-    import scaletrain.trainer as trainer
-    from scaletrain import faults
+    import scaletrain.training.trainer as trainer
+    from scaletrain.resilience import faults
 
     # Dynamo's decisions (graphs, breaks, guards) do not depend on the backend; aot_eager
     # traces forward and backward as inductor would (fake tensors, autograd) without its
@@ -198,8 +198,8 @@ def test_compiled_blocks_compile_each_graph_once_without_a_break(small_dataset, 
     torch._dynamo.reset()
     compiles = Compiles(monkeypatch)
     before = compiles.start
-    # The first forward of step 3 runs out of memory (faults.py's drill): one process
-    # restarts itself from step_2 at micro-batch 1, 4 accumulated (oom.py).
+    # The first forward of step 3 runs out of memory (resilience/faults.py's drill): one process
+    # restarts itself from step_2 at micro-batch 1, 4 accumulated (resilience/oom.py).
     monkeypatch.setattr(faults, "_ARMED", ("oom", 3))
     trainer.train(load_config([], args))
     assert [(w, s) for w, s, _ in compiles.events] == [

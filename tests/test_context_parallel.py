@@ -121,8 +121,8 @@ def test_what_does_not_combine_with_cp_is_one_line(small_dataset, tmp_path, caps
 @pytest.mark.unit
 def test_the_planner_offers_cp_for_long_sequences_and_says_why():
     from scaletrain.models import model_spec
-    from scaletrain.plan import make_plan
-    from scaletrain.plan.hardware import gpu
+    from scaletrain.planning import make_plan
+    from scaletrain.planning.hardware import gpu
 
     cfg = load_config([], ["model.preset=8b", "data.seq_len=32768", "precision=bf16"])
     plan = make_plan(cfg, model_spec(cfg, None), 8, 1, gpu("h100", "80GiB"))

@@ -1,4 +1,4 @@
-"""What a run gets without flags on its device (defaults.py, docs/gpu.md's table): a key
+"""What a run gets without flags on its device (training/defaults.py, docs/gpu.md's table): a key
 the user set stays theirs; on a CPU nothing changes; on a GPU each default is applied
 for its reason and said in the run's first lines."""
 
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-import scaletrain.trainer as trainer
-from scaletrain import defaults
+import scaletrain.training.trainer as trainer
 from scaletrain.config import AUTO_MICRO_BATCH, load_config
-from scaletrain.defaults import Target
+from scaletrain.training import defaults
+from scaletrain.training.defaults import Target
 
 from helpers import base_overrides, check, scaletrain
 

@@ -63,7 +63,7 @@ def build_run(
     ranks: bool = True,
     hosts: list[str] | None = None,
     pipeline: dict[str, Any] | None = None,  # run.json's "pipeline" (the engine's layout)
-    eval_every: int = 0,  # steps between eval rows (evaluation.py), their loss 0.3 above training's
+    eval_every: int = 0,  # steps between eval rows (training/evaluation.py), their loss 0.3 above training's
 ) -> Path:
     root.mkdir(parents=True)
     hosts = hosts or [f"node{r // 4}" for r in range(world)]

@@ -14,7 +14,7 @@ from scaletrain.config import load_config
 from scaletrain.errors import UserError
 from scaletrain.models import distill_spec, model_spec
 from scaletrain.models.distill import kl_to_teacher
-from scaletrain.plan.memory import Setup, estimate
+from scaletrain.planning.memory import Setup, estimate
 
 from helpers import (
     assert_bit_exact,

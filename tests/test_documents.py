@@ -118,7 +118,7 @@ def test_mean_context_and_the_flops_it_saves():
 
 def test_the_planner_counts_the_documents_attention_from_prepared_data(small_dataset):
     from scaletrain.config import load_config
-    from scaletrain.plan import planning_spec
+    from scaletrain.planning import planning_spec
 
     base = [f"data.paths={small_dataset}", "model.preset=tiny", "data.seq_len=512"]
     full = planning_spec(load_config([], base))

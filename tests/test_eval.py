@@ -1,4 +1,4 @@
-"""Evaluation (evaluation.py, data/heldout.py, eval_checkpoint.py): the held-out split by
+"""Evaluation (training/evaluation.py, data/heldout.py, training/eval_checkpoint.py): the held-out split by
 document, the eval set and its refusals, what an engine's evaluate returns, and `scaletrain
 eval` of a final checkpoint at world 1 and 2. Every engine's eval rows against one
 process's are in the equivalence tests (helpers.assert_same_evals), LoRA's and a
@@ -19,13 +19,13 @@ from torch import nn
 from scaletrain.config import load_config
 from scaletrain.data import PackedTokens, RankBatches, prepare_dataset
 from scaletrain.data.heldout import Windows, held_out
-from scaletrain.distributed import ALONE
 from scaletrain.engines.base import AccumulationWindow
 from scaletrain.errors import UserError
-from scaletrain.eval_checkpoint import checkpoint_config
-from scaletrain.evaluation import eval_loss, open_eval_set
+from scaletrain.launch.distributed import ALONE
 from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
+from scaletrain.training.eval_checkpoint import checkpoint_config
+from scaletrain.training.evaluation import eval_loss, open_eval_set
 
 from helpers import base_overrides, check, checkpoint_model, eval_rows, loss_of, scaletrain, train
 

@@ -23,7 +23,7 @@ from scaletrain.models.llama import build_model
 from scaletrain.models.loss import IGNORE_INDEX
 from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
-from scaletrain.trainer import per_trained_token
+from scaletrain.training.trainer import per_trained_token
 
 from helpers import STDLIB, assert_same_training, base_overrides, check, eval_rows, metric_rows, train
 

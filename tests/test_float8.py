@@ -14,16 +14,16 @@ import torch
 from torch import nn
 
 from scaletrain.config import load_config
-from scaletrain.config_float8 import float8_device_problem
+from scaletrain.config.float8 import float8_device_problem
 from scaletrain.engines.float8 import apply_float8, convert
 from scaletrain.errors import UserError
 from scaletrain.models import model_spec
-from scaletrain.plan import make_plan
-from scaletrain.plan.float8 import CAST_16, CAST_32, cast_bytes, converted
-from scaletrain.plan.hardware import KNOWN_GPUS, gpu
-from scaletrain.plan.memory import engine_buffers, estimate
-from scaletrain.plan.planner import comm_bytes_per_step, step_time
-from scaletrain.plan.setup import Setup
+from scaletrain.planning import make_plan
+from scaletrain.planning.float8 import CAST_16, CAST_32, cast_bytes, converted
+from scaletrain.planning.hardware import KNOWN_GPUS, gpu
+from scaletrain.planning.memory import engine_buffers, estimate
+from scaletrain.planning.planner import comm_bytes_per_step, step_time
+from scaletrain.planning.setup import Setup
 
 from helpers import base_overrides, one_line_error, probe, train
 

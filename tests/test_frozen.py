@@ -173,8 +173,8 @@ def test_a_resume_refuses_a_base_that_changed(tmp_path):
 
 @pytest.mark.unit
 def test_the_planner_counts_no_gradient_or_optimizer_state_for_frozen_parameters():
-    from scaletrain.plan import planning_spec
-    from scaletrain.plan.memory import Setup, estimate
+    from scaletrain.planning import planning_spec
+    from scaletrain.planning.memory import Setup, estimate
 
     def memory(*overrides: str):
         spec = planning_spec(load_config([], ["model.preset=8b", *overrides]))
@@ -190,8 +190,8 @@ def test_the_planner_counts_no_gradient_or_optimizer_state_for_frozen_parameters
 
 @pytest.mark.unit
 def test_a_pipeline_stage_with_nothing_to_train_is_refused():
+    from scaletrain.config.parallel import ParallelDims
     from scaletrain.engines.fsdp import stage_parts
-    from scaletrain.parallel import ParallelDims
 
     shape = resolve_shape(load_config([], ["model.vocab_size=64", "model.tie_embeddings=false"]).model)
     frozen_first_stage = LlamaSpec(shape, trainable=("output.weight",))

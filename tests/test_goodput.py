@@ -1,4 +1,4 @@
-"""Goodput under failures (`scaletrain plan --mtbf-hours`, plan/goodput.py): the formulas of
+"""Goodput under failures (`scaletrain plan --mtbf-hours`, planning/goodput.py): the formulas of
 docs/fault-tolerance.md against numbers worked by hand, the choice in both regimes, and
 the CLI's lines, JSON and one-line errors."""
 
@@ -10,7 +10,7 @@ import math
 import pytest
 
 from scaletrain.cli import main
-from scaletrain.plan.goodput import TORCHFT_TIMEOUT_S, Failures, daly_interval_s, estimate_goodput
+from scaletrain.planning.goodput import TORCHFT_TIMEOUT_S, Failures, daly_interval_s, estimate_goodput
 
 pytestmark = pytest.mark.unit
 

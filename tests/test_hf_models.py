@@ -215,7 +215,7 @@ def test_model_errors_say_what_is_accepted():
 
 @pytest.mark.unit
 def test_the_planner_sees_an_hf_llama_as_the_built_in_one_of_the_same_shape():
-    from scaletrain.plan.activations import block_activations, head_activations
+    from scaletrain.planning.activations import block_activations, head_activations
 
     builtin = model_spec(load_config([], ["model.preset=8b"]), None)
     s = builtin.shape

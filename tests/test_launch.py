@@ -14,7 +14,7 @@ import pytest
 
 from scaletrain import checkpoint
 from scaletrain.errors import UserError
-from scaletrain.launch import LaunchOptions, launch_command, read_hostfile
+from scaletrain.launch.torchrun import LaunchOptions, launch_command, read_hostfile
 
 from helpers import check, losses, run_info, scaletrain, train
 

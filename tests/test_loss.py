@@ -9,8 +9,8 @@ import torch
 from scaletrain.config import load_config
 from scaletrain.errors import UserError
 from scaletrain.models.loss import cross_entropy
-from scaletrain.plan import planning_spec
-from scaletrain.plan.memory import Setup, estimate
+from scaletrain.planning import planning_spec
+from scaletrain.planning.memory import Setup, estimate
 
 pytestmark = pytest.mark.unit
 
@@ -81,8 +81,8 @@ def test_chunked_loss_is_refused_with_tensor_parallel():
 
 
 def test_the_plan_says_what_chunking_would_save():
-    from scaletrain.plan import make_plan
-    from scaletrain.plan.hardware import gpu
+    from scaletrain.planning import make_plan
+    from scaletrain.planning.hardware import gpu
 
     overrides = ["model.preset=8b", "data.seq_len=4096", "precision=bf16", "train.micro_batch=4"]
     cfg = load_config([], [*overrides, "parallel.strategy=fsdp", "parallel.activation_checkpointing=true"])

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from scaletrain.config import TrainConfig
-from scaletrain.optim import lr_at
+from scaletrain.training.optim import lr_at
 
 pytestmark = pytest.mark.unit
 

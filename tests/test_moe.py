@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from scaletrain.config import load_config
+from scaletrain.config.parallel import parallel_dims
 from scaletrain.errors import UserError
 from scaletrain.models.moe import STAT_DROPPED, MoE
 from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
-from scaletrain.parallel import parallel_dims
 from scaletrain.telemetry.metrics import read_metrics
 
 from helpers import assert_same_training, base_overrides, check, eval_overrides, train

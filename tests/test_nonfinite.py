@@ -12,13 +12,14 @@ import zlib
 import pytest
 import torch
 
-import scaletrain.trainer as trainer
-from scaletrain import checkpoint, faults
+import scaletrain.training.trainer as trainer
+from scaletrain import checkpoint
 from scaletrain.checkpoint.neutral import ParamLayout, read_state
 from scaletrain.config import load_config
 from scaletrain.models import LlamaSpec
 from scaletrain.models.presets import ModelShape
-from scaletrain.nonfinite import Diverged
+from scaletrain.resilience import faults
+from scaletrain.resilience.nonfinite import Diverged
 
 from helpers import base_overrides, check, metric_rows, train
 

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from scaletrain.config import load_config
+from scaletrain.config.parallel import dims_for
 from scaletrain.errors import UserError
 from scaletrain.models.factory import model_spec
-from scaletrain.parallel import dims_for
-from scaletrain.plan import Setup, estimate
+from scaletrain.planning import Setup, estimate
 
 from helpers import (
     GRAD_NORM_RTOL,
@@ -118,7 +118,7 @@ def test_swap_files_hold_what_deepspeed_offloads_and_what_the_planner_counts(run
     cfg = load_config([str(run / "config.yaml")])
     spec = model_spec(cfg, VOCAB)
     params = list(spec.build_meta(cfg.data.seq_len).parameters())  # a tied weight once, as DeepSpeed
-    # DeepSpeed's rules (runtime/zero/stage3.py, swap_tensor/): per AdamW group (optim.py:
+    # DeepSpeed's rules (runtime/zero/stage3.py, swap_tensor/): per AdamW group (training/optim.py:
     # matrices decay, vectors do not) one flat fp32 partition per rank, swapped whole when
     # >= 1 MiB as 3 files (master, exp_avg, exp_avg_sq); each parameter partition >= 1 MiB in
     # the run's dtype (fp32) as one file, and its fp32 gradient partition as another.

@@ -1,8 +1,8 @@
-"""Out of memory, survived (oom.py): a run that meets torch.OutOfMemoryError continues at the
+"""Out of memory, survived (resilience/oom.py): a run that meets torch.OutOfMemoryError continues at the
 next smaller micro-batch with the same global batch, from the newest checkpoint, and
 computes what a run started at that micro-batch computes.
 
-The error is planted with SCALETRAIN_KILL_AT=oom:STEP@RANK (faults.py): the rank's first
+The error is planted with SCALETRAIN_KILL_AT=oom:STEP@RANK (resilience/faults.py): the rank's first
 forward of that step raises torch.OutOfMemoryError, as a device out of memory would.
 Checkpoints every 2 steps, the error at step 3: the run goes on from step 2's checkpoint.
 """

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.config import load_config
+from scaletrain.config.parallel import ParallelDims, dims_for, parallel_dims
 from scaletrain.errors import UserError
-from scaletrain.parallel import ParallelDims, dims_for, parallel_dims
 
 pytestmark = pytest.mark.unit
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.config import load_config
+from scaletrain.config.stages import split_blocks
 from scaletrain.errors import UserError
 from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
-from scaletrain.stages import split_blocks
 
 from helpers import (
     assert_bit_exact,
@@ -115,7 +115,7 @@ def test_one_process_reshards_into_a_v_shaped_pipeline(small_dataset, untied_ref
     # gathered over the stages.
     run = tmp_path / "zbv"
     copy_until(untied_reference, run, 5)
-    # Not evaluated: torch 2.13's eval path of the V-shaped schedules fails (config_eval.py).
+    # Not evaluated: torch 2.13's eval path of the V-shaped schedules fails (config/eval.py).
     zbv = ["parallel.pp=2", "parallel.pp_schedule=zbv", "train.micro_batch=1", "train.grad_accum=4", "eval.every=0"]
     proc = pp_run(small_dataset, run, 2, *zbv)
     assert "step_5 (fsdp at world 1) resharded onto fsdp at world 2 (pp 2); verified" in proc.stdout
@@ -163,7 +163,7 @@ def test_impossible_pipelines_are_refused_by_the_config(overrides, fragments):
 
 @pytest.mark.unit
 def test_tied_embeddings_and_too_few_blocks_name_the_fix():
-    from scaletrain.stages import check_stages
+    from scaletrain.config.stages import check_stages
 
     tied = LlamaSpec(resolve_shape(load_config([], ["model.preset=tiny", "model.vocab_size=512"]).model))
     with pytest.raises(UserError, match="needs untied embeddings.*model.tie_embeddings=false"):

@@ -14,16 +14,16 @@ import torch
 from scaletrain.config import ModelConfig, load_config
 from scaletrain.errors import UserError
 from scaletrain.models import LlamaSpec, build_model, count_params, loss_fn, resolve_shape
-from scaletrain.plan import make_plan, planning_spec
-from scaletrain.plan.activations import _traced_block, _traced_head, block_activations, head_activations
-from scaletrain.plan.hardware import GiB, gpu, parse_size
-from scaletrain.plan.memory import (
+from scaletrain.planning import make_plan, planning_spec
+from scaletrain.planning.activations import _traced_block, _traced_head, block_activations, head_activations
+from scaletrain.planning.hardware import GiB, gpu, parse_size
+from scaletrain.planning.memory import (
     Setup,
     engine_buffers,
     estimate,
     model_state_bytes,
 )
-from scaletrain.plan.planner import fmt, largest_micro_batch
+from scaletrain.planning.planner import fmt, largest_micro_batch
 from scaletrain.strategies import TABLE
 
 pytestmark = pytest.mark.unit
@@ -288,7 +288,7 @@ def test_long_sequences_plan_context_parallel_and_say_why():
 def test_pipeline_memory_counts_the_ranks_stages_and_micro_batches_in_flight():
     from dataclasses import replace as with_
 
-    from scaletrain.plan.pipeline import rank_share
+    from scaletrain.planning.pipeline import rank_share
 
     spec = planning_spec(load_config([], ["model.preset=70b"]))
     base = Setup(strategy="fsdp", dp=1, micro_batch=1, seq_len=4096, precision="bf16", tp=8, grad_accum=8)
@@ -322,8 +322,8 @@ def test_tp_is_not_chosen_where_collectives_are_slow_or_the_model_does_not_split
 def test_a_pipeline_stage_is_gathered_once_per_step_whatever_the_micro_batches():
     from dataclasses import replace as with_
 
-    from scaletrain.plan.pipeline import rank_share
-    from scaletrain.plan.planner import comm_bytes_per_step
+    from scaletrain.planning.pipeline import rank_share
+    from scaletrain.planning.planner import comm_bytes_per_step
 
     spec = planning_spec(load_config([], ["model.preset=70b"]))
     s = Setup(strategy="fsdp", dp=4, micro_batch=1, seq_len=4096, precision="bf16", tp=8, pp=4, grad_accum=8)
@@ -336,7 +336,7 @@ def test_a_pipeline_stage_is_gathered_once_per_step_whatever_the_micro_batches()
 
 
 def test_activation_traces_are_kept_across_processes(tmp_path, monkeypatch):
-    from scaletrain.plan import trace_cache
+    from scaletrain.planning import trace_cache
 
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
     computed = []
@@ -357,7 +357,7 @@ def test_activation_traces_are_kept_across_processes(tmp_path, monkeypatch):
     # A second process plans without tracing: torch._dynamo (FakeTensorMode's import) stays out.
     probe = (
         "import sys; from scaletrain.config import load_config; from scaletrain.models import model_spec; "
-        "from scaletrain.plan.activations import block_activations, head_activations; "
+        "from scaletrain.planning.activations import block_activations, head_activations; "
         "s = model_spec(load_config([], ['model.preset=tiny', 'model.vocab_size=512']), None); "
         "print(block_activations(s, 4, 64, 'fp32').saved, head_activations(s, 4, 64, 'fp32').saved, 'torch._dynamo' in sys.modules)"
     )
@@ -372,7 +372,7 @@ def test_the_cpus_measured_peak_is_kept_per_machine(tmp_path, monkeypatch):
     read back by a later process; another thread count is another measurement."""
     import torch
 
-    from scaletrain.plan import hardware
+    from scaletrain.planning import hardware
 
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
     rates = iter([3e10, 5e10, 7e10])

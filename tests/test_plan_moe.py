@@ -13,14 +13,14 @@ import torch
 import yaml
 
 from scaletrain.config import Config, load_config
-from scaletrain.distributed import World
-from scaletrain.parallel import dims_for
-from scaletrain.plan import make_plan, planning_spec
-from scaletrain.plan.experts import a2a_bytes_per_step, a2a_seconds, ep_sizes, moe_summary, off_node_share
-from scaletrain.plan.hardware import GiB, gpu
-from scaletrain.plan.memory import estimate
-from scaletrain.plan.planner import comm_bytes_per_step, evaluate
-from scaletrain.plan.setup import Setup
+from scaletrain.config.parallel import dims_for
+from scaletrain.launch.distributed import World
+from scaletrain.planning import make_plan, planning_spec
+from scaletrain.planning.experts import a2a_bytes_per_step, a2a_seconds, ep_sizes, moe_summary, off_node_share
+from scaletrain.planning.hardware import GiB, gpu
+from scaletrain.planning.memory import estimate
+from scaletrain.planning.planner import comm_bytes_per_step, evaluate
+from scaletrain.planning.setup import Setup
 
 from helpers import check, run, torchrun
 
@@ -180,8 +180,8 @@ def test_auto_picks_ep_for_mixtral_on_8_nodes_of_8_x_80gib_and_says_why():
     without = [c for c in plan.candidates if c.setup.ep == 1 and c.fits]
     assert without and all(c.step_time > plan.chosen.step_time for c in without)
     assert "the fastest without expert parallel" in why
-    # ep among the divisors of the shard group and the experts, only where config.py takes it;
-    # a mixture of experts gets no tp or pp layout (config.py refuses them).
+    # ep among the divisors of the shard group and the experts, only where config/schema.py takes it;
+    # a mixture of experts gets no tp or pp layout (config/schema.py refuses them).
     with_ep = [c.setup for c in plan.candidates if c.setup.ep > 1]
     assert {e.ep for e in with_ep} == {2, 4, 8}
     assert all(
@@ -206,7 +206,7 @@ def test_on_one_node_ep_does_not_fit_and_the_plan_says_so():
 
 @pytest.mark.unit
 def test_the_chosen_ep_is_the_runs(monkeypatch):
-    import scaletrain.preflight as preflight
+    import scaletrain.training.preflight as preflight
 
     monkeypatch.setattr(preflight, "runtime_device", lambda world, local: H100)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")

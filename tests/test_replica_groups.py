@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from scaletrain import faults
+from scaletrain.resilience import faults
 from scaletrain.telemetry.metrics import read_metrics
 
 from helpers import (
@@ -199,8 +199,8 @@ def test_one_diloco_outer_step_is_nesterov_sgd_on_the_pseudo_gradient(monkeypatc
     from torchft.coordination import LighthouseServer
 
     from scaletrain.config import load_config
-    from scaletrain.distributed import ALONE
-    from scaletrain.replica_groups import ReplicaGroups
+    from scaletrain.launch.distributed import ALONE
+    from scaletrain.resilience.replica_groups import ReplicaGroups
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
     monkeypatch.setenv(faults.GROUP_ENV, "0")

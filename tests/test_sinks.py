@@ -37,7 +37,7 @@ INTERVAL = {
 }  # fmt: skip
 
 
-# An evaluation's row (evaluation.py): its numbers become eval/<key>.
+# An evaluation's row (training/evaluation.py): its numbers become eval/<key>.
 EVAL = {"step": 4, "event": "eval", "loss": 4.75, "perplexity": 115.58428452718766, "tokens": 512, "samples": 8,
         "data": "eval.split=0.01 (3 of 300 documents)", "eval_s": 0.125}  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""startup.py: a process the CLI owns imports torch and the engine with the cyclic collector
+"""cli/startup.py: a process the CLI owns imports torch and the engine with the cyclic collector
 paused, freezes what the imports made, and runs with the collector on; any other process
 keeps its collector as it was. Each case runs in a fresh interpreter: a freeze is for the
 life of a process, and this one is pytest's."""
@@ -22,7 +22,7 @@ def _python(code: str) -> dict:
 
 BLOCK = """
 import gc, json
-from scaletrain import startup
+from scaletrain.cli import startup
 {before}
 with startup.heavy_imports():
     inside = gc.isenabled()
@@ -51,7 +51,7 @@ def test_scaletrain_train_reaches_the_trainer_with_torch_dynamo_and_the_engine_f
     seen = _python(
         """
 import gc, json, sys
-import scaletrain.trainer as trainer
+import scaletrain.training.trainer as trainer
 def spy(cfg, console=None):
     print(json.dumps({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(),
                       "preloaded": [m in sys.modules for m in ("torch._dynamo", "scaletrain.engines.fsdp")]}))

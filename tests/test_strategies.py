@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from scaletrain.config import load_config
+from scaletrain.config.parallel import parallel_dims
 from scaletrain.errors import UserError
-from scaletrain.parallel import parallel_dims
 from scaletrain.strategies import FORMATS, STRATEGIES, TABLE, strategy
 
 pytestmark = pytest.mark.unit
@@ -76,10 +76,10 @@ def test_strategy_names_live_in_the_table_and_the_engines():
     allowed = {
         "checkpoint/dcp_format.py": {'name = "dcp"'},  # the reader of the format it is
         "checkpoint/deepspeed_format.py": {'name = "deepspeed"'},
-        "launch.py": {'opts.launcher == "deepspeed"'},  # `scaletrain launch --launcher deepspeed`
+        "launch/torchrun.py": {'opts.launcher == "deepspeed"'},  # `scaletrain launch --launcher deepspeed`
         "cli/launch.py": {'choices=["torchrun", "deepspeed"]'},
         "cli/cluster.py": {'args.launcher == "deepspeed"'},
-        "distributed.py": {'("scaletrain", "deepspeed")'},  # package versions in run.json
+        "launch/distributed.py": {'("scaletrain", "deepspeed")'},  # package versions in run.json
         "bench/report.py": {'["torch", "deepspeed"]'},
         # The bench's hand-written loops, one per engine module (the raw equivalents of
         # engines/), and which peers (HF Trainer, Accelerate) can drive which strategy.

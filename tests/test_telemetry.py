@@ -1,6 +1,6 @@
 """Acceptance of telemetry, guards and diagnose on real runs (CPU, gloo, world 2).
 
-Faults are injected as a user would meet them (faults.py): a rank whose compute is slow
+Faults are injected as a user would meet them (resilience/faults.py): a rank whose compute is slow
 (SCALETRAIN_SLOW=compute), a slow link (SCALETRAIN_SLOW=comm: each DDP bucket's all-reduce
 completes late), one replica's weight moved (perturb), a rank that stops (hang). Each test
 asserts what the run recorded and what `diagnose` makes of it; the healthy run, with both

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from scaletrain import faults
-from scaletrain.distributed import World
 from scaletrain.errors import UserError
-from scaletrain.guards.watchdog import stuck_collectives
-from scaletrain.guards.weights import digest
+from scaletrain.launch.distributed import World
+from scaletrain.resilience import faults
+from scaletrain.resilience.watchdog import stuck_collectives
+from scaletrain.resilience.weights import digest
 from scaletrain.telemetry.clock import PhaseClock
 from scaletrain.telemetry.device import _known_gpu
 from scaletrain.telemetry.metrics import Rates, StepRecorder

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import scaletrain.trainer as trainer
+import scaletrain.training.trainer as trainer
 from scaletrain.config import load_config
 
 from helpers import base_overrides, run_info

@@ -13,7 +13,7 @@ from scaletrain.config import load_config
 from scaletrain.data import PackedTokens
 from scaletrain.errors import UserError
 from scaletrain.models import model_spec
-from scaletrain.rundir import check_resume
+from scaletrain.training.rundir import check_resume
 
 pytestmark = pytest.mark.unit
 

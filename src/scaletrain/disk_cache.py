@@ -1,7 +1,7 @@
 """Small results kept across processes in one JSON file each (`$SCALETRAIN_CACHE` or
 `~/.cache/scaletrain`): what many short processes of one machine would otherwise each
-compute again (the planner's activation traces: plan/trace_cache.py; py-cpuinfo's answer:
-engines/deepspeed.py; the CPU's measured matmul rate: plan/hardware.py). Keys are hashed from everything the result depends on, so a key
+compute again (the planner's activation traces: planning/trace_cache.py; py-cpuinfo's answer:
+engines/deepspeed.py; the CPU's measured matmul rate: planning/hardware.py). Keys are hashed from everything the result depends on, so a key
 that changes misses and computes again. Writes replace the file atomically; two processes
 writing at once may lose an entry (computed again later), never corrupt the file. Any I/O
 problem (a read-only home) just means computing, as without the cache;

@@ -18,7 +18,7 @@ EXIT_HUNG = 3
 
 
 class Preempted(Exception):
-    """The run stopped on a preemption signal after saving the checkpoint of `step` (preempt.py)."""
+    """The run stopped on a preemption signal after saving the checkpoint of `step` (resilience/preempt.py)."""
 
     def __init__(self, step: int, signal_name: str):
         super().__init__(f"preempted ({signal_name}) at step {step}: checkpoint saved; run the same command again to continue")
@@ -26,10 +26,10 @@ class Preempted(Exception):
 
 
 # A rank ran out of device memory and the run continues at a smaller micro-batch after all
-# ranks restart (oom.py); `scaletrain launch` restarts them. Under plain torchrun without
+# ranks restart (resilience/oom.py); `scaletrain launch` restarts them. Under plain torchrun without
 # restarts, running the same command again continues.
 EXIT_OOM = 4
 
 
 class OutOfMemoryRestart(Exception):
-    """One process, out of device memory: start again inside it at a smaller micro-batch (oom.py)."""
+    """One process, out of device memory: start again inside it at a smaller micro-batch (resilience/oom.py)."""

@@ -8,7 +8,7 @@ The engines themselves are code (scaletrain/engines/<row.engine>.py); their name
 here and in their own modules only. A new strategy is one row here plus, if no existing
 engine runs it, one engine module.
 
-The memory model (plan/memory.py) follows the ZeRO paper (arXiv 1910.02054): `partitions`
+The memory model (planning/memory.py) follows the ZeRO paper (arXiv 1910.02054): `partitions`
 is its stage, what is split over the data-parallel shard group: 0 nothing (DDP), 1 the
 optimizer states, 2 also the gradients, 3 also the parameters (ZeRO-3 and FSDP alike). The
 other memory fields say what each engine really stores and holds besides (measured on
@@ -58,11 +58,11 @@ class Strategy:
     # dp / parallel.dp_replicate that replicate across).
     dp_axis: Literal["replicate", "shard"]
     # Data-parallel ranks hold identical whole weights after every step: what the replica
-    # guard compares (guards/weights.py); sharded parameters differ by design.
+    # guard compares (resilience/weights.py); sharded parameters differ by design.
     whole_replicas: bool
     doc: str  # one line for --help and messages
 
-    # What it combines with. Each is checked when the config loads (config.py).
+    # What it combines with. Each is checked when the config loads (config/schema.py).
     tp: bool = False  # parallel.tp > 1 (DTensor tensor parallel under FSDP2)
     pp: bool = False  # parallel.pp > 1 (pipeline stages, each sharded by FSDP2)
     hybrid: bool = False  # parallel.dp_replicate > 1 (hybrid sharding)
@@ -83,7 +83,7 @@ class Strategy:
     no_float8_why: str = ""  # why a strategy without it has none, for the refusal
     teacher: bool = True  # model.teacher (engines/teacher.py holds it like the model)
     # fault_tolerance.groups > 1: replica groups of this layout, gradients averaged across
-    # the live groups by torchft between backward and the optimizer step (replica_groups.py).
+    # the live groups by torchft between backward and the optimizer step (resilience/replica_groups.py).
     replica_groups: bool = False
     no_replica_groups_why: str = ""
     grad_compression: bool = False  # parallel.grad_compression (DDP communication hooks)
@@ -91,14 +91,14 @@ class Strategy:
     offload_optimizer: tuple[Offload, ...] = ()  # accepted parallel.offload_optimizer besides none
     offload_params: tuple[Offload, ...] = ()  # accepted parallel.offload_params besides none
 
-    # The planner's terms (plan/memory.py, plan/planner.py).
+    # The planner's terms (planning/memory.py, planning/planner.py).
     partitions: int = 0  # ZeRO stage: 0 none, 1 optimizer, 2 + gradients, 3 + parameters
     # The module's weights and gradients stay fp32 (autocast or a mixed-precision policy
     # casts for compute; the reduction is fp32); else 16-bit module weights beside fp32
     # masters inside the optimizer (DeepSpeed).
     fp32_module: bool = True
     # Under bf16/fp16 the forward runs "autocast" (fp32 weights, matmuls cast on the fly)
-    # or "pure16" (16-bit weights and activations). plan/activations.py traces either.
+    # or "pure16" (16-bit weights and activations). planning/activations.py traces either.
     forward16: Literal["autocast", "pure16"] = "pure16"
     optimizer_bytes: float = 8.0  # per trained parameter: AdamW's moments, + DeepSpeed's fp32 master (12)
     fp32_grads: bool = True  # gradients held in fp32 (ZeRO-3 reduces into an fp32 partition; ZeRO-1/2 keep the weights' dtype)

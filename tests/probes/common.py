@@ -4,10 +4,10 @@ exactly as `train` does (spec, layout, the default parameter groups)."""
 from __future__ import annotations
 
 from scaletrain.config import Config, load_config
+from scaletrain.config.parallel import dims_for
 from scaletrain.engines import Engine, build_engine
 from scaletrain.models import ModelSpec, distill_spec, model_spec
-from scaletrain.optim import decay_groups
-from scaletrain.parallel import dims_for
+from scaletrain.training.optim import decay_groups
 
 Z3_PARTITION_ALL = "parallel.deepspeed_extra={zero_optimization: {stage3_param_persistence_threshold: 0}}"
 SMALL_MODEL = ["model.vocab_size=67", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",

@@ -22,12 +22,12 @@ from torch.distributed.tensor import DTensor
 import scaletrain.engines.ddp as ddp_engine
 import scaletrain.engines.fsdp as fsdp_engine
 from scaletrain.config import load_config
-from scaletrain.distributed import init_distributed
+from scaletrain.config.parallel import dims_for
 from scaletrain.engines import build_engine
 from scaletrain.engines.float8 import convert
+from scaletrain.launch.distributed import init_distributed
 from scaletrain.models import model_spec
-from scaletrain.optim import decay_groups
-from scaletrain.parallel import dims_for
+from scaletrain.training.optim import decay_groups
 
 from common import SMALL_MODEL
 
@@ -38,7 +38,7 @@ def without_device_check(model, spec, device, fsdp):
 
 def engine(world, strategy: str, float8: bool, seed: int):
     cfg = load_config([], [*SMALL_MODEL, f"parallel.strategy={strategy}", "precision=bf16", f"train.seed={seed}"])
-    # config_float8.py refuses run.device=cpu: the flag is set past the checks, as only this probe may.
+    # config/float8.py refuses run.device=cpu: the flag is set past the checks, as only this probe may.
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"float8": float8})})
     spec = model_spec(cfg, None)
     return build_engine(spec, world, dims_for(cfg.parallel, world.world_size), cfg, decay_groups(0.1))

@@ -26,9 +26,9 @@ from scaletrain.checkpoint.frozen_base import base_reference
 from scaletrain.checkpoint.neutral import ParamLayout, read_state
 from scaletrain.checkpoint.restore import first_difference, restore
 from scaletrain.checkpoint.state import TrainerState
-from scaletrain.distributed import init_distributed, shutdown
+from scaletrain.config.parallel import dims_for
 from scaletrain.engines.block_wrappers import plain_name
-from scaletrain.parallel import dims_for
+from scaletrain.launch.distributed import init_distributed, shutdown
 
 from common import SMALL_MODEL, build
 

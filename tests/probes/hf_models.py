@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from scaletrain.distributed import init_distributed, shutdown
 from scaletrain.engines.block_wrappers import plain_name
+from scaletrain.launch.distributed import init_distributed, shutdown
 from scaletrain.models import distill_spec
 
 from common import Z3_PARTITION_ALL, build

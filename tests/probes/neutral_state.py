@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.distributed import init_distributed, shutdown
+from scaletrain.launch.distributed import init_distributed, shutdown
 
 from common import SMALL_MODEL, Z3_PARTITION_ALL, build
 

@@ -18,11 +18,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from scaletrain.config.parallel import dims_for
+from scaletrain.config.stages import SCHEDULES
 from scaletrain.data import RankBatches
-from scaletrain.distributed import init_distributed, shutdown
 from scaletrain.engines.block_wrappers import plain_name
-from scaletrain.parallel import dims_for
-from scaletrain.stages import SCHEDULES
+from scaletrain.launch.distributed import init_distributed, shutdown
 
 from common import Z3_PARTITION_ALL, build
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.distributed import init_distributed, shutdown
+from scaletrain.launch.distributed import init_distributed, shutdown
 from scaletrain.models import build_model, loss_fn
 from scaletrain.models.params import canonical_name
 

@@ -5,7 +5,7 @@ figures in docs/checkpointing.md come from it.
     scaletrain bench --suite checkpoint [--out DIR] [--nproc N] [CONFIG.yaml | key=value ...]
 
 Runs `scaletrain train` (or `scaletrain launch --nproc N`) once per mode, reads the
-checkpoint event rows of metrics.jsonl (saves.py) and prints one table row per mode: the
+checkpoint event rows of metrics.jsonl (training/saves.py) and prints one table row per mode: the
 median over the saves of the loop's blocking time and of the time until the checkpoint was
 complete, and the median step time (all medians). The first save of each run is left out
 (it allocates the staging memory). Text: a few standard-library packages, tokenized on the

@@ -36,8 +36,8 @@ from scaletrain.bench.raw import adamw_groups, end_process, peak_bytes
 from scaletrain.config import Config, load_config
 from scaletrain.data import PackedTokens, resolve_dataset_dir
 from scaletrain.models import model_spec
-from scaletrain.optim import lr_at
 from scaletrain.strategies import strategy
+from scaletrain.training.optim import lr_at
 
 
 class Windows(torch.utils.data.Dataset):

@@ -41,8 +41,8 @@ from torch import nn
 from scaletrain.config import Config, load_config
 from scaletrain.data import PackedTokens, RankBatches, resolve_dataset_dir
 from scaletrain.models import model_spec
-from scaletrain.optim import lr_at
 from scaletrain.strategies import strategy
+from scaletrain.training.optim import lr_at
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

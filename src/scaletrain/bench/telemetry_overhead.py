@@ -32,9 +32,9 @@ import torch
 from scaletrain.bench.runner import run_logged
 from scaletrain.config import load_config, split_args
 from scaletrain.errors import UserError
-from scaletrain.guards.watchdog import Watchdog
-from scaletrain.guards.weights import digest
 from scaletrain.models import LlamaSpec, resolve_shape
+from scaletrain.resilience.watchdog import Watchdog
+from scaletrain.resilience.weights import digest
 from scaletrain.telemetry.clock import PhaseClock
 from scaletrain.telemetry.comm import CommSampler
 

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from scaletrain import faults
 from scaletrain.checkpoint.state import FILE, TrainerState
-from scaletrain.distributed import ALONE, World, barrier, gather_objects, side_group
 from scaletrain.errors import UserError
+from scaletrain.launch.distributed import ALONE, World, barrier, gather_objects, side_group
+from scaletrain.resilience import faults
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")

@@ -24,8 +24,8 @@ import torch
 from scaletrain.checkpoint.manager import load_checkpoint
 from scaletrain.checkpoint.neutral import ParamLayout, State, read_state
 from scaletrain.checkpoint.state import TrainerState
-from scaletrain.distributed import World, broadcast_object
 from scaletrain.errors import UserError
+from scaletrain.launch.distributed import World, broadcast_object
 from scaletrain.strategies import FORMATS
 
 

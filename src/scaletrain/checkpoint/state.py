@@ -36,7 +36,7 @@ class TrainerState:
     model: dict[str, Any]  # the model spec's config(): what fixes the tensors' shapes
     data_fingerprint: str  # of the token shards: the data position means these tokens
     engine_state: dict[str, Any] = field(default_factory=dict)  # small engine extras (the loss scaler)
-    nonfinite: dict[str, int] = field(default_factory=dict)  # nonfinite.py's counters
+    nonfinite: dict[str, int] = field(default_factory=dict)  # resilience/nonfinite.py's counters
     # checkpoint.frozen=reference: where the frozen parameters left out of state/ come
     # from (checkpoint/frozen_base.py); None when state/ holds every parameter.
     base: dict[str, Any] | None = None

@@ -17,10 +17,10 @@ import sys
 import threading
 from typing import Protocol
 
-from scaletrain import __version__, startup
-from scaletrain.cli import bench, ckpt, compare, data, diagnose, evaluate, launch, plan, train
+from scaletrain import __version__
+from scaletrain.cli import bench, ckpt, compare, data, diagnose, evaluate, launch, plan, startup, train
 from scaletrain.errors import EXIT_PREEMPTED, Preempted, UserError
-from scaletrain.launch import launcher_rank, report_error, report_preempted
+from scaletrain.launch.torchrun import launcher_rank, report_error, report_preempted
 
 EXIT_USAGE = 2
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from scaletrain import startup
+from scaletrain.cli import startup
 from scaletrain.strategies import STRATEGIES
 
 

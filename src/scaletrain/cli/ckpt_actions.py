@@ -15,13 +15,13 @@ from scaletrain.checkpoint.lora_export import export_adapter
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.checkpoint.state import FILE, TrainerState
 from scaletrain.config import Config, load_config
-from scaletrain.convert import convert as convert_checkpoint
 from scaletrain.data import tokens_dir
 from scaletrain.data.prepare import TOKENIZER_FILE
-from scaletrain.distributed import ALONE
+from scaletrain.engines.convert import convert as convert_checkpoint
 from scaletrain.errors import UserError
+from scaletrain.launch.distributed import ALONE
 from scaletrain.models import saved_spec
-from scaletrain.plan.hardware import parse_size
+from scaletrain.planning.hardware import parse_size
 
 
 def resolve(arg: str) -> Path:

@@ -6,8 +6,8 @@ import argparse
 import os
 import shlex
 
-from scaletrain.cluster import ClusterJob, pytorchjob_yaml, sbatch_script, submit, write_atomically
 from scaletrain.errors import UserError
+from scaletrain.launch.cluster import ClusterJob, pytorchjob_yaml, sbatch_script, submit, write_atomically
 
 CLUSTER_ONLY = ("submit", "job_name", "gpus_per_node", "partition", "account", "time", "image", "pvc")
 
@@ -43,7 +43,7 @@ def check_cluster_args(args: argparse.Namespace) -> None:
 
 def write_cluster_file(args: argparse.Namespace, groups: tuple[int, int, float] | None = None) -> int:
     """The --slurm script or --k8s manifest; with `groups` (replica groups, min_groups, the
-    lighthouse's heartbeat timeout), a lighthouse and one job per group (cluster_groups.py)."""
+    lighthouse's heartbeat timeout), a lighthouse and one job per group (launch/cluster_groups.py)."""
     job = ClusterJob(
         nproc=args.nproc,
         nnodes=args.nnodes,
@@ -60,7 +60,7 @@ def write_cluster_file(args: argparse.Namespace, groups: tuple[int, int, float] 
         workdir=os.getcwd(),
     )
     if groups is not None:
-        from scaletrain.cluster_groups import group_manifests_yaml, sbatch_groups_script
+        from scaletrain.launch.cluster_groups import group_manifests_yaml, sbatch_groups_script
 
         out, text = (
             (args.slurm, sbatch_groups_script(job, *groups)) if args.slurm else (args.k8s, group_manifests_yaml(job, *groups))

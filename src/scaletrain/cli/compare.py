@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from scaletrain import startup
+from scaletrain.cli import startup
 from scaletrain.cli.console import console
 
 

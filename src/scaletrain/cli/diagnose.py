@@ -8,7 +8,7 @@ import sys
 
 from rich.markup import escape
 
-from scaletrain import startup
+from scaletrain.cli import startup
 from scaletrain.cli.console import console
 
 SEVERITY_STYLE = {"warning": "bold yellow", "info": "cyan"}

@@ -1,12 +1,12 @@
 """`scaletrain eval RUN_OR_CHECKPOINT [key=value ...]`: the eval loss and perplexity of a
-checkpoint, in one line (eval_checkpoint.py). Launched like train for several ranks:
+checkpoint, in one line (training/eval_checkpoint.py). Launched like train for several ranks:
 `scaletrain launch --nproc N eval RUN ...`, or torchrun ... -m scaletrain eval RUN."""
 
 from __future__ import annotations
 
 import argparse
 
-from scaletrain import startup
+from scaletrain.cli import startup
 from scaletrain.config import split_args
 
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise UserError(f"scaletrain eval takes key=value overrides of the checkpoint's own config, not {files[0]}")
     with startup.heavy_imports():
-        from scaletrain.eval_checkpoint import evaluate_checkpoint  # torch, the engines: once the arguments are known
+        from scaletrain.training.eval_checkpoint import evaluate_checkpoint  # torch, the engines: once the arguments are known
 
     evaluate_checkpoint(args.target, overrides)
     return 0

@@ -1,6 +1,6 @@
 """`scaletrain launch`: `train` on N processes per node under torchrun's agent (in this
 process) or DeepSpeed's launcher; with --slurm / --k8s, the cluster's job file instead
-(cluster.py)."""
+(launch/cluster.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 from scaletrain.cli.cluster import check_cluster_args, write_cluster_file
 from scaletrain.config import load_config, split_args
+from scaletrain.config.parallel import dims_for
 from scaletrain.errors import UserError
-from scaletrain.faults import GROUP_ENV
-from scaletrain.launch import LaunchOptions, exec_launcher, launch_command, run_torchrun
-from scaletrain.launch_groups import group_command, run_groups
-from scaletrain.parallel import dims_for
-from scaletrain.paths import make_dir
+from scaletrain.launch.env import GROUP_ENV
+from scaletrain.launch.groups import group_command, run_groups
+from scaletrain.launch.torchrun import LaunchOptions, exec_launcher, launch_command, run_torchrun
+from scaletrain.training.paths import make_dir
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:

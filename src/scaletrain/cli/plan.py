@@ -1,7 +1,7 @@
 """`scaletrain plan`: the planner's estimate for every strategy and its choice; with
 --measure, the configured strategy's prediction against 3 real steps.
 
-CLI glue around the pure planner (scaletrain.plan): the planner never imports this, nor
+CLI glue around the pure planner (scaletrain.planning): the planner never imports this, nor
 the engines or the trainer that --measure runs. The table or JSON and --emit-deepspeed are
 plan_output.py; --measure is plan_measure.py.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from scaletrain import startup
+from scaletrain.cli import startup
 from scaletrain.config import AUTO_MICRO_BATCH, Config, load_config, split_args
 from scaletrain.errors import UserError
 from scaletrain.strategies import STRATEGIES

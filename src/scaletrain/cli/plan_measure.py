@@ -11,18 +11,18 @@ from typing import Any
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from scaletrain.batch import settle
 from scaletrain.cli.console import console
 from scaletrain.config import Config
-from scaletrain.distributed import init_distributed, shutdown
+from scaletrain.config.batch import settle
+from scaletrain.config.parallel import dims_for
 from scaletrain.engines import build_engine
+from scaletrain.launch.distributed import init_distributed, shutdown
 from scaletrain.models import ModelSpec
-from scaletrain.optim import decay_groups, lr_at
-from scaletrain.parallel import dims_for
-from scaletrain.plan import planning_spec
-from scaletrain.plan.hardware import gpu, this_cpu
-from scaletrain.plan.planner import evaluate, setups_for
-from scaletrain.plan.report import print_measurement
+from scaletrain.planning import planning_spec
+from scaletrain.planning.hardware import gpu, this_cpu
+from scaletrain.planning.planner import evaluate, setups_for
+from scaletrain.planning.report import print_measurement
+from scaletrain.training.optim import decay_groups, lr_at
 
 # MemTracker's categories, folded into the planner's components.
 _COMPONENTS = {

@@ -8,18 +8,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scaletrain import defaults
 from scaletrain.cli.console import console
 from scaletrain.config import Config
+from scaletrain.config.parallel import dims_for
 from scaletrain.engines.deepspeed_config import build_deepspeed_config
 from scaletrain.errors import UserError
-from scaletrain.parallel import dims_for
-from scaletrain.plan import Setup, make_plan, planning_spec
-from scaletrain.plan.goodput import Failures, GoodputEstimate, estimate_goodput
-from scaletrain.plan.hardware import gpu, parse_size, this_cpu
-from scaletrain.plan.report import print_plan
-from scaletrain.preflight import accepted, fits_and_time
+from scaletrain.planning import Setup, make_plan, planning_spec
+from scaletrain.planning.goodput import Failures, GoodputEstimate, estimate_goodput
+from scaletrain.planning.hardware import gpu, parse_size, this_cpu
+from scaletrain.planning.report import print_plan
 from scaletrain.strategies import FORMATS, TABLE
+from scaletrain.training import defaults
+from scaletrain.training.preflight import accepted, fits_and_time
 
 
 def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
@@ -38,7 +38,7 @@ def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
     def planned(c: Config) -> Any:
         return make_plan(c, planning_spec(c), world, opts.nodes, device, cpu_per_node, opts.headroom, all_strategies, named)
 
-    # What `train` on such a GPU applies to the keys nobody set (defaults.py): planned with
+    # What `train` on such a GPU applies to the keys nobody set (training/defaults.py): planned with
     # them under --device-defaults, else named, so that the plan and the run can be told apart.
     target = defaults.Target("cpu") if device.name == this_cpu().name else defaults.Target("cuda", device.name)
     free = defaults.unset(cfg)

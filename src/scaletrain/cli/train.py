@@ -23,11 +23,11 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    from scaletrain import startup
+    from scaletrain.cli import startup
 
     with startup.heavy_imports():  # torch, the engine: once the config is known to be good
         from scaletrain.engines import preload
-        from scaletrain.trainer import train
+        from scaletrain.training.trainer import train
 
         preload(cfg)
     train(cfg)

@@ -175,7 +175,7 @@ class DataMix:
 
 class MixShares:
     """Each log interval's "mix" field: the samples the steps since the previous call read
-    (the position only moves forward: a rollback keeps it, saves.py)."""
+    (the position only moves forward: a rollback keeps it, training/saves.py)."""
 
     def __init__(self, mix: DataMix, position: Callable[[], int]):
         self.mix, self.position = mix, position

@@ -179,8 +179,8 @@ def _sharding(row: Strategy) -> tuple[int, int]:
 def ac_saving(run: Run) -> tuple[float, float, float] | None:
     """(share of the peak saved, peak without, peak with) activation checkpointing, per the
     planner, for a run that had it off; None when it was on or the config is unknown."""
-    from scaletrain.parallel import dims_for
-    from scaletrain.plan import Setup, estimate, planning_spec
+    from scaletrain.config.parallel import dims_for
+    from scaletrain.planning import Setup, estimate, planning_spec
 
     cfg = run.config
     if cfg is None or cfg.parallel.activation_checkpointing or run.engine not in TABLE:
@@ -317,7 +317,7 @@ def nonfinite(run: Run) -> list[Finding]:
 
 
 def out_of_memory(run: Run) -> list[Finding]:
-    """Out-of-memory errors the run survived (oom.py): each cost a restart from a checkpoint."""
+    """Out-of-memory errors the run survived (resilience/oom.py): each cost a restart from a checkpoint."""
     events = run.events_of("oom")
     if not events:
         return []

@@ -113,7 +113,7 @@ def _loss(ax: Axes, run: Run) -> str | None:
     if not pts:
         return "metrics.jsonl has no step rows with a loss"
     ax.plot(*zip(*pts), lw=1.2, color="#1f77b4", label="training (each step's batch)")
-    # Evaluations (evaluation.py) on the same axes: the gap between the curves is what
+    # Evaluations (training/evaluation.py) on the same axes: the gap between the curves is what
     # the held-out loss says about overfitting.
     evals = [(e["step"], e["loss"]) for e in run.events_of("eval") if isinstance(e.get("loss"), int | float)]
     if evals:

@@ -10,10 +10,10 @@ import importlib
 from types import ModuleType
 
 from scaletrain.config import Config
-from scaletrain.distributed import World
+from scaletrain.config.parallel import ParallelDims
 from scaletrain.engines.base import Engine, MicroBatch, ParamGroups, StepStats
+from scaletrain.launch.distributed import World
 from scaletrain.models.spec import ModelSpec
-from scaletrain.parallel import ParallelDims
 from scaletrain.strategies import TABLE, strategy
 
 
@@ -29,7 +29,7 @@ def build_engine(
 
 def preload(cfg: Config) -> None:
     """What building the configured model and engine will import, imported now: the CLI does
-    it while the collector is paused (startup.py). torch._dynamo is imported by every
+    it while the collector is paused (cli/startup.py). torch._dynamo is imported by every
     torch.optim constructor (DeepSpeed's optimizers included); transformers' auto classes
     by a Hugging Face model or teacher; an engine module may name more with a
     `preload(cfg)` of its own (DeepSpeed's)."""

@@ -53,7 +53,7 @@ class StepStats:
     loss_scale: torch.Tensor | float | None  # fp16 dynamic loss scale after this step; None without scaling
     skipped: torch.Tensor | bool  # not applied: non-finite gradients (an fp16 overflow, a NaN); nothing changed
     # Replica groups: False when the quorum did not commit the step (a group failed during
-    # it); nothing changed and the step runs again on the next batch (replica_groups.py).
+    # it); nothing changed and the step runs again on the next batch (resilience/replica_groups.py).
     committed: bool = True
 
 
@@ -152,7 +152,7 @@ class AccumulationWindow:
                     value = loss(self.model(inputs) if self.teacher is None else self._with_teacher(inputs), targets)
                 mark("forward")
                 # Mean over the window: every micro-batch holds the same number of tokens
-                # (fine-tuning records: the loss is weighted by its trained targets, trainer.py).
+                # (fine-tuning records: the loss is weighted by its trained targets, training/trainer.py).
                 self.backward(value / n)
                 mark("backward")
             total += value.detach()

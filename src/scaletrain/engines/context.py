@@ -1,16 +1,16 @@
 """parallel.cp in an engine (ddp, fsdp): the model, and a teacher beside it, compute this
 rank's chunks of each sequence (models/context_parallel.py); the engine's accumulation
 window cuts the targets alike (engines/base.py). The gradient reduction needs nothing more:
-DDP all-reduces over every rank (dp x cp), FSDP shards over dp_shard x cp (parallel.py)."""
+DDP all-reduces over every rank (dp x cp), FSDP shards over dp_shard x cp (config/parallel.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from scaletrain.distributed import World
+from scaletrain.config.parallel import ParallelDims
+from scaletrain.launch.distributed import World
 from scaletrain.models.context_parallel import ContextParallel
 from scaletrain.models.spec import ModelSpec
-from scaletrain.parallel import ParallelDims
 
 
 def split_context(world: World, dims: ParallelDims, *models: tuple[ModelSpec | None, Any]) -> ContextParallel | None:

@@ -13,9 +13,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from scaletrain import faults
 from scaletrain.config import Config
-from scaletrain.distributed import World
+from scaletrain.config.parallel import ParallelDims
 from scaletrain.engines import compression
 from scaletrain.engines.base import ParamGroups
 from scaletrain.engines.block_wrappers import apply_activation_checkpointing, compile_blocks
@@ -24,9 +23,10 @@ from scaletrain.engines.float8 import apply_float8
 from scaletrain.engines.precision import autocast_context, make_loss_scaler
 from scaletrain.engines.teacher import replicated_teacher
 from scaletrain.engines.torch_engine import TorchEngineMixin
+from scaletrain.launch.distributed import World
 from scaletrain.models.spec import ModelSpec
-from scaletrain.optim import build_adamw
-from scaletrain.parallel import ParallelDims
+from scaletrain.resilience import faults
+from scaletrain.training.optim import build_adamw
 
 
 class DDPEngine(TorchEngineMixin):

@@ -28,15 +28,15 @@ from torch import nn
 from scaletrain import disk_cache
 from scaletrain.checkpoint.deepspeed_format import DEEPSPEED_TAG
 from scaletrain.config import Config
-from scaletrain.distributed import World, ensure_process_group, uses_cuda
+from scaletrain.config.parallel import ParallelDims
 from scaletrain.engines.base import AccumulationWindow, ParamGroups, StepStats, set_lr
 from scaletrain.engines.block_wrappers import apply_activation_checkpointing, plain_name
 from scaletrain.engines.deepspeed_config import build_deepspeed_config, to_json
 from scaletrain.engines.deepspeed_ops import clear_stale_locks
 from scaletrain.engines.teacher import frozen_meta, replicated_teacher, teacher_seed
 from scaletrain.errors import UserError
+from scaletrain.launch.distributed import World, ensure_process_group, uses_cuda
 from scaletrain.models.spec import ModelSpec
-from scaletrain.parallel import ParallelDims
 
 CONFIG_FILE = "deepspeed_config.json"
 TAG = DEEPSPEED_TAG
@@ -363,7 +363,7 @@ def _set_optimizer_step(optimizer: Any, step: int) -> None:
 
 
 def preload(cfg: Config) -> None:
-    """engines.preload: DeepSpeed's import at start-up, with the collector paused (startup.py)."""
+    """engines.preload: DeepSpeed's import at start-up, with the collector paused (cli/startup.py)."""
     _import_deepspeed(torch.device("cuda" if uses_cuda(cfg.run.device) else "cpu"))
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.config_float8 import MISSING_EXTRA, float8_device_problem
+from scaletrain.config.float8 import MISSING_EXTRA, float8_device_problem
 from scaletrain.errors import UserError
 from scaletrain.models.float8 import float8_linears
 from scaletrain.models.spec import ModelSpec

@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletrain.config import Config
-from scaletrain.distributed import World, ensure_process_group
+from scaletrain.config.parallel import ParallelDims
+from scaletrain.config.stages import SCHEDULES, check_stages, split_blocks, stage_ids
 from scaletrain.engines.base import Mark, MicroBatch, ParamGroups, no_mark
 from scaletrain.engines.block_wrappers import apply_activation_checkpointing, compile_blocks
 from scaletrain.engines.context import split_context
@@ -40,10 +41,9 @@ from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
 from scaletrain.engines.teacher import frozen_meta, teacher_seed
 from scaletrain.engines.torch_engine import TorchEngineMixin
 from scaletrain.errors import UserError
+from scaletrain.launch.distributed import World, ensure_process_group
 from scaletrain.models.spec import LossFn, ModelSpec
-from scaletrain.optim import build_adamw
-from scaletrain.parallel import ParallelDims
-from scaletrain.stages import SCHEDULES, check_stages, split_blocks, stage_ids
+from scaletrain.training.optim import build_adamw
 
 
 class FSDPEngine(TorchEngineMixin):
@@ -75,7 +75,7 @@ class FSDPEngine(TorchEngineMixin):
             model = spec.build_meta(cfg.data.seq_len)
             # Float8 first (torchtitan's order), on the meta model: then checkpointing, compile
             # and fully_shard, whose all-gathers carry the converted weights in float8.
-            if cfg.train.float8:  # config_float8.py: never with tp or pp
+            if cfg.train.float8:  # config/float8.py: never with tp or pp
                 self.float8 = apply_float8(model, spec, world.device, fsdp=True)
             model = build(model)
         else:

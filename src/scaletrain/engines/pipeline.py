@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scaletrain.config.stages import SCHEDULES, ideal_bubble
 from scaletrain.models.loss import trained
-from scaletrain.stages import SCHEDULES, ideal_bubble
 
 
 class MergedStages(nn.Module):

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import scaletrain.checkpoint.dcp_format  # noqa: F401  # its filter of DCP's single-process warning
-from scaletrain.distributed import side_group
 from scaletrain.engines.base import AccumulationWindow, StepStats, set_lr
-from scaletrain.optim import after_load, skip_where
+from scaletrain.launch.distributed import side_group
+from scaletrain.training.optim import after_load, skip_where
 
 # Engine-neutral state (Engine.state_dict): full tensors on every rank, plain names,
 # torch's flattened optimizer layout ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr").
@@ -85,7 +85,7 @@ class Staging:
     save copies into it at the bus's speed (non-blocking, then one synchronize). On a CPU a
     plain copy (the pinned and non-blocking options need an accelerator).
 
-    One save is in flight at a time (saves.py waits for the one before), so the next copy
+    One save is in flight at a time (training/saves.py waits for the one before), so the next copy
     never overwrites a buffer still being written. Closed with the engine: a closed stager
     cannot stage again (torch clears its copy dispatch table: `KeyError: <class 'type'>`,
     what an earlier version that closed it after each save and then reused it ran into)."""

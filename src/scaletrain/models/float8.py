@@ -1,5 +1,5 @@
 """Which Linear layers float8 training converts (train.float8; engines/float8.py converts
-them with torchao, plan/float8.py counts their FLOPs and bytes). Plain torch, no torchao:
+them with torchao, planning/float8.py counts their FLOPs and bytes). Plain torch, no torchao:
 the planner and the tests ask the same question without the extra installed.
 
 The transformer blocks' Linear layers whose both dimensions are multiples of 16 (the

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from scaletrain.plan.hardware import KNOWN_GPUS, measured_cpu_peak
+from scaletrain.planning.hardware import KNOWN_GPUS, measured_cpu_peak
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ rank's sums into the interval event's "moe" field (docs/telemetry.md):
 Every rank counts the routing decisions of its own tokens (under expert parallelism too:
 where a slot is computed does not matter), so the interval's load is the sum over ranks.
 That holds while no two ranks see the same tokens, which is why a mixture of experts
-trains without tensor or pipeline parallelism for now (config.py): tensor-parallel ranks
+trains without tensor or pipeline parallelism for now (config/schema.py): tensor-parallel ranks
 would count their group's tokens once each.
 """
 

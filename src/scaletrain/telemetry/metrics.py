@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from scaletrain import faults
-from scaletrain.distributed import World, side_group
+from scaletrain.launch.distributed import World, side_group
+from scaletrain.resilience import faults
 from scaletrain.telemetry.clock import PhaseClock
 from scaletrain.telemetry.device import gpu_utilisation, memory_peak
 from scaletrain.telemetry.experts import expert_load
@@ -213,7 +213,7 @@ class MetricsLog:
     """metrics.jsonl: append-only during a run; on resume, rows after the checkpoint are dropped.
 
     One row per optimizer step, and event rows between them ({"step", "event": kind, ...},
-    e.g. each checkpoint's blocking time, saves.py), which read_metrics leaves out unless
+    e.g. each checkpoint's blocking time, training/saves.py), which read_metrics leaves out unless
     asked for. ranks.jsonl beside it: one row per rank per interval."""
 
     def __init__(self, path: Path, enabled: bool):

@@ -14,7 +14,7 @@ class TrainProgress:
         self.console = console
         self.enabled = enabled
         self.total = total_steps
-        self.eval: dict[str, Any] | None = None  # the last evaluation's row (evaluation.py)
+        self.eval: dict[str, Any] | None = None  # the last evaluation's row (training/evaluation.py)
         self._bar: Progress | None = None
         if enabled and console.is_terminal:
             self._bar = Progress(

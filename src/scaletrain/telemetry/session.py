@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from scaletrain.config import Config
-from scaletrain.distributed import World
 from scaletrain.engines.base import Mark
 from scaletrain.engines.compile_stats import compile_counters
+from scaletrain.launch.distributed import World
 from scaletrain.telemetry.clock import PhaseClock
 from scaletrain.telemetry.comm import CommSampler
 from scaletrain.telemetry.device import as_json, device_info
@@ -78,7 +78,7 @@ class Telemetry:
 
     def drop_routing(self) -> None:
         """Forget the routing counted since the last interval: an evaluation's forwards
-        (evaluation.py) are no training step's."""
+        (training/evaluation.py) are no training step's."""
         self.recorder.routing()
 
     def run_info(self) -> dict[str, Any]:

@@ -1,0 +1,82 @@
+"""The config's `eval` section: evaluation during training and `scaletrain eval`. Part of the
+one schema in scaletrain/config.py, which re-exports it; kept apart so that each file stays
+one read (what an evaluation does: scaletrain/evaluation.py; the held-out documents:
+data/heldout.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from scaletrain.config.model import Section
+from scaletrain.config.stages import SCHEDULES
+
+# The share of documents held out when evaluation is on and no eval.data is given.
+DEFAULT_SPLIT = 0.01
+
+
+class EvalConfig(Section):
+    # Steps between evaluations, and one after the last step; 0: off.
+    every: int = Field(0, ge=0)
+    # Global eval batches per evaluation, each of train.global_batch sequences: the first
+    # batches x global_batch windows of the eval stream, the same ones every time.
+    batches: int = Field(8, ge=1)
+    # Sequences per rank per forward (a memory setting: the loss is the same at any
+    # value). Unset: train.micro_batch. Under a pipeline the schedule's own micro-batches run.
+    micro_batch: int | None = Field(None, ge=1)
+    # Globs of text files (tokenized with the training data's tokenizer) or a directory made
+    # by `scaletrain data prepare` with that tokenizer. Empty: held-out training documents.
+    data: list[str] = Field(default_factory=list)
+    # The fraction of the training data's documents held out: never trained on, evaluated
+    # on. Unset: 0.01 when eval.every > 0 and eval.data is empty, else 0 (nothing held out).
+    # It decides the training stream, so a resume must keep it (checkpoint/resume.py).
+    split: float | None = Field(None, ge=0, lt=1)
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _held_out_or_given(self) -> EvalConfig:
+        if self.split is None:
+            # Resolved here, so the run's config.yaml records what the training stream
+            # skipped (validate_assignment runs this validator once more; split is set then).
+            self.split = DEFAULT_SPLIT if self.every > 0 and not self.data else 0.0
+        if self.split > 0 and self.data:
+            raise ValueError(
+                f"eval.split={self.split:g} and eval.data={self.data} both say what to evaluate on; accepted: one of "
+                "them (eval.data: another corpus, and training keeps every document)"
+            )
+        if self.every > 0 and self.split == 0 and not self.data:
+            raise ValueError(
+                f"eval.every={self.every} needs data to evaluate on, but eval.split=0 holds no document out; accepted: "
+                f"eval.split in (0, 1) (default {DEFAULT_SPLIT}), eval.data=PATHS, or eval.every=0"
+            )
+        return self
+
+    @property
+    def held_out(self) -> float:
+        """The resolved eval.split: the fraction of documents training skips."""
+        return self.split or 0.0
+
+
+def eval_problem(eval_cfg: EvalConfig, pp: int, schedule: str) -> str | None:
+    """A combination of the eval section with the layout that cannot run, or None."""
+    if pp > 1 and eval_cfg.micro_batch is not None:
+        return (
+            f"eval.micro_batch={eval_cfg.micro_batch} with parallel.pp={pp}: a pipeline evaluates with its schedule's "
+            "own micro-batches (train.micro_batch, the shapes its stages were built for); accepted: no eval.micro_batch"
+        )
+    if pp > 1 and SCHEDULES[schedule][2] == "v":
+        # Checked with torch 2.13: its runtime runs the V schedules' backward actions in eval
+        # too, and the hand-over between a rank's two adjacent stages then fails
+        # (AssertionError: can't steal_bwd_input if this stage doesn't have backward).
+        loops = [name for name, (_, _, shape) in SCHEDULES.items() if shape != "v"]
+        return (
+            f"evaluation with parallel.pp_schedule={schedule}: torch 2.13's eval path of the V-shaped schedules fails; "
+            f"accepted: parallel.pp_schedule={'|'.join(loops)} (a checkpoint reshards onto any), or eval.every=0"
+        )
+    return None

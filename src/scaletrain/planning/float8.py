@@ -1,0 +1,162 @@
+"""What train.float8 changes in a plan: time, traffic and memory (docs/float8.md).
+
+The Linear layers float8 converts are models/float8.py's (the engine converts the same).
+torchao's tensorwise recipe runs all three matmuls of each (forward, input gradient,
+weight gradient) in float8, so:
+
+- time: their 6 x weights FLOPs per token run at the device's float8 peak (at the same
+  assumed MFU as bf16's); the rest (attention scores, head, router, experts) at the bf16
+  peak. The casts to float8 are memory-bound kernels, counted as bytes over the device's
+  memory bandwidth: each cast of a bf16 tensor reads it twice (its amax, then the cast)
+  and writes one byte per element, 5 bytes per element, 9 for an fp32 weight. Per token
+  a converted Linear casts its input in forward and again in backward (for the weight
+  gradient; a third time when activation checkpointing recomputes the forward) and its
+  output gradient twice in backward (one per gradient matmul): 5 x (2 or 3) x in +
+  10 x out bytes. Per micro-batch its fp32 weight is cast in forward and in backward
+  (ddp), or (fsdp) each shard once per all-gather. Eager-mode counts: torch.compile fuses
+  some of these, so the estimate is an upper bound on the casts.
+- FSDP all-gathers the converted weights in float8: 1 byte per weight instead of bf16's 2,
+  on the wire and in the gathered units.
+- activations: torchao's Float8Linear saves its bf16 input and the weight for backward,
+  as a bf16 Linear does (it casts both again in backward), so the traced activations
+  stand, except under ddp's autocast, where a bf16 Linear also saves the bf16 copy of
+  its fp32 weight and a Float8Linear does not. Its fp32 scales are one scalar per tensor:
+  not counted. The float8 copies live only inside one matmul: not counted, like bf16's
+  temporaries.
+
+MFU stays against the bf16 peak (telemetry/device.py), as torchtitan reports it: a float8
+run's MFU then compares with a bf16 run's, and may exceed what bf16 alone could reach.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Any
+
+from scaletrain.errors import UserError
+from scaletrain.models.float8 import float8_linears
+from scaletrain.models.spec import ModelSpec
+from scaletrain.planning.hardware import Device, fmt
+from scaletrain.planning.setup import Setup
+from scaletrain.strategies import TABLE
+
+CAST_16 = 5.0  # bytes moved per element cast from bf16 to float8: amax read 2, cast read 2, write 1
+CAST_32 = 9.0  # the same from fp32 (the weights' masters): 4 + 4 + 1
+
+
+@dataclass(frozen=True)
+class Converted:
+    """The Linear layers float8 converts in a model, by the numbers the plan needs."""
+
+    params: int  # their weights, in the whole model
+    in_features: int  # summed over them: the input elements cast per token
+    out_features: int  # summed: the output-gradient elements cast per token
+    block_params: int  # their weights in the largest block (the unit FSDP gathers, the traced block)
+
+    @property
+    def flops_per_token(self) -> float:
+        return 6.0 * self.params
+
+
+@lru_cache(maxsize=64)
+def converted(model: ModelSpec) -> Converted:
+    meta = model.build_meta(1)
+    blocks = model.blocks(meta)
+    linears = list(float8_linears(meta, blocks).values())
+    # The block with the most parameters, as counts().block takes it (an MoE block, if any).
+    largest = max(blocks.children(), key=lambda b: sum(p.numel() for p in b.parameters()))
+    in_largest = {id(m) for m in largest.modules()}
+    return Converted(
+        params=sum(m.weight.numel() for m in linears),
+        in_features=sum(m.in_features for m in linears),
+        out_features=sum(m.out_features for m in linears),
+        block_params=sum(m.weight.numel() for m in linears if id(m) in in_largest),
+    )
+
+
+def plannable(s: Setup) -> bool:
+    """Whether a candidate layout can train in float8 (config/float8.py's refusals)."""
+    return TABLE[s.strategy].float8 and s.tp == 1 and s.pp == 1 and s.offload_params == "none"
+
+
+def check_device(device: Device) -> None:
+    if not device.peak_flops_8:
+        raise UserError(
+            f"train.float8=true needs float8 matmuls; the planned device, {device.name}, has none (NVIDIA compute "
+            "capability below 8.9); accepted: such a device (scaletrain plan --gpu h100|h100-pcie|h200|l40s), or train.float8=false"
+        )
+
+
+def compute_saving(model: ModelSpec, s: Setup, device: Device, tokens: int) -> float:
+    """Seconds float8 takes off a step's compute on one rank (0 without it): the converted
+    matmuls at the float8 peak instead of bf16's, less the casts."""
+    if not s.float8 or not device.peak_flops_8:
+        return 0.0
+    c = converted(model)
+    passes = 8 / 6 if s.activation_checkpointing else 1.0
+    split = s.tp * s.pp * s.cp
+    flops = tokens * c.flops_per_token * passes / split
+    matmuls = flops / (device.peak_flops_16 * device.assumed_mfu) - flops / (device.peak_flops_8 * device.assumed_mfu)
+    return matmuls - cast_bytes(model, s, tokens) / device.memory_bw if device.memory_bw else matmuls
+
+
+def cast_bytes(model: ModelSpec, s: Setup, tokens: int) -> float:
+    """Bytes the float8 casts move per optimizer step on one rank (module docstring)."""
+    c = converted(model)
+    input_casts = 3 if s.activation_checkpointing else 2
+    per_token = CAST_16 * (input_casts * c.in_features + 2 * c.out_features)
+    if TABLE[s.strategy].partitions == 3:  # FSDP: each shard cast once per all-gather
+        gathers = 1 if not s.reshard_after_forward else 2
+        weights = CAST_32 * c.params / s.shard * gathers
+    else:  # the whole fp32 weight, as often as the input (forward, backward, a recompute)
+        weights = CAST_32 * c.params * input_casts
+    return tokens * per_token / (s.tp * s.pp * s.cp) + weights * s.grad_accum
+
+
+def gather_saving(model: ModelSpec, s: Setup, param_bytes: float) -> float:
+    """Bytes per weight gather float8 all-gather saves: the converted weights at 1 byte."""
+    if not s.float8 or TABLE[s.strategy].partitions < 3:
+        return 0.0
+    return converted(model).params / s.tp * (param_bytes - 1.0)
+
+
+def buffer_saving(model: ModelSpec, s: Setup, gathered_bytes: float, all_units: bool) -> float:
+    """What FSDP's gathered units hold less with float8 all-gather: the converted weights of
+    the units gathered at once (every block when they stay gathered; else the current and
+    the prefetched block) at 1 byte instead of `gathered_bytes`."""
+    if not s.float8 or TABLE[s.strategy].buffers != "fsdp_units":
+        return 0.0
+    c = converted(model)
+    return (c.params if all_units else 2 * c.block_params) * (gathered_bytes - 1.0)
+
+
+def saved_saving(model: ModelSpec, s: Setup, regime: str, low_bytes: int) -> float:
+    """What one block saves for backward less with float8: under autocast, a bf16 Linear's
+    saved 16-bit copy of its fp32 weight, which a Float8Linear does not keep."""
+    if not s.float8 or regime != "autocast":
+        return 0.0
+    return float(converted(model).block_params * low_bytes)
+
+
+def bf16_beside(chosen: Any, judge: Callable[[Setup], Any]) -> tuple[list[str], dict[str, Any]]:
+    """The plan's line comparing the chosen float8 layout with the same layout in bf16, and
+    the same figures for its JSON."""
+    s = chosen.setup
+    if not s.float8:
+        return [], {}
+    plain = judge(replace(s, float8=False))
+    figures = {
+        "step_time_s": chosen.step_time,
+        "bf16_step_time_s": plain.step_time,
+        "speedup": plain.step_time / chosen.step_time if chosen.step_time else None,
+        "peak_bytes": chosen.memory.peak,
+        "bf16_peak_bytes": plain.memory.peak,
+    }
+    line = (
+        f"train.float8: {s.label} estimated {chosen.step_time:.3g} s/step against {plain.step_time:.3g} in bf16 "
+        f"({figures['speedup']:.2f}x; peak {fmt(chosen.memory.peak)} against {fmt(plain.memory.peak)}): "
+        f"the blocks' Linear layers at the float8 peak, their casts counted (docs/float8.md); MFU stays against the bf16 peak"
+    )
+    return [line], figures

@@ -1,0 +1,304 @@
+"""Per-device memory of one training step, by component, for each strategy.
+
+Model states follow the ZeRO paper's recipe (arXiv 1910.02054) with the bytes each engine
+really stores; activations come from tracing the real block (activations.py). The peak is
+the largest of these moments, each seen in measurements (docs/planner.md):
+  backward start: resident states + every saved activation + the loss's fp32 temporaries
+  first gradient: (ZeRO-1/2) resident states + every block's activations + the reduce buckets,
+                  allocated when the first gradient arrives
+  backward end:   resident states + all gradients + the embedding's dense gradient temporaries
+  optimizer step: resident states + all gradients + the optimizer's temporary (ZeRO-1/2:
+                  the gradient partition, its flat copy and that copy in fp32)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from scaletrain.models.spec import ModelSpec
+from scaletrain.planning.activations import block_activations, head_activations
+from scaletrain.planning.experts import ungathered
+from scaletrain.planning.float8 import buffer_saving, saved_saving
+from scaletrain.planning.pipeline import gathered_stage_bytes, in_flight, rank_share
+from scaletrain.planning.setup import Setup
+from scaletrain.strategies import TABLE
+
+# ZeRO-Infinity's page-locked host buffers (DeepSpeed 0.19.8 defaults, which the generated
+# config keeps): offload_param buffer_count x buffer_size elements, offload_optimizer
+# buffer_count sub-group partitions, ZeRO-3's sub_group_size.
+NVME_PARAM_BUFFERS = 5 * 100_000_000
+NVME_OPTIMIZER_BUFFERS = 4
+ZERO3_SUB_GROUP = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device at the step's peak, by component; CPU bytes for offloaded state."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    loss: float  # final norm + logits + loss saved tensors and their fp32 gradient temporaries
+    buffers: float  # engine buffers: gathered FSDP units, DeepSpeed buckets, optimizer temporaries
+    peak: float
+    peak_phase: str  # the moment of the peak: a key of estimate()'s phases ("backward start", ...)
+    cpu: float  # host memory for offloaded optimizer state / parameters, and NVMe offload's swap buffers
+    nvme: float = 0.0  # bytes per device in parallel.nvme_path's swap files (ZeRO-Infinity)
+
+    def as_dict(self) -> dict[str, float | str]:
+        return asdict(self)
+
+
+def regime(strategy: str, precision: str) -> str:
+    """How the engine runs its forward (see activations.REGIMES): DDP autocasts over fp32
+    weights; FSDP2's MixedPrecisionPolicy and DeepSpeed hold 16-bit weights and activations."""
+    return "fp32" if precision == "fp32" else TABLE[strategy].forward16
+
+
+def _state_bytes_per_param(strategy: str, precision: str) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter before sharding."""
+    row = TABLE[strategy]
+    # torch engines keep fp32 weights (autocast / MixedPrecisionPolicy cast on the fly),
+    # fp32 gradients (fp32 reduce) and AdamW's two fp32 moments. DeepSpeed's module holds
+    # the compute dtype and its ZeRO optimizer an fp32 partition of the weights besides the
+    # two moments (K = 12, also in fp32 runs); ZeRO-3 reduces gradients straight into an
+    # fp32 partition, ZeRO-1/2 keep them in the weights' dtype and convert at the step.
+    weights = 4.0 if row.fp32_module or precision == "fp32" else 2.0
+    return weights, 4.0 if row.fp32_grads else weights, row.optimizer_bytes
+
+
+def estimate(model: ModelSpec, s: Setup) -> Memory:
+    row = TABLE[s.strategy]
+    # With a pipeline: the parameters of the rank holding the most (its stages only).
+    n_params = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0]
+    w, g, o = _state_bytes_per_param(s.strategy, s.precision)
+    shard = s.shard
+    # Frozen parameters (model.trainable) keep their weights only: no gradient, no
+    # optimizer state, no fp32 master.
+    n_train = n_params * trainable_share(model)
+    params, grads, optim = w * n_params, g * n_train, o * n_train
+    # ZeRO's stages: what the shard group partitions (strategies.Strategy.partitions).
+    optim /= shard if row.partitions >= 1 else 1
+    grads /= shard if row.partitions >= 2 else 1
+    params /= shard if row.partitions >= 3 else 1
+    if row.persistence_threshold and s.offload_params == "none":
+        # Tensors under stage3_param_persistence_threshold (DeepSpeed's default 1e5 elements)
+        # are kept whole on every rank instead of being partitioned.
+        small = sum(n for n in model.counts().numels if n < row.persistence_threshold)
+        params += w * small * (1 - 1 / shard)
+    # ZeRO-1/2 step: the gradient partition is flattened into fp32 for the optimizer
+    # (DeepSpeed's estimators count it as "4 bytes grads_32bit").
+    fp32_grad_partition = 4.0 * n_train / shard if row.fp32_grad_partition else 0.0
+
+    cpu = nvme = 0.0
+    if s.offload_optimizer != "none":
+        # ZeRO-Offload: fp32 master, moments and the fp32 gradient partition live on the
+        # host; reduced gradients go straight there, the device keeps only the buckets.
+        # To NVMe, the master and moments go to swap files and the host keeps the gradient
+        # partition and the optimizer swapper's page-locked buffers: buffer_count (4) of the
+        # largest sub-group's fp32 partition (sub_group_size 1e9 elements), measured
+        # byte-exact in tests/test_nvme_offload.py for the files.
+        if s.offload_optimizer == "nvme":
+            nvme += optim
+            cpu += 4.0 * n_train / shard + NVME_OPTIMIZER_BUFFERS * 4.0 * min(n_train / shard, ZERO3_SUB_GROUP)
+        else:
+            cpu += optim + 4.0 * n_train / shard
+        optim, grads, fp32_grad_partition = 0.0, 0.0, 0.0
+    if s.offload_params != "none":
+        if s.offload_params == "nvme":
+            # The parameter partitions in the run's dtype and their fp32 gradients go to
+            # swap files; the host page-locks buffer_count x buffer_size elements to read
+            # them back through (DeepSpeed's defaults: 5 x 1e8, whatever the model's size).
+            nvme += params + 4.0 * n_train / shard
+            cpu += NVME_PARAM_BUFFERS * w
+        else:
+            cpu += params
+        params = 0.0
+    # Tensor parallel splits every matrix (the norms, replicated, are negligible), so each
+    # rank's states are 1/tp of its data-parallel shard; so are the gathered units.
+    params, grads, optim, cpu, nvme, fp32_grad_partition = (
+        x / s.tp for x in (params, grads, optim, cpu, nvme, fp32_grad_partition)
+    )
+
+    act, loss, recompute = _activations(model, s)
+    buffers = engine_buffers(model, s) / s.tp
+    # ZeRO-1/2's reduce buckets live inside backward only (engine_buffers says when): they
+    # are not resident, and join only the phases from the first gradient to backward's end.
+    buckets = buffers if row.buffers == "buckets" else 0.0
+    buffers -= buckets
+    if s.teacher is not None:
+        teacher_weights, teacher_buffers = teacher_bytes(s.teacher, s)
+        params += teacher_weights
+        buffers += teacher_buffers
+        # The KL keeps the student's fp32 log-probabilities and the teacher's (its target)
+        # for backward, beside the cross entropy's own: two more fp32 logit-sized tensors.
+        loss += 2.0 * s.micro_batch * s.local_seq_len * model.vocab_size * 4.0
+    # Gradients that persist between steps: DDP's bucket views (only with a DDP wrapper,
+    # world > 1) and ZeRO-3's flat gradient partition. Otherwise they are freed every step:
+    # by zero_grad, or (ZeRO-1/2) by DeepSpeed itself, which drops its gradient partition in
+    # _release_ipg_buffers at backward's end and the averaged gradients in step().
+    persistent = row.grads_persist == "always" or (row.grads_persist == "distributed" and s.reduce_ranks > 1)
+    persistent_grads = grads if persistent else 0.0
+    transient_grads = grads - persistent_grads
+    resident = params + optim + buffers + persistent_grads
+    # The embedding's gradient is dense (vocab x dim) and is produced, then added to the
+    # (tied or own) gradient, unsharded: two such temporaries at the end of backward.
+    head_grad = model.vocab_size * model.hidden_size * (4.0 if row.fp32_module else w) / s.tp
+    embedding_temp = 2.0 * head_grad
+    # torch's single-tensor / fused AdamW step allocates at most one parameter-sized
+    # temporary.
+    step_grads = transient_grads
+    step_temp = 4.0 * model.counts().largest / s.tp if row.fp32_module else 0.0
+    if row.buffers == "buckets" and s.offload_optimizer == "none":
+        # ZeRO-1/2's step() (stage_1_and_2.py) holds only this rank's gradient partition in
+        # the weights' dtype (averaged_gradients, views of grads_in_partition; ZeRO-1's whole
+        # gradients were freed at backward's end), flattens it into a new tensor and converts
+        # that to fp32 for the optimizer (`.to` is a no-op in fp32 runs): 8 bytes per
+        # partitioned parameter in fp32 and in bf16 alike.
+        step_grads = w * n_train / shard / s.tp
+        step_temp = step_grads + (fp32_grad_partition if w < 4.0 else 0.0)
+    phases = {
+        "backward start": (resident + act + loss, 0.0),
+        # Activation checkpointing: one block's activations are rebuilt later in backward,
+        # once the loss temporaries are gone; count every gradient as already there (upper bound).
+        "block recompute": (resident + act + recompute + transient_grads + buckets, buckets),
+        "backward end": (resident + transient_grads + embedding_temp + buckets, embedding_temp + buckets),
+        "optimizer step": (resident + step_grads + step_temp, step_temp),
+    }
+    if buckets:
+        # DeepSpeed allocates the buckets in the first gradient hook (setup_buckets, from
+        # process_gradients), once the loss and the head have run backward: the loss's
+        # temporaries are gone, every block's activations and the head's weight gradient
+        # (vocab x dim) are there.
+        phases["first gradient"] = (resident + act + head_grad + buckets, head_grad + buckets)
+    phase = max(phases, key=lambda k: phases[k][0])
+    peak, extra = phases[phase]
+    return Memory(params, grads, optim, act, loss, buffers + extra, peak, phase, cpu, nvme)
+
+
+def teacher_bytes(teacher: ModelSpec, s: Setup) -> tuple[float, float]:
+    """(resident weights, gathered buffers) of a frozen teacher held as engines/teacher.py
+    holds it. Its forward runs under no_grad: it saves no activations, and what it makes
+    is freed block by block (a block's output at a time, small beside the weights)."""
+    c = teacher.counts()
+    compute = 4.0 if s.precision == "fp32" else 2.0
+    holding = TABLE[s.strategy].teacher_holding
+    if holding == "fsdp_units":
+        # fp32 shards; the unit running is gathered in the compute dtype (each block, then
+        # the rest: the larger of the two at a time, plus the block prefetched).
+        return 4.0 * c.total / s.shard, compute * max(c.total - teacher.n_blocks * c.block, 2 * c.block)
+    if holding == "zero3_partitions":
+        # 16-bit partitions (DeepSpeed casts the frozen engine's module too), each module
+        # gathered for its forward.
+        return compute * c.total / s.shard, compute * c.largest
+    return compute * c.total, 0.0  # a full copy in the compute dtype
+
+
+def trainable_share(model: ModelSpec) -> float:
+    """The share of the parameters that train (1 unless model.trainable freezes some)."""
+    c = model.counts()
+    return c.trainable / c.total if c.trainable else 1.0
+
+
+def model_state_bytes(model: ModelSpec, s: Setup) -> tuple[float, float]:
+    """(device, host) bytes of weights + gradients + optimizer state at the optimizer step,
+    the quantity the ZeRO paper and DeepSpeed's estimators give, without buffers."""
+    m = estimate(model, s)
+    n_params = model.counts().total
+    step_grad = (
+        4.0 * n_params * trainable_share(model) / s.shard
+        if TABLE[s.strategy].fp32_grad_partition and s.offload_optimizer == "none"
+        else 0.0
+    )
+    return m.params + m.grads + m.optimizer + step_grad, m.cpu
+
+
+def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float]:
+    """(saved activations at backward start, loss-side bytes, one block recomputed under AC)."""
+    low = torch.float16 if s.precision == "fp16" else torch.bfloat16
+    r = regime(s.strategy, s.precision)
+    # Under cp a rank holds seq_len / cp tokens of each sequence: traced at that length,
+    # plus the keys and values of the rest of the sequence, all-gathered and saved by
+    # each block's attention for backward.
+    block = block_activations(model, s.micro_batch, s.local_seq_len, r, low)
+    head = head_activations(model, s.micro_batch, s.local_seq_len, r, low)
+    recompute = 0.0
+    saved = (block.saved - saved_saving(model, s, r, low.itemsize)) / s.tp + gathered_kv_bytes(model, s, low)
+    if s.tp > 1 and not s.sequence_parallel:
+        # Without sequence parallel four [tokens, hidden] tensors per block stay whole on
+        # every rank: both norms' inputs and outputs (the latter feed the column-parallel
+        # matmuls). An estimate (Megatron's accounting, arXiv 2205.05198), not a trace.
+        saved += 4 * block.block_input * (1 - 1 / s.tp)
+    block_input = block.block_input / (s.tp if s.sequence_parallel else 1)
+    # A pipeline rank runs its own blocks, for several micro-batches in flight.
+    blocks = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[1] * in_flight(s)
+    if s.activation_checkpointing:
+        act = blocks * block_input  # each block keeps only its input
+        recompute = float(saved)
+    else:
+        act = blocks * saved
+    # Backward through the loss: the fp32 gradient of the logits and one fp32 temporary
+    # of the same size (softmax gradient) exist together, before any block runs backward.
+    # With tp the logits stay split over the vocabulary (loss parallel). The chunked loss
+    # (models/loss.py) writes the gradient in the logits' dtype, with fp32 temporaries of
+    # one chunk (the traced saved bytes already hold its logits and log-sum-exps).
+    chunk = model.loss_chunk_tokens
+    if chunk:
+        tokens = s.micro_batch * s.local_seq_len
+        loss = head.saved + head.logits + 2 * head.logits_fp32 * min(chunk, tokens) / tokens
+    else:
+        loss = (head.saved + 2 * head.logits_fp32) / s.tp
+    return float(act), float(loss), recompute
+
+
+def kv_width(model: ModelSpec) -> int:
+    """Channels of one token's keys (and of its values): n_kv_heads x head_dim."""
+    shape = getattr(model, "shape", None)
+    return shape.n_kv_heads * shape.head_dim if shape is not None else model.hidden_size
+
+
+def gathered_kv_bytes(model: ModelSpec, s: Setup, low: torch.dtype) -> float:
+    """Under cp: the other ranks' keys and values one block's attention keeps for backward."""
+    if s.cp == 1:
+        return 0.0
+    act_bytes = 4.0 if s.precision == "fp32" else low.itemsize
+    return 2.0 * s.micro_batch * (s.seq_len - s.local_seq_len) * kv_width(model) / s.tp * act_bytes
+
+
+def engine_buffers(model: ModelSpec, s: Setup) -> float:
+    """Bytes the engine holds besides model states: gathered units, communication buckets."""
+    row = TABLE[s.strategy]
+    n_params = model.counts().total
+    weight_bytes = _state_bytes_per_param(s.strategy, s.precision)[0]
+    block_params = model.counts().block
+    root_params = n_params - model.n_blocks * block_params
+    if row.buffers == "fsdp_units" and s.pp > 1:
+        return gathered_stage_bytes(rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0], s.precision)
+    if row.buffers == "fsdp_units":
+        gathered = 2 if s.precision != "fp32" else 4  # MixedPrecisionPolicy param dtype
+        # Under expert parallel a block's gathered experts are this rank's E/ep only.
+        per_block, in_all = ungathered(model, s)
+        # train.float8 gathers its Linear layers' weights at 1 byte (planning/float8.py).
+        if not s.reshard_after_forward:  # every unit stays gathered until its backward
+            return float((n_params - in_all) * gathered - buffer_saving(model, s, gathered, all_units=True))
+        # Root unit gathered throughout, plus the current and the prefetched block.
+        return float((root_params + 2 * (block_params - per_block)) * gathered - buffer_saving(model, s, gathered, False))
+    if row.buffers == "zero3_gather":
+        # DeepSpeed gathers per module; its estimator: 4 bytes x the largest layer. Plus the
+        # gradient reduce bucket: stage3.py's __init__ allocates one per communication dtype
+        # (the weights' dtype: bf16 in bf16 runs), at the full reduce_bucket_size whatever the
+        # model's size, and keeps it for the whole run.
+        return float(4 * model.counts().largest + s.bucket_size * weight_bytes)
+    if row.buffers == "buckets":
+        # ZeRO-1/2 (stage_1_and_2.py, setup_buckets): each backward's first gradient hook
+        # allocates the reduce bucket with torch.empty at the full reduce_bucket_size, no min()
+        # with the model's or the partition's size, in _gradient_reduction_buffer_dtype(): the
+        # weights' dtype (grad_accum_dtype defaults to it); with overlap_comm (stage 2) a second
+        # one to double-buffer, allocated even when the first is never filled. The epilogue
+        # (independent_gradient_partition_epilogue -> _release_ipg_buffers) frees them at the
+        # end of backward: estimate() counts them in backward's phases only.
+        return float(s.bucket_size * weight_bytes * row.bucket_copies)
+    return 0.0

@@ -1,0 +1,572 @@
+"""Which strategy fits, how fast each would be, and why one is chosen.
+
+Step time = compute (FLOPs / (device peak x assumed MFU)) + the communication the
+backward cannot hide + offload work. The assumptions are stated in docs/planner.md; the
+point is a ranking between strategies on the same model, not a promise of wall time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import is_dataclass, replace
+from typing import Any
+
+from scaletrain.config import AUTO_MICRO_BATCH, Config
+from scaletrain.config.batch import described, micro_batches, settle
+from scaletrain.config.parallel import dims_for
+from scaletrain.config.stages import SCHEDULES
+from scaletrain.errors import UserError
+from scaletrain.models.factory import distill_spec
+from scaletrain.models.spec import ModelSpec, with_fields
+from scaletrain.planning.candidate import Candidate, Plan
+from scaletrain.planning.expert_choice import why_ep
+from scaletrain.planning.experts import (
+    a2a_bytes_per_step,
+    a2a_seconds,
+    ep_options,
+    experts_of,
+    moe_note,
+    moe_summary,
+    sharded_traffic,
+)
+from scaletrain.planning.float8 import bf16_beside, check_device, compute_saving, gather_saving, plannable
+from scaletrain.planning.hardware import Device, fmt
+from scaletrain.planning.memory import estimate, kv_width, trainable_share
+from scaletrain.planning.pipeline import bubble, pp_comm_bytes_per_step, pp_options, rank_share, why_pp
+from scaletrain.planning.setup import Setup
+from scaletrain.strategies import TABLE
+
+OVERLAP = 0.8  # share of the compute time that can hide gradient / parameter traffic
+CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeedCPUAdam, order of magnitude per node
+# From here on (Llama 3's long-context stage trains 32k-token sequences) the plan says what
+# context parallel would save when activations are a large part of the peak.
+LONG_SEQUENCE = 16384
+# The chunk the plan suggests for a large loss: 4096 positions x a 128k vocabulary is 2 GiB
+# of fp32 temporaries, small beside what it replaces, and few enough chunks to stay fast.
+LOSS_CHUNK = 4096
+
+
+def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model: ModelSpec | None = None) -> list[Setup]:
+    """The configured strategy first, then (auto / planning) every strategy this world
+    allows, with `model` also fsdp x tensor parallel layouts (a mixture of experts: fsdp x
+    expert parallel layouts instead)."""
+    p = cfg.parallel
+    dims = dims_for(p, world)  # the one validation of the layout
+    base = Setup.from_config(cfg, dims)
+    distill = distill_spec(cfg, model) if model is not None else None
+    if distill is not None:
+        base = replace(base, teacher=distill.teacher)
+    if not all_strategies:
+        return [base]
+    options = _data_parallel_options(base, world, nodes)
+    if model is not None and experts_of(model) is not None:
+        # A mixture of experts trains without tp or pp (config/schema.py): expert parallel instead.
+        options += ep_options(options, model)
+    elif dims.tp == 1 and dims.pp == 1 and model is not None and distill is None:  # a teacher: data parallel only
+        mp = replace(base, strategy=_MODEL_PARALLEL.name, **_PLAIN)
+        tps = _tp_sizes(model, world, nodes)
+        options += [replace(mp, tp=tp, dp=mp.dp // tp, grad_accum=mp.grad_accum * tp, sequence_parallel=True) for tp in tps]
+        options += pp_options(mp, model, world, nodes, [1, *tps])
+        options += _cp_options(mp, model, world, nodes, [1, *tps])
+    # Activation checkpointing trades ~1/3 more compute for memory: a fallback option.
+    if not base.activation_checkpointing:
+        options += [replace(o, activation_checkpointing=True) for o in options]
+    # A configured tp or pp keeps only the strategies that compose with it.
+    options = [o for o in options if (dims.tp == 1 or TABLE[o.strategy].tp) and (dims.pp == 1 or TABLE[o.strategy].pp)]
+    options = [o for o in options if not base.float8 or plannable(o)]  # train.float8: where it runs
+    if p.strategy == "auto":
+        return options
+    return [base, *(o for o in options if o != base)]
+
+
+# Every candidate starts from the plain setup: no offload, weights resharded after forward,
+# no hybrid sharding; the variants below add those back where a strategy takes them.
+_PLAIN: dict[str, Any] = dict(offload_optimizer="none", offload_params="none", reshard_after_forward=True, dp_replicate=1, ep=1)
+# In the order of fewer moving parts: _fastest settles ties by it.
+_BY_COMPLEXITY = sorted(TABLE.values(), key=lambda r: r.complexity)
+# The strategy tensor and pipeline parallel layouts are planned on.
+_MODEL_PARALLEL = next(r for r in _BY_COMPLEXITY if r.tp and r.pp)
+
+
+def _data_parallel_options(base: Setup, world: int, nodes: int) -> list[Setup]:
+    """Every strategy's plain setup and its variants (weights kept gathered, hybrid sharding
+    over the nodes), then the offloading variants each strategy plans (the strategy table)."""
+    options = []
+    for row in _BY_COMPLEXITY:
+        plain = replace(base, strategy=row.name, **_PLAIN)
+        options.append(plain)
+        if row.keeps_gathered:
+            options.append(replace(plain, reshard_after_forward=False))
+        if row.hybrid and nodes > 1 and world % nodes == 0:
+            options.append(replace(plain, dp_replicate=nodes))
+    for row in _BY_COMPLEXITY:
+        options += [
+            replace(base, strategy=row.name, **{**_PLAIN, "offload_optimizer": o, "offload_params": p})
+            for o, p in row.planned_offloads
+        ]
+    return options
+
+
+def _cp_options(mp: Setup, model: ModelSpec, world: int, nodes: int, tps: list[int]) -> list[Setup]:
+    """Long sequences (LONG_SEQUENCE and more) of the built-in model: fsdp with cp 2, 4 or 8
+    (x each tp), cp x tp inside a node (each block's key/value gathers need NVLink); the
+    global batch kept as for tp (dp / (cp x tp) ranks, each accumulating cp x tp times more)."""
+    if mp.seq_len < LONG_SEQUENCE or getattr(model, "shape", None) is None or experts_of(model) is not None:
+        return []
+    per_node = world // nodes
+    out = []
+    for cp in (2, 4, 8):
+        for tp in tps:
+            split = cp * tp
+            if mp.seq_len % (2 * cp) or split > per_node or per_node % split or mp.dp % split:
+                continue
+            out.append(replace(mp, cp=cp, tp=tp, dp=mp.dp // split, grad_accum=mp.grad_accum * split, sequence_parallel=True))
+    return out
+
+
+def _tp_sizes(model: ModelSpec, world: int, nodes: int) -> list[int]:
+    """The tp sizes that fit inside a node and split the model evenly. Their layouts keep
+    the global batch: with dp / tp data-parallel ranks, each accumulates tp times more
+    micro-batches (the same micro-batch, so the same activation memory)."""
+    per_node = world // nodes
+    out = []
+    for tp in (2, 4, 8):
+        if tp > per_node or per_node % tp:
+            continue
+        try:
+            model.check_tp(tp)
+        except UserError:
+            continue
+        out.append(tp)
+    return out
+
+
+def evaluate(
+    model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: int, usable: float, cpu_per_node: float | None
+) -> Candidate:
+    mem = estimate(model, s)
+    comm = comm_bytes_per_step(model, s, s.grad_accum)
+    tp_comm = tp_comm_bytes_per_step(model, s, s.grad_accum)
+    pp_comm = pp_comm_bytes_per_step(model, s)
+    ep_comm = a2a_bytes_per_step(model, s)
+    cp_comm = cp_comm_bytes_per_step(model, s)
+    time = step_time(model, s, cfg, device, nodes, comm, tp_comm, pp_comm, cp_comm)
+    comm += tp_comm + pp_comm + ep_comm + cp_comm
+    why_not = ""
+    if mem.peak > usable:
+        why_not = f"needs {fmt(mem.peak)} per device > {fmt(usable)} usable"
+    elif cpu_per_node is not None and mem.cpu * (s.reduce_ranks // nodes) > cpu_per_node:
+        why_not = f"offload needs {fmt(mem.cpu * (s.reduce_ranks // nodes))} host memory per node > {fmt(cpu_per_node)}"
+    return Candidate(s, mem, comm, time, not why_not, why_not, tp_comm, pp_comm, ep_comm_bytes=ep_comm, cp_comm_bytes=cp_comm)
+
+
+def cp_comm_bytes_per_step(model: ModelSpec, s: Setup) -> float:
+    """Under cp, what each device receives per optimizer step for the keys and values: each
+    block all-gathers the other ranks' (cp - 1)/cp of the sequence's K and V in forward
+    (again when activation checkpointing recomputes it) and reduce-scatters their gradients
+    in backward, for every micro-batch."""
+    if s.cp == 1:
+        return 0.0
+    act_bytes = 4.0 if s.precision == "fp32" else 2.0
+    kv = 2.0 * s.micro_batch * s.seq_len * kv_width(model) / s.tp * act_bytes * (s.cp - 1) / s.cp
+    passes = 3 if s.activation_checkpointing else 2
+    return _rank_blocks(model, s) * s.grad_accum * passes * kv
+
+
+def tp_comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
+    """Tensor parallel: per block two all-reduces of the [tokens, hidden] activations in
+    forward and two in backward (with sequence parallel: reduce-scatter + all-gather, the
+    same bytes), for every micro-batch; each device sends 2 (tp-1)/tp of the buffer."""
+    if s.tp == 1:
+        return 0.0
+    act_bytes = 4 if s.precision == "fp32" else 2
+    buffer = s.micro_batch * s.seq_len * model.hidden_size * act_bytes
+    return _rank_blocks(model, s) * grad_accum * 4 * 2 * (s.tp - 1) / s.tp * buffer
+
+
+def _rank_blocks(model: ModelSpec, s: Setup) -> int:
+    """The blocks this rank runs: all of them, or under a pipeline its stages' only."""
+    return rank_share(model, s.pp, s.pp_schedule, s.seq_len)[1]
+
+
+def tp_collectives(model: ModelSpec, s: Setup) -> int:
+    """Per step: per block and micro-batch two in forward and two in backward, doubled
+    with sequence parallel (each all-reduce becomes a reduce-scatter and an all-gather)."""
+    return _rank_blocks(model, s) * s.grad_accum * 4 * (2 if s.sequence_parallel else 1)
+
+
+def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
+    """Bytes each device sends per optimizer step over the data-parallel dimension (ring
+    collectives: (n-1)/n of the buffer); each tp rank moves its 1/tp of the states, each
+    pipeline rank those of its stages."""
+    n = s.reduce_ranks
+    if n == 1:
+        return 0.0
+    psi = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0] / s.tp
+    # Gradients (and ZeRO-1/2's updated weights) exist for the trained parameters only.
+    train = psi * trainable_share(model)
+    ring = (n - 1) / n
+    row = TABLE[s.strategy]
+    grad_bytes = 4 if row.fp32_module or s.precision == "fp32" else 2  # torch engines reduce in fp32
+    param_bytes = 4 if s.precision == "fp32" else 2
+    if row.partitions == 0:
+        return 2 * ring * train * grad_bytes  # all-reduce = reduce-scatter + all-gather
+    if row.partitions < 3:
+        return ring * train * (grad_bytes + param_bytes)  # reduce-scatter grads, all-gather updated params
+    # Partitioned parameters (zero3, fsdp): all-gathered in forward and again in backward
+    # for every micro-batch (unless kept gathered: shard-grad-op), gradients
+    # reduce-scattered once. Under a pipeline a stage stays gathered for the step: one gather.
+    gathers = 1 if s.pp > 1 else grad_accum * (1 if (row.keeps_gathered and not s.reshard_after_forward) else 2)
+    shard = s.shard
+    if s.ep > 1:  # each rank's experts over the ranks holding the same ones (planning/experts.py)
+        return sharded_traffic(model, s, psi, trainable_share(model), gathers, param_bytes, grad_bytes)
+    gathered = psi * param_bytes - gather_saving(model, s, param_bytes)  # train.float8: its weights at 1 byte
+    total = (shard - 1) / shard * (gathered * gathers + train * grad_bytes)
+    if s.dp_replicate > 1:  # hybrid: all-reduce the gradient shards across replicas
+        r = s.dp_replicate
+        total += 2 * (r - 1) / r * train / shard * grad_bytes
+    return total
+
+
+def step_time(
+    model: ModelSpec,
+    s: Setup,
+    cfg: Config,
+    device: Device,
+    nodes: int,
+    comm: float,
+    tp_comm: float = 0.0,
+    pp_comm: float = 0.0,
+    cp_comm: float = 0.0,
+) -> float:
+    tokens = s.micro_batch * s.seq_len * s.grad_accum
+    # A cp rank computes its 1/cp of each sequence's tokens, each attending over the whole sequence.
+    split = s.tp * s.pp * s.cp
+    flops = tokens * model.flops_per_token(s.seq_len) * (8 / 6 if s.activation_checkpointing else 1) / split
+    if s.teacher is not None:  # its forward only: a third of its training FLOPs
+        flops += tokens * s.teacher.flops_per_token(s.seq_len) / 3
+    peak = device.peak_flops_32 if s.precision == "fp32" else device.peak_flops_16
+    # A pipeline rank also idles for the bubble: busy (1 - bubble) of the step.
+    compute = (flops / (peak * device.assumed_mfu) - compute_saving(model, s, device, tokens)) / (1 - bubble(s))
+    per_node = s.dp * s.cp * s.tp * s.pp // nodes
+    # Ranks are laid out tp innermost, then cp, dp, pp outermost (config/parallel.py): the dp group
+    # spans nodes once dp x cp x tp exceeds a node, a pipeline's neighbours once it fills one.
+    bw = device.inter_node_bw if s.dp * s.cp * s.tp > per_node else device.intra_node_bw
+    exposed = max(0.0, comm / bw - OVERLAP * compute)
+    if s.pp > 1:  # activations between stages wait on the schedule: exposed, with each send's start-up
+        pp_bw = device.inter_node_bw if s.dp * s.tp >= per_node and nodes > 1 else device.intra_node_bw
+        exposed += pp_comm / pp_bw + 2 * s.grad_accum * SCHEDULES[s.pp_schedule][1] * device.collective_latency
+    # Tensor parallel's collectives sit on the critical path between matmuls (nothing to
+    # hide them behind): all exposed, over NVLink while tp fits in a node.
+    exposed += tp_comm / (device.intra_node_bw if s.tp <= per_node else device.inter_node_bw)
+    if s.tp > 1:  # and the start-up of each of those many small collectives
+        exposed += tp_collectives(model, s) * device.collective_latency
+    if s.ep > 1:  # the routed tokens' all-to-alls sit between the block's matmuls: exposed too
+        exposed += a2a_seconds(model, s, device, per_node)
+    if s.cp > 1:  # the keys' and values' gathers come before each attention: exposed, with their start-up
+        exposed += cp_comm / (device.intra_node_bw if s.cp * s.tp <= per_node else device.inter_node_bw)
+        exposed += _rank_blocks(model, s) * s.grad_accum * 2 * 2 * device.collective_latency
+    offload = 0.0
+    psi = model.counts().total
+    if s.offload_optimizer != "none":
+        # gradients down and parameters up over the host link, and the CPU Adam update
+        offload += 2 * 2 * psi / s.reduce_ranks / device.host_bw + psi / s.reduce_ranks / CPU_ADAM_PARAMS_PER_S
+    if s.offload_params != "none":
+        offload += 2 * s.grad_accum * 2 * psi / s.reduce_ranks / device.host_bw
+    return compute + exposed + offload
+
+
+def make_plan(
+    cfg: Config,
+    model: ModelSpec,
+    world: int,
+    nodes: int,
+    device: Device,
+    cpu_per_node: float | None = None,
+    headroom: float = 0.1,
+    all_strategies: bool = True,
+    as_configured: bool = False,
+) -> Plan:
+    """Evaluate the configured setup (and, with all_strategies, every alternative).
+
+    The fastest that fits is chosen, unless `as_configured` (a strategy the user named):
+    then the configured setup is the plan, the alternatives shown beside it, and the
+    planner's own pick named when it would be faster."""
+    if world < 1 or nodes < 1 or world % nodes:
+        raise UserError(f"{world} devices cannot be split over {nodes} nodes; accepted: devices per node x nodes")
+    usable = device.memory * (1 - headroom)
+    if cfg.train.float8:
+        check_device(device)
+    cfg = settle(cfg, dims_for(cfg.parallel, world).dp_size)  # the global batch every layout keeps
+    judge = lambda s: evaluate(model, s, cfg, device, nodes, usable, cpu_per_node)  # noqa: E731
+    setups = setups_for(cfg, world, nodes, all_strategies, model)
+    candidates = _micro_batch_search([judge(s) for s in setups], judge, cfg.train.micro_batch == AUTO_MICRO_BATCH)
+    fitting = [c for c in candidates if c.fits]
+    as_configured = as_configured and cfg.parallel.strategy != "auto"
+    if not fitting and not (as_configured and all_strategies):
+        raise UserError(_nothing_fits(model, cfg, candidates, device, nodes, world, usable, cpu_per_node))
+    best = _fastest(fitting) if fitting else None
+    if as_configured:
+        chosen = candidates[0]
+        reasons = _as_configured(chosen, best, candidates)
+    else:
+        assert best is not None
+        ep = [why_ep(model, best, candidates, world // nodes, judge)] if experts_of(model) is not None else []
+        chosen, reasons = best, _reasons(best, candidates, ep)
+    batch_choice = _why_micro_batch(chosen, cfg.train.micro_batch, cfg.train.global_batch or 0)
+    plan = Plan(world, nodes, device, usable, candidates, chosen, reasons + batch_choice, 0)
+    plan.batch_choice = batch_choice[0] if batch_choice else ""
+    plan.max_micro_batch = largest_micro_batch(model, chosen.setup, usable)
+    plan.notes += _what_cp_buys(chosen, candidates, cfg.data.seq_len)
+    plan.notes += _what_chunking_buys(model, chosen)
+    plan.notes += moe_note(model, cfg.data.seq_len)
+    plan.moe = moe_summary(model, cfg.data.seq_len)
+    float8_notes, plan.float8 = bf16_beside(chosen, judge)
+    plan.notes += float8_notes
+    return plan
+
+
+def _micro_batch_search(candidates: list[Candidate], judge: Callable[[Setup], Candidate], auto: bool) -> list[Candidate]:
+    """train.micro_batch=auto: each candidate at the largest micro-batch that fits it (at
+    the smallest one when none does, the closest it comes). A number: a candidate that
+    does not fit at it keeps its place, and the same setup at the largest smaller
+    micro-batch that fits follows it. Always at the same global batch: grad_accum grows
+    as the micro-batch shrinks, so what the run computes stays the same."""
+    out = []
+    for c in candidates:
+        if c.fits and not auto:
+            out.append(c)
+            continue
+        s = c.setup
+        options = [b for b in micro_batches(s.micro_batch * s.grad_accum, s.pp, s.pp_schedule) if b <= s.micro_batch]
+        found = _largest_fitting(s, options, judge)
+        if auto:
+            out.append(found or judge(at_micro_batch(s, options[-1])))
+            continue
+        c.smaller = found
+        out += [c, found] if found else [c]
+    return out
+
+
+def at_micro_batch(s: Setup, micro_batch: int) -> Setup:
+    """`s` at another micro-batch, each rank taking as many sequences per step as before."""
+    return replace(s, micro_batch=micro_batch, grad_accum=s.micro_batch * s.grad_accum // micro_batch, searched=True)
+
+
+def _largest_fitting(s: Setup, options: list[int], judge: Callable[[Setup], Candidate]) -> Candidate | None:
+    """`s` at the largest of `options` (largest first) that fits: memory grows with the
+    micro-batch, so a bisection finds it."""
+    lo, hi, best = 0, len(options), None  # options[:lo] do not fit; the answer is in options[lo:hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        c = judge(at_micro_batch(s, options[mid]))
+        if c.fits:
+            best, hi = c, mid
+        else:
+            lo = mid + 1
+    return best
+
+
+def _why_micro_batch(chosen: Candidate, configured: int, global_batch: int) -> list[str]:
+    s = chosen.setup
+    at = described(s.micro_batch, s.grad_accum, global_batch)
+    if configured == AUTO_MICRO_BATCH and chosen.fits:
+        most = s.micro_batch * s.grad_accum
+        why = "all of a rank's sequences in one micro-batch" if s.grad_accum == 1 else f"the largest of a rank's {most} that fits"
+        return [f"train.micro_batch=auto -> {s.micro_batch}: {why} with {_without_micro_batch(s)}: {at}"]
+    if chosen.smaller is not None:
+        return [
+            f"{_without_micro_batch(s)} fits with {described(chosen.smaller.setup.micro_batch, chosen.smaller.setup.grad_accum, global_batch)}, the same numbers (smaller micro-batches, more of them)"
+        ]
+    if s.searched and s.micro_batch < configured:
+        return [
+            f"nothing fits at train.micro_batch={configured}: {_without_micro_batch(s)} fits with {at}, the same numbers (smaller micro-batches, more of them)"
+        ]
+    return []
+
+
+def _without_micro_batch(s: Setup) -> str:
+    return replace(s, searched=False).label
+
+
+def _what_chunking_buys(model: ModelSpec, chosen: Candidate) -> list[str]:
+    """A plain loss that is a large part of the peak: what the chunked one would leave."""
+    m = chosen.memory
+    if model.loss_chunk_tokens or chosen.setup.tp > 1 or m.loss < 0.1 * m.peak or not is_dataclass(model):
+        return []
+    chunked = estimate(with_fields(model, loss_chunk_tokens=LOSS_CHUNK), chosen.setup)
+    if chunked.loss >= 0.9 * m.loss:  # a rank's tokens fit in one chunk already (cp, small micro-batches)
+        return []
+    return [
+        f"the loss holds {fmt(m.loss)} of the {fmt(m.peak)} peak (fp32 log-probabilities, gradient and temporary of "
+        f"the logits); train.loss_chunk_tokens={LOSS_CHUNK} would hold {fmt(chunked.loss)} (peak {fmt(chunked.peak)})"
+    ]
+
+
+def _what_cp_buys(chosen: Candidate, candidates: list[Candidate], seq_len: int) -> list[str]:
+    """Long sequences, a plan without cp chosen: the best layout with cp, its peak and time,
+    and so why it was not chosen (docs/parallelism.md). Activations and the logits scale
+    with the tokens per rank; model states do not (FSDP shards them over dp x cp)."""
+    if seq_len < LONG_SEQUENCE or chosen.setup.cp > 1:
+        return []
+    split = [c for c in candidates if c.setup.cp > 1]
+    if not split:
+        return []
+    best = min(split, key=lambda c: (not c.fits, c.step_time))
+    m, b = chosen.memory, best.memory
+    if not best.fits:
+        verdict = f"does not fit ({best.why_not})"
+    elif best.step_time <= chosen.step_time * 1.02:
+        verdict = "as fast within 2% (a tie goes to fewer moving parts)"
+    else:
+        verdict = "slower"
+    return [
+        f"sequences of {seq_len} tokens: context parallel, {best.setup.label}, needs {fmt(b.peak)} per device (activations "
+        f"and logits {fmt(b.activations + b.loss)} against {fmt(m.activations + m.loss)}), estimated {best.step_time:.3g} "
+        f"s/step with its key/value gathers ({fmt(best.cp_comm_bytes)} per step): {verdict}, against {chosen.setup.label}"
+    ]
+
+
+def _why_cp(chosen: Candidate, candidates: list[Candidate]) -> str:
+    s = chosen.setup
+    plain = [c for c in candidates if c.setup.cp == 1 and c.fits]
+    other = min(plain, key=lambda c: c.step_time) if plain else None
+    against = (
+        f"; the fastest without it, {other.setup.label}, needs {fmt(other.memory.peak)}, estimated {other.step_time:.3g} s/step"
+        if other
+        else "; no layout without it fits"
+    )
+    return (
+        f"cp={s.cp}: each rank holds {s.local_seq_len} of each sequence's {s.seq_len} tokens, so activations and logits "
+        f"shrink {s.cp}x ({fmt(chosen.memory.activations + chosen.memory.loss)}); every block all-gathers the keys and "
+        f"values over NVLink ({fmt(chosen.cp_comm_bytes)} per step){against}"
+    )
+
+
+def _fastest(fitting: list[Candidate]) -> Candidate:
+    # Estimates within 2% of the fastest are a tie, settled by preferring the engine with
+    # fewer moving parts (the list order: ddp, zero1, zero2, fsdp, zero3, offload; AC last).
+    fastest = min(c.step_time for c in fitting)
+    return next(c for c in fitting if c.step_time <= fastest * 1.02)
+
+
+def _as_configured(chosen: Candidate, best: Candidate | None, candidates: list[Candidate]) -> list[str]:
+    text = (
+        f"{chosen.setup.label} as configured: needs {fmt(chosen.memory.peak)} per device, estimated {chosen.step_time:.3g} s/step"
+    )
+    if not chosen.fits:
+        text += f"; does not fit ({chosen.why_not})"
+    reasons = [text]
+    if best is not None and best is not chosen and best.step_time < chosen.step_time / 1.02:
+        reasons.append(
+            f"the planner's own choice would be {best.setup.label} (parallel.strategy=auto): " + _reasons(best, candidates)[-1]
+        )
+    return reasons
+
+
+def largest_micro_batch(model: ModelSpec, s: Setup, usable: float, limit: int = 1 << 14) -> int:
+    """Largest micro-batch whose peak still fits (0 if not even 1 does)."""
+    fits = lambda b: estimate(model, replace(s, micro_batch=b)).peak <= usable  # noqa: E731
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _reasons(chosen: Candidate, candidates: list[Candidate], expert_reasons: list[str] | None = None) -> list[str]:
+    reasons = []
+    # The plain replicated candidate (ddp), against which the others' traffic is told.
+    ddp = next((c for c in candidates if c.setup.label == c.setup.strategy and TABLE[c.setup.strategy].partitions == 0), None)
+    for c in candidates:
+        if c.step_time < chosen.step_time and not c.fits and not c.setup.activation_checkpointing:
+            reasons.append(f"{c.setup.label} {c.why_not}")
+    text = f"{chosen.setup.label} needs {fmt(chosen.memory.peak)} per device"
+    if ddp is not None and chosen is not ddp and chosen.setup.dp > 1:
+        more = chosen.comm_bytes / ddp.comm_bytes if ddp.comm_bytes else 1.0
+        text += ", moves no more data than ddp" if more <= 1.0001 else f", moves {more:.1f}x the data of ddp"
+    text += f", estimated {chosen.step_time:.3g} s/step: the fastest (or simplest of the equally fast) that fits: chosen"
+    if chosen.setup.tp > 1:
+        reasons.append(_why_tp(chosen, candidates))
+    if chosen.setup.cp > 1:
+        reasons.append(_why_cp(chosen, candidates))
+    if chosen.setup.pp > 1:
+        plain = [c for c in candidates if c.setup.pp == 1 and c.fits]
+        other = min(plain, key=lambda c: c.step_time) if plain else None
+        ratio = other.dp_bytes / max(chosen.dp_bytes, 1.0) if other else 0.0
+        reasons.append(
+            why_pp(chosen.step_time, chosen.setup, other.setup.label if other else None, other.step_time if other else 0, ratio)
+        )
+    reasons += expert_reasons or []  # a mixture of experts: why ep or not (expert_choice.py)
+    reasons.append(text)
+    return reasons
+
+
+def _why_tp(chosen: Candidate, candidates: list[Candidate]) -> str:
+    """Why tensor parallel: against the fastest plain data-parallel layout."""
+    s = chosen.setup
+    plain = [c for c in candidates if c.setup.tp == 1 and c.setup.pp == 1 and c.fits]
+    text = f"tp={s.tp} inside each node (its per-block reductions need NVLink, not the network)"
+    if not plain:
+        return text + ": no layout without tensor parallel fits"
+    other = min(plain, key=lambda c: c.step_time)
+    mine = chosen.dp_bytes
+    traffic = (
+        f"its data-parallel traffic over {s.dp} ranks is {other.dp_bytes / mine:.1f}x smaller than "
+        f"{other.setup.label}'s over {other.setup.dp}"
+        if mine > 0
+        else f"it needs no data-parallel traffic, where {other.setup.label} moves its states over {other.setup.dp} ranks"
+    )
+    return (
+        text + f": each rank holds 1/{s.tp} of the model, so {traffic}; "
+        f"{chosen.step_time:.3g} s/step against {other.step_time:.3g} at the same global batch "
+        f"(train.grad_accum x{s.tp * s.pp})"
+    )
+
+
+def _nothing_fits(
+    model: ModelSpec,
+    cfg: Config,
+    candidates: list[Candidate],
+    device: Device,
+    nodes: int,
+    world: int,
+    usable: float,
+    cpu_per_node: float | None,
+) -> str:
+    # The closest each comes: at the smallest micro-batch the global batch allows.
+    candidates = [_at_smallest(c, model, cfg, device, nodes, usable, cpu_per_node) for c in candidates]
+    best = min(candidates, key=lambda c: c.memory.peak)
+    least = described(best.setup.micro_batch, best.setup.grad_accum, cfg.train.global_batch or 0)
+    msg = (
+        f"no strategy fits {world} x {fmt(device.memory)}, even at {least}: the smallest is "
+        f"{_without_micro_batch(best.setup)} at {fmt(best.memory.peak)} per device"
+    )
+    if not best.why_not.startswith("needs"):
+        msg += f" ({best.why_not})"
+    # Grow the job node by node (same devices per node): the first size where anything fits.
+    by_peak = sorted(candidates, key=lambda c: c.memory.peak)
+    for more in (2, 4, 8, 16, 32, 64):
+        for c in by_peak:
+            probe = replace(c.setup, dp=world * more // (c.setup.tp * c.setup.pp), dp_replicate=1)
+            if evaluate(model, probe, cfg, device, nodes * more, usable, cpu_per_node).fits:
+                return (
+                    msg
+                    + f"; closest feasible: {world * more} devices ({nodes * more} nodes) with {_without_micro_batch(probe)}, "
+                    "or more memory per device"
+                )
+    return msg + "; try a smaller model, model.* overrides, or devices with more memory"
+
+
+def _at_smallest(
+    c: Candidate, model: ModelSpec, cfg: Config, device: Device, nodes: int, usable: float, cpu_per_node: float | None
+) -> Candidate:
+    s = c.setup
+    smallest = micro_batches(s.micro_batch * s.grad_accum, s.pp, s.pp_schedule)[-1]
+    if smallest == s.micro_batch:
+        return c
+    return evaluate(model, at_micro_batch(s, smallest), cfg, device, nodes, usable, cpu_per_node)

@@ -1,0 +1,144 @@
+"""The run directory, the single source of truth about a run: where things go, which
+checkpoint a run continues, whether it may, and run.json (what ran where)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from scaletrain import checkpoint
+from scaletrain.checkpoint.resume import check_config
+from scaletrain.config import Config, load_config
+from scaletrain.config.parallel import ParallelDims
+from scaletrain.errors import UserError
+from scaletrain.launch.distributed import World, versions
+from scaletrain.models import ModelSpec
+from scaletrain.training.optim import lr_at, scaled_lr
+
+
+@dataclass
+class RunPaths:
+    root: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def run_info(self) -> Path:
+        return self.root / "run.json"
+
+
+def resume_point(resume: str, paths: RunPaths, world: World, report: Callable[[str], None]) -> Path | None:
+    """Collective: the checkpoint this run continues (train.resume), or None for a fresh
+    start. `auto` takes the newest whole one and reports each damaged one it skips."""
+    if resume == "auto":
+        return checkpoint.latest_valid(paths.checkpoints, world, report)
+    latest = checkpoint.latest_complete(paths.checkpoints)
+    if resume == "never":
+        if latest is not None:
+            raise UserError(
+                f"train.resume=never but run.dir {paths.root} already holds checkpoints (newest {latest.name}); "
+                "accepted: train.resume=auto to continue it, or another run.dir for a fresh run"
+            )
+        return None
+    path = Path(resume)
+    if not path.is_dir():
+        raise UserError(
+            f"train.resume={resume!r}: no such checkpoint directory; accepted: auto, never, or a checkpoints/step_<N> path"
+        )
+    if not checkpoint.is_complete(path):
+        raise UserError(
+            f"train.resume={resume!r} is an incomplete checkpoint (no {checkpoint.MARKER} marker); accepted: a complete one"
+        )
+    problem = checkpoint.find_problem(path, world)
+    if problem:
+        raise UserError(f"train.resume={resume!r} is damaged: {problem}; accepted: a whole checkpoint, or train.resume=auto")
+    return path
+
+
+def check_resume(path: Path, cfg: Config, model: ModelSpec, data_fingerprint: str, dp_size: int) -> list[str]:
+    """Before anything is allocated: may this config continue `path`? One-line UserError if
+    not (another engine's format, another model shape or data); else lines for the log,
+    among them the learning rate the next step gets when the schedule's settings changed."""
+    notes = []
+    note = checkpoint.check_engine(path, cfg.parallel.strategy)
+    if note:
+        notes.append(note)
+    saved = checkpoint.TrainerState.read(path)
+    changes = check_config(path, cfg, saved, model.config(), data_fingerprint)
+    if changes:
+        notes.append(f"resume: changed since {path.name}: " + ", ".join(changes))
+        notes += _lr_change(path, cfg, saved, dp_size)
+    return notes
+
+
+def _lr_change(path: Path, cfg: Config, saved: checkpoint.TrainerState, dp_size: int) -> list[str]:
+    """The next step's learning rate under the checkpoint's settings and under these, when
+    they differ: another train.steps re-shapes the cosine from here on (the schedule is a
+    pure function of the step and the settings), which is right, and now said."""
+    try:
+        before = load_config([str(path / "config.yaml")]).train
+    except UserError:  # written by another version: its schedule cannot be recomputed here
+        return []
+    old_batch = before.micro_batch * before.grad_accum * int(saved.parallel.get("dp_size", saved.world_size))
+    new_batch = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
+    old = lr_at(saved.step, before, scaled_lr(before, old_batch))
+    new = lr_at(saved.step, cfg.train, scaled_lr(cfg.train, new_batch))
+    if math.isclose(old, new, rel_tol=1e-9):
+        return []
+    return [
+        f"resume: the learning rate of step {saved.step + 1} is {new:.3e} ({old:.3e} under {path.name}'s settings): "
+        "the warmup + cosine schedule continues from here with the new settings"
+    ]
+
+
+def write_run_info(
+    paths: RunPaths,
+    cfg: Config,
+    world: World,
+    dims: ParallelDims,
+    hosts: list[str],
+    resume_from: Path | None,
+    device: dict[str, Any] | None = None,
+) -> None:
+    """run.json: what ran where, for tools and tests (the banner is for people)."""
+    info: dict[str, Any] = {
+        "engine": cfg.parallel.strategy,
+        "world_size": world.world_size,
+        "parallel": dims.as_dict(),
+        "backend": world.backend,
+        "device": world.device.type,
+        "precision": cfg.precision,
+        "hosts": hosts,  # by rank
+        "versions": versions(),
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "resumed_from": str(resume_from) if resume_from else None,
+        # The batch as run: the global batch stays, the micro-batch may have been chosen
+        # (train.micro_batch=auto, the planner's search) or shrunk after an out-of-memory error.
+        "batch": {
+            "global_batch": cfg.train.global_batch,
+            "micro_batch": cfg.train.micro_batch,
+            "grad_accum": cfg.train.grad_accum,
+            "choice": cfg.train.batch_choice,
+        },
+        **(device or {}),  # device_name, peak_flops (+ its source), flops_per_token, device_memory_bytes
+    }
+    checkpoint.write_atomic(paths.run_info, json.dumps(info, indent=1) + "\n")
+
+
+def read_run_info(root: Path) -> dict[str, Any]:
+    return json.loads((Path(root) / "run.json").read_text())

@@ -1,0 +1,443 @@
+"""The training loop, in the order of the data flow:
+world -> run directory -> data -> plan + layout -> resume checks -> engine -> resume ->
+steps (forward_backward, step, metrics, checkpoints) -> summary.
+
+`start` builds what a run works with (a `Run`: the engine, the batches, telemetry, guards,
+checkpoints) and registers each closing action on one ExitStack; `loop` drives them one
+optimizer step at a time (`train_step`); each collaborator owns its policy (Saves: is a
+checkpoint due; the guards: is a check due; faults.Drills: the fault points).
+"""
+
+from __future__ import annotations
+
+import gc
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from scaletrain import checkpoint
+from scaletrain.checkpoint.neutral import ParamLayout
+from scaletrain.checkpoint.state import TrainerState
+from scaletrain.config import Config
+from scaletrain.config.parallel import ParallelDims, describe, dims_for
+from scaletrain.data import (
+    DataMix,
+    MixShares,
+    PackedTokens,
+    RankBatches,
+    ensure_prepared,
+    mix_to_prepare,
+    open_mix,
+    prepare_mix,
+    resolve_dataset_dir,
+)
+from scaletrain.engines import Engine, build_engine
+from scaletrain.errors import OutOfMemoryRestart, Preempted, UserError
+from scaletrain.launch.distributed import World, all_hostnames, init_distributed, rank0_first, shutdown
+from scaletrain.models import ModelSpec, distill_spec, model_spec
+from scaletrain.models.distill import Distill
+from scaletrain.models.documents import measured_context
+from scaletrain.models.loss import trained
+from scaletrain.models.moe import routing_stats
+from scaletrain.models.spec import with_fields
+from scaletrain.resilience import oom
+from scaletrain.resilience.faults import Drills
+from scaletrain.resilience.nonfinite import NonfiniteGuard
+from scaletrain.resilience.preempt import PreemptionWatch
+from scaletrain.resilience.replica_groups import NoGroups, ReplicaGroups, data_ranks, group_dir, writes_checkpoints
+from scaletrain.resilience.watchdog import Watchdog
+from scaletrain.resilience.weights import ReplicaCheck
+from scaletrain.telemetry import MetricsLog, TrainProgress, print_banner, print_run_summary
+from scaletrain.telemetry.session import Telemetry
+from scaletrain.training import defaults
+from scaletrain.training.evaluation import Evaluation, eval_loss, open_eval_set
+from scaletrain.training.optim import decay_groups, lr_at, scaled_lr
+from scaletrain.training.paths import make_dir
+from scaletrain.training.preflight import plan_run, runtime_target
+from scaletrain.training.rundir import RunPaths, check_resume, resume_point, write_run_info
+from scaletrain.training.saves import Saves
+
+
+def train(cfg: Config, console: Console | None = None) -> dict[str, Any]:
+    world = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+    try:
+        return _train(cfg, world, console or Console())
+    finally:
+        # A DDP model still alive at destroy_process_group intermittently aborts gloo
+        # ("terminate called without an active exception"); the run dropped its engine,
+        # and this frees what reference cycles still hold before the group goes.
+        gc.collect()
+        shutdown(world)
+
+
+@dataclass
+class Run:
+    """What one start of a run works with, and where it stands."""
+
+    cfg: Config
+    world: World
+    say: Any  # a line for the log, rank 0 only
+    paths: RunPaths
+    resumed_from: Path | None
+    engine: Engine
+    batches: RankBatches
+    loss: Any  # the run's loss (with a teacher, it takes both outputs)
+    telemetry: Telemetry
+    metrics: MetricsLog
+    guard: NonfiniteGuard
+    replicas: ReplicaCheck
+    watchdog: Watchdog
+    watch: PreemptionWatch
+    progress: TrainProgress
+    saves: Saves
+    drills: Drills
+    evaluation: Evaluation
+    peak_lr: float
+    tokens_per_step: int
+    step: int = 0  # optimizer steps done
+    tokens_seen: int = 0
+    groups: NoGroups | ReplicaGroups = NoGroups()  # fault_tolerance: the quorum of replica groups
+
+
+def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
+    first, clock = None, time.perf_counter()
+    while True:
+        try:
+            with ExitStack() as stack:
+                run = start(cfg, world, console, stack)
+                first = run.step if first is None else first
+                loop(run)
+            break
+        except OutOfMemoryRestart:  # one process: again from the newest checkpoint, smaller micro-batches (resilience/oom.py)
+            pass
+        gc.collect()  # the failed attempt's tensors, held by reference cycles, before the next one allocates
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    summary = {"run_dir": str(run.paths.root), "steps": run.step, "steps_this_run": run.step - (first or 0)}
+    summary["elapsed_s"] = time.perf_counter() - clock
+    if world.is_main:
+        print_run_summary(console, run.paths, summary, run.resumed_from)
+    return summary
+
+
+def loop(run: Run) -> None:
+    """Optimizer steps until train.steps, a preemption, or an error."""
+    last = run.cfg.train.steps
+    while run.step < last:
+        train_step(run)
+        run.progress.advance(run.step)
+        if read_due(run, last) and settle(run):
+            roll_back(run)
+            continue
+        if run.replicas.due(run.step):
+            check_replicas(run)
+        run.evaluation.after_step(run.step, run.step == last)  # before the save: no checkpoint without its eval row
+        run.saves.after_step(run.step, run.step == last, run.tokens_seen)
+        run.drills.after_step(run.step)
+        stop = run.watch.agreed()  # a preemption signal on any rank stops all after the same step
+        if stop:
+            run.saves.stop(run.step, run.tokens_seen)
+            raise Preempted(run.step, signal.Signals(stop).name)
+
+
+def read_due(run: Run, last: int) -> bool:
+    """Whether the host reads the device's figures after this step: at the end of a log
+    interval, and before whatever must know that no step since the last read went wrong
+    (a checkpoint, an evaluation, a replica check, the end). Between them a step reads
+    nothing from the device (docs/gpu.md)."""
+    step, is_last = run.step, run.step == last
+    return (
+        step % run.cfg.train.log_every == 0
+        or is_last
+        or run.saves.due(step, is_last)
+        or run.evaluation.due(step, is_last)
+        or run.replicas.due(step)
+    )
+
+
+def settle(run: Run) -> bool:
+    """Collective: the interval's metrics read, reviewed by the non-finite guard (which may
+    stop the run) and shown; True when the guard calls for a rollback."""
+    run.progress.show(run.telemetry.flush())
+    return run.guard.rollback_due
+
+
+def train_step(run: Run) -> None:
+    """Optimizer step run.step + 1: forward and backward over the accumulation window, the
+    engine's step, its metrics, all without reading anything from the device."""
+    run.groups.before_step()  # replica groups: a group behind its peers takes their state (step, data position) here
+    t0 = time.perf_counter()
+    step = run.step + 1
+    lr = lr_at(run.step, run.cfg.train, run.peak_lr)
+    phase = Phase()
+    try:
+        with run.telemetry.step(step) as mark:
+            batch = run.batches.next_step()
+            mark("data")
+            loss = run.groups.mean(run.engine.forward_backward(batch, run.drills.loss(step, run.loss), phase.marking(mark)))
+            phase.now = "optimizer"
+            stats = run.engine.step(lr)  # a non-finite step is not applied, whatever the policy
+            mark("optimizer")
+            if stats.committed:  # else a replica group failed during it: applied nowhere, run again on the next batch
+                _record(run, step, lr, loss, stats, time.perf_counter() - t0)
+    except torch.OutOfMemoryError as e:
+        w = run.world
+        oom.survive(run.cfg, run.paths.root, w.world_size, w.rank, run.batches.dp_size, step, phase.now, e, run.saves.let_finish)
+        raise  # not reached: survive() ends this attempt
+    except RuntimeError:  # a collective failed: because a peer ran out of memory and left?
+        if run.world.world_size > 1 and oom.peer_ran_out(run.paths.root, step):
+            oom.exit_with_peer(run.saves.let_finish)
+        raise
+
+
+def _record(run: Run, step: int, lr: float, loss: torch.Tensor, stats: Any, dt: float) -> None:
+    # `tokens`: the trained ones (fine-tuning records: their responses); tokens_per_s: all processed.
+    run.step, run.tokens_seen = step, run.tokens_seen + (run.batches.step_tokens if run.batches.masked else run.tokens_per_step)
+    run.watchdog.beat(step)
+    scaler = {"loss_scale": stats.loss_scale, "skipped": stats.skipped} if stats.loss_scale is not None else {}
+    run.telemetry.record(
+        loss, stats.grad_norm, step=step, lr=lr, tokens_per_s=run.tokens_per_step / dt, step_time_s=dt,
+        tokens=run.tokens_seen, **scaler, **run.groups.fields(),
+    )  # fmt: skip
+
+
+class Phase:
+    """Which phase of the step is running: the engine marks each one's end."""
+
+    AFTER = {"forward": "backward", "backward": "forward"}  # the next micro-batch's forward
+
+    def __init__(self) -> None:
+        self.now = "forward"
+
+    def marking(self, mark: Any) -> Any:
+        def marked(phase: str) -> None:
+            self.now = self.AFTER.get(phase, phase)
+            mark(phase)
+
+        return marked
+
+
+def roll_back(run: Run) -> None:
+    """train.nonfinite=rollback: back to the newest valid checkpoint; its later rows go."""
+    state = run.saves.roll_back()
+    run.step, run.tokens_seen = state.step, state.tokens_seen
+    run.metrics.truncate_after(run.step)  # the rows of the undone steps; the counters keep the tally
+    run.progress.advance(run.step)
+
+
+def check_replicas(run: Run) -> None:
+    event = run.replicas.check(run.step, run.engine.model.parameters())
+    if event is not None:
+        run.telemetry.event(event)  # every check while they differ; said once
+    if event is not None and run.replicas.first_seen == run.step:
+        run.say(
+            f"warning: replicas hold different {event['what']} at step {run.step}: rank(s) {event['ranks']} "
+            f"on {', '.join(sorted(set(event['hosts'])))} differ from the others (guards.weight_hash_every)"
+        )
+
+
+def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
+    """Everything before the first step; closing actions go on `stack` in the order they
+    must be undone."""
+    main = world.is_main
+    say = lambda line: console.print(line, highlight=False, soft_wrap=True) if main else None  # noqa: E731
+    dims_for(cfg.parallel, world.world_size)  # a bad layout stops here, before any work
+    paths = RunPaths(group_dir(cfg, make_dir(cfg.run.dir, "run.dir")))  # every rank: the same verdict everywhere
+    paths.root.mkdir(parents=True, exist_ok=True)
+    if "nvme" in (cfg.parallel.offload_optimizer, cfg.parallel.offload_params) and cfg.parallel.nvme_path:
+        make_dir(cfg.parallel.nvme_path, "parallel.nvme_path")
+    resume_from = resume_point(cfg.train.resume, paths, world, say)  # the newest whole checkpoint
+    cfg, data, spec, distill, dims = _checked_plan(cfg, world, paths, resume_from, say)
+    dp_rank, dp_size = data_ranks(cfg, dims, world.rank)  # over every replica group
+    # The global batch's windows (too few: said now); replica groups each evaluate all of them.
+    evalset = open_eval_set(cfg, world, data, dp_size) if cfg.eval.every > 0 else None
+    torch.manual_seed(cfg.train.seed)
+    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay), distill.teacher if distill else None)
+    layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
+    resumed = _resume(resume_from, world, engine, layout, dims, say) if resume_from else None
+    step = resumed.step if resumed else 0
+    hosts = all_hostnames(world)
+    metrics = MetricsLog(paths.metrics, enabled=main)
+    if writes_checkpoints(cfg):  # a replica group without checkpoints starts at 0 each life: its rows stay
+        metrics.truncate_after(step)
+    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
+    peak_lr = scaled_lr(cfg.train, global_batch)
+    telemetry = Telemetry(cfg, world, dp_size, hosts, spec.flops_per_token(cfg.data.seq_len), paths.root, metrics, step)
+    stack.callback(telemetry.close)
+    if main:
+        oom.log_new(paths.root, telemetry.event)
+    about, lines = engine.describe()  # e.g. a pipeline's stages
+    if main:
+        for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON
+            (paths.root / name).write_text(text)
+        write_run_info(paths, cfg, world, dims, hosts, resume_from, telemetry.run_info() | about)
+        for line in lines:
+            say(line)
+        print_banner(
+            console, cfg, world, spec, data.samples_per_epoch, global_batch * cfg.data.seq_len, global_batch, peak_lr, resume_from
+        )
+    position = resumed.data_position if resumed else 0
+    batches = RankBatches(data, cfg.train.micro_batch, cfg.train.grad_accum, dp_rank, dp_size, start=position)
+    if isinstance(data, DataMix):  # each interval's realised shares (data/mix.py), computed, not gathered
+        telemetry.recorder.mix = MixShares(data, lambda: batches.position).take
+    progress = TrainProgress(console, cfg.train.steps, step, cfg.train.log_every, enabled=main)
+    stack.callback(progress.close)
+    watch = PreemptionWatch(world)
+    stack.callback(watch.close)
+    guard = NonfiniteGuard(cfg.train, cfg.precision, resumed.nonfinite if resumed else {})
+    flush = lambda: progress.show(telemetry.flush())  # noqa: E731
+    watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=lambda line: print(line, file=sys.stderr, flush=True))
+    saves = Saves(
+        cfg, world, dims, engine, spec, data, paths, guard, metrics, layout, lambda: batches.position, flush, watchdog.paused, say,
+        writes=writes_checkpoints(cfg),
+    )  # fmt: skip
+    telemetry.review = lambda rows: guard.review(rows, saves.newest)  # each interval's steps, as they are read
+    # A clean stop (the end, a preemption, a one-line error agreed by every rank) lets the
+    # checkpoint in flight complete; a crash does not wait for it (it stays without its marker).
+    stack.push(
+        lambda kind, *_: saves.wait() if kind is None or issubclass(kind, (UserError, Preempted, OutOfMemoryRestart)) else None
+    )
+    stack.callback(watchdog.close)  # first: a long wait at the end is no hang
+    replicas = ReplicaCheck(world, engine.name, cfg.guards.weight_hash_every, hosts, dims)
+    drills = Drills(lambda: engine.model, saves.wait, lambda: watch.signum != 0)
+    evaluation = Evaluation(
+        cfg, world, engine, evalset, eval_loss(spec), dims, flush, [telemetry.event, progress.evaluated], watchdog.beat,
+        telemetry.drop_routing,
+    )  # fmt: skip
+    loss = distill.loss if distill else spec.loss
+    run = Run(
+        cfg, world, say, paths, resume_from, engine, batches, per_trained_token(loss, batches, dp_size * dims.cp) if data.masked else loss,
+        telemetry, metrics,
+        guard, replicas, watchdog, watch, progress, saves, drills, evaluation, peak_lr, global_batch * cfg.data.seq_len, step,
+        resumed.tokens_seen if resumed else 0,
+    )  # fmt: skip
+    if cfg.fault_tolerance.groups > 1:
+        run.groups = ReplicaGroups(
+            cfg, world, engine, step, lambda in_step: _trainer_state(run, in_step), lambda s: _restore(run, s), telemetry.event
+        )
+        stack.push(lambda kind, *_: run.groups.close(run.step, clean=kind is None))
+    # A mixture of experts' load per interval (a weak reference: _release still frees the model).
+    telemetry.watch_routing(routing_stats(run.engine.model))
+    # The engine (a DDP wrapper, say) must not outlive the process group (see train()),
+    # whatever an exception's traceback still holds.
+    stack.callback(_release, run)
+    return run
+
+
+def _checked_plan(
+    cfg: Config, world: World, paths: RunPaths, resume_from: Path | None, say: Any
+) -> tuple[Config, PackedTokens | DataMix, ModelSpec, Distill | None, ParallelDims]:
+    """The data, the model spec, the plan (strategy auto resolved) and the layout, and
+    whether the checkpoint may be continued: all checked before anything is allocated."""
+    data = _training_data(cfg, world)
+    free, target = defaults.unset(cfg), runtime_target(world)  # the keys the device decides, and the device
+    spec = model_spec(cfg, data.vocab_size, data.eos_id)
+    groups = dims_for(cfg.parallel, world.world_size).dp_size * cfg.fault_tolerance.groups
+    cfg, applied = defaults.before_plan(cfg, target, spec.vocab_size, groups, free)
+    if cfg.train.loss_chunk_tokens != spec.loss_chunk_tokens:
+        spec = model_spec(cfg, data.vocab_size, data.eos_id)
+    if cfg.data.document_mask:  # the attention the FLOPs count: the documents' (models/documents.py)
+        spec = with_fields(spec, mean_context=measured_context(data))
+    spec.build_meta(cfg.data.seq_len)  # a model.trainable pattern that matches nothing stops here
+    distill = distill_spec(cfg, spec)  # model.teacher, checked against the student
+    if distill is not None and data.masked:
+        raise UserError(
+            "model.teacher does not combine with fine-tuning records (data.format prompt_response or chat): the KL to the "
+            "teacher is over every position, the prompt's included; accepted: one of the two"
+        )
+    cfg, notes = plan_run(cfg, world, spec, free, target)  # resolves strategy=auto, the defaults that need a plan
+    notes = [f"defaults: {a}" for a in applied] + notes
+    dims = dims_for(cfg.parallel, world.world_size)
+    cfg, remembered = oom.remembered(cfg, paths.root, dims.dp_size)  # a smaller micro-batch after an OOM
+    notes += remembered
+    if resume_from is not None:
+        notes += check_resume(resume_from, cfg, spec, data.fingerprint, dims.dp_size)
+    if world.is_main:
+        paths.config.write_text(cfg.to_yaml())
+    for line in notes:
+        say(line)
+    return cfg, data, spec, distill, dims
+
+
+def _resume(ckpt: Path, world: World, engine: Engine, layout: ParamLayout, dims: ParallelDims, say: Any) -> TrainerState:
+    """Collective: `ckpt` into the engine, natively or resharded / converted from another
+    engine and then verified; its trainer state."""
+    state, how = checkpoint.resume_state(ckpt, world, engine, layout, dims.as_dict())
+    if how != "native":
+        was, now = (
+            describe(state.engine, state.world_size, state.parallel),
+            describe(engine.name, world.world_size, dims.as_dict()),
+        )
+        say(f"resume: {ckpt.name} ({was}) {how} onto {now}; verified")
+    engine.load_extra_state(state.engine_state)
+    return state
+
+
+def per_trained_token(loss: Any, batches: RankBatches, ranks: int) -> Any:
+    """The loss of fine-tuning records: each micro-batch's mean over its trained targets,
+    weighted so that the step's loss and gradient are the mean over every trained target
+    of the step on every rank, as one process would compute it. Engines average their
+    micro-batches (/ grad_accum) and the `ranks` the gradient is reduced over (dp, x cp
+    whose ranks each hold part of every sample's targets): a micro-batch of c trained
+    targets, in a step of N on all ranks, weighs c x grad_accum x ranks / N (0 in a step
+    without any)."""
+
+    def weighted(output: Any, targets: torch.Tensor) -> torch.Tensor:
+        n = batches.step_tokens
+        scale = batches.grad_accum * ranks / n if n else 0.0
+        return loss(output, targets) * (trained(targets) * scale)
+
+    return weighted
+
+
+def _trainer_state(run: Run, in_step: bool) -> dict[str, int]:
+    """What a replica group sends a rejoining one besides the engine's state; `in_step`:
+    from inside the optimizer step (DiLoCo's hook), as it is once that step ends (the data
+    position has moved on already: the step's batch was taken before its forward)."""
+    if not in_step:
+        return {"step": run.step, "position": run.batches.position, "tokens_seen": run.tokens_seen}
+    tokens = run.batches.step_tokens if run.batches.masked else run.tokens_per_step
+    return {"step": run.step + 1, "position": run.batches.position, "tokens_seen": run.tokens_seen + tokens}
+
+
+def _restore(run: Run, state: dict[str, int]) -> None:
+    run.step, run.tokens_seen, run.batches.position = state["step"], state["tokens_seen"], state["position"]
+    run.progress.advance(run.step)
+
+
+def _release(run: Run) -> None:
+    run.engine = run.saves.engine = run.evaluation.engine = None  # type: ignore[assignment]
+    run.drills.model = lambda: None
+
+
+def _training_data(cfg: Config, world: World) -> PackedTokens | DataMix:
+    if not cfg.data.mix:
+        return PackedTokens(_prepared_data(cfg, world), cfg.data.seq_len, cfg.train.seed, held_out=cfg.eval.held_out)
+    if mix_to_prepare(cfg.data):  # every rank judges every source's paths: the same error everywhere
+        make_dir(cfg.data.dir, "data.dir", create=world.is_main)
+    rank0_first(world, lambda: prepare_mix(cfg.data), "preparing the data", cfg.data.prepare_timeout_s, hint=_PREPARE_HINT)
+    return open_mix(cfg.data, cfg.train.seed, held_out=cfg.eval.split or 0.0)
+
+
+_PREPARE_HINT = "accepted: a larger data.prepare_timeout_s, or `scaletrain data prepare` beforehand and data.paths=<its output>"
+
+
+def _prepared_data(cfg: Config, world: World) -> Path:
+    # Every rank validates the paths (same error everywhere); rank 0 alone tokenizes.
+    if resolve_dataset_dir(cfg.data)[1] is not None:  # to prepare, into the cache
+        make_dir(cfg.data.dir, "data.dir", create=world.is_main)
+    rank0_first(
+        world,
+        lambda: ensure_prepared(cfg.data, show_progress=True),
+        "preparing the data",
+        cfg.data.prepare_timeout_s,
+        hint=_PREPARE_HINT,
+    )
+    return resolve_dataset_dir(cfg.data)[0]
