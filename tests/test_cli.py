@@ -72,6 +72,39 @@ def test_print_config_shows_resolved_values():
     assert "steps: 42" in proc.stdout
 
 
+@pytest.mark.parametrize(
+    "interleaved, grouped",
+    [
+        (
+            ["plan", "model.preset=8b", "--gpus-per-node", "8", "data.seq_len=4096", "--json"],
+            ["plan", "--gpus-per-node", "8", "--json", "model.preset=8b", "data.seq_len=4096"],
+        ),
+        (
+            ["train", "data.seq_len=32", "--print-config", "model.preset=small"],
+            ["train", "--print-config", "data.seq_len=32", "model.preset=small"],
+        ),
+        (
+            ["launch", "--nproc", "1", "data.seq_len=32", "--max-restarts", "0", "train.steps=1", "--dry-run"],
+            ["launch", "--nproc", "1", "--max-restarts", "0", "--dry-run", "data.seq_len=32", "train.steps=1"],
+        ),
+    ],
+    ids=["plan", "train", "launch"],
+)
+def test_overrides_go_anywhere_on_the_line(capsys, interleaved, grouped):
+    """Options between overrides: every override is taken, in the order written, as if grouped."""
+    outputs = []
+    for argv in (interleaved, grouped, grouped[:-1]):  # the last: one override fewer, so the output tells them apart
+        assert main(argv) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] != outputs[2]
+
+
+def test_an_unknown_option_among_overrides_is_still_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "train.steps=2", "--bogus", "model.preset=small"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(300)
 def test_resume_never_refuses_to_overwrite_checkpoints(small_dataset, reference_run):
     proc = train([*base_overrides(small_dataset, reference_run), "train.micro_batch=4", "train.resume=never"])

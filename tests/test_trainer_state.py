@@ -76,3 +76,16 @@ def test_a_resume_with_other_steps_says_the_learning_rate_before_and_after():
         "the warmup + cosine schedule continues from here with the new settings"
     ]
     assert not [n for n in notes("train.log_every=2") if "learning rate" in n]  # not a setting of the schedule
+
+
+def test_a_mixture_of_experts_checkpoint_resumed_without_its_experts_names_the_moe_key(tmp_path):
+    # A MoE run's trainer.json holds the experts' shape beside the model's; resumed by a
+    # config without model.moe, the line names the key as the config spells it.
+    saved = json.loads((FIXTURE / "step_2" / FILE).read_text())
+    ckpt = _with(tmp_path, model={**saved["model"], "experts": 4})
+    cfg = load_config([str(FIXTURE / "step_2" / "config.yaml")], [f"data.paths={FIXTURE / 'data'}"])
+    tokens = PackedTokens(FIXTURE / "data", cfg.data.seq_len, cfg.train.seed)
+    with pytest.raises(UserError) as e:
+        check_resume(ckpt, cfg, model_spec(cfg, tokens.vocab_size), tokens.fingerprint, 1)
+    assert str(e.value).startswith("model.moe.experts is None but checkpoint ")
+    assert "accepted: model.moe.experts=4 to resume it" in str(e.value)

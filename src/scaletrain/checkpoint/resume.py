@@ -18,6 +18,7 @@ import yaml
 from scaletrain.checkpoint.frozen_base import check_base
 from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
+from scaletrain.config.model import MoeSection
 from scaletrain.errors import UserError
 
 # Config keys that change the meaning of the data position (besides the fingerprint):
@@ -46,7 +47,8 @@ def check_config(path: Path, cfg: Config, saved_state: TrainerState, model: dict
         )
     for key, old in saved_model.items():
         if model.get(key) != old:
-            raise refuse(f"model.{key}", old, model.get(key), "the saved weights have its shape")
+            where = "model.moe" if key in MoeSection.model_fields else "model"  # the key as the config spells it
+            raise refuse(f"{where}.{key}", old, model.get(key), "the saved weights have its shape")
     # A key the checkpoint's version did not have yet: it ran as the key's default says.
     saved_cfg = _flatten(Config().model_dump(mode="json")) | _flatten(yaml.safe_load((path / "config.yaml").read_text()))
     now = _flatten(cfg.model_dump(mode="json"))

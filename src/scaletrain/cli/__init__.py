@@ -85,11 +85,31 @@ def _end_process(code: int) -> None:
     os._exit(code)
 
 
+# The positional list each command collects its CONFIG.yaml files and key=value overrides in.
+_FREE_WORDS = ("args", "overrides")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """argv parsed with overrides (and config files) allowed anywhere on the line: argparse
+    fills a `nargs="*"` positional from one run of words only, so `plan a=1 --nodes 2 b=2`
+    would leave b=2 over. What it leaves over that is not an option joins the command's
+    list, in the order written; an unknown option is argparse's own one-line error."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    words = next((name for name in _FREE_WORDS if isinstance(getattr(args, name, None), list)), None)
+    if not extra:
+        return args
+    if words is None or any(w.startswith("-") for w in extra):
+        return parser.parse_args(argv)  # exits 2 naming what it does not recognise
+    getattr(args, words).extend(extra)
+    return args
+
+
 def _main(argv: list[str]) -> int:
     # The deepspeed launcher appends --local_rank=N to each rank's arguments; the same
     # value is in the LOCAL_RANK environment variable, which is what we read.
     argv = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     try:
         return COMMANDS[args.command].run(args)
     except UserError as e:
