@@ -12,8 +12,14 @@ from __future__ import annotations
 
 import pytest
 
+from scaletrain.launch.env import use_build_environment
+
 import helpers
 from helpers import SMALL_CORPUS, base_overrides, check, eval_overrides, scaletrain, train
+
+# As the CLI does for its process: DeepSpeed's ops from the environment's cache, built by its
+# ninja (launch/env.py), for the tests' own processes and the probes they start.
+use_build_environment()
 
 TIERS = ("unit", "dist", "e2e")
 

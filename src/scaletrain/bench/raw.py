@@ -40,6 +40,7 @@ from torch import nn
 
 from scaletrain.config import Config, load_config
 from scaletrain.data import PackedTokens, RankBatches, resolve_dataset_dir
+from scaletrain.launch.env import use_build_environment
 from scaletrain.models import model_spec
 from scaletrain.strategies import strategy
 from scaletrain.training.optim import lr_at
@@ -49,6 +50,7 @@ LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def main(argv: list[str]) -> int:
     config_path, out = argv
+    use_build_environment()  # DeepSpeed's ops from the environment's cache, as the engines use them
     cfg = load_config([config_path])
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())

@@ -20,6 +20,7 @@ from typing import Protocol
 from scaletrain import __version__
 from scaletrain.cli import bench, ckpt, compare, data, diagnose, evaluate, launch, plan, startup, train
 from scaletrain.errors import EXIT_PREEMPTED, Preempted, UserError
+from scaletrain.launch.env import use_build_environment
 from scaletrain.launch.torchrun import launcher_rank, report_error, report_preempted
 
 EXIT_USAGE = 2
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The `scaletrain` command. Called without argv it is the process: it then ends it."""
+    use_build_environment()  # DeepSpeed's op builds in the environment's cache, by its ninja (launch/env.py)
     if argv is None:
         startup.own_process()
     code = _main(sys.argv[1:] if argv is None else argv)

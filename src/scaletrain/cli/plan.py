@@ -9,6 +9,7 @@ plan_output.py; --measure is plan_measure.py.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from scaletrain.cli import startup
 from scaletrain.config import AUTO_MICRO_BATCH, Config, load_config, split_args
@@ -51,14 +52,19 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
     return pl
 
 
-def run(args: argparse.Namespace) -> int:
-    if not 0 <= args.headroom < 1:
-        raise UserError(f"--headroom {args.headroom} is invalid; accepted: a fraction in [0, 1)")
-    if args.mtbf_hours is not None and not 0 < args.mtbf_hours < float("inf"):
-        raise UserError(f"--mtbf-hours {args.mtbf_hours} is invalid; accepted: a finite number of hours > 0")
-    for flag, value in (("--restart-minutes", args.restart_minutes), ("--save-seconds", args.save_seconds)):
+def check_options(opts: Any) -> None:
+    """The numbers among the plan's options, checked before anything heavy is imported."""
+    if not 0 <= opts.headroom < 1:
+        raise UserError(f"--headroom {opts.headroom} is invalid; accepted: a fraction in [0, 1)")
+    if opts.mtbf_hours is not None and not 0 < opts.mtbf_hours < float("inf"):
+        raise UserError(f"--mtbf-hours {opts.mtbf_hours} is invalid; accepted: a finite number of hours > 0")
+    for flag, value in (("--restart-minutes", opts.restart_minutes), ("--save-seconds", opts.save_seconds)):
         if value is not None and not 0 <= value < float("inf"):
             raise UserError(f"{flag} {value} is invalid; accepted: a finite number >= 0")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_options(args)
     cfg = load_config(*split_args(args.args))
     if args.measure:
         check_measurable(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from scaletrain.config.parallel import dims_for
 from scaletrain.engines.deepspeed_config import build_deepspeed_config
 from scaletrain.errors import UserError
 from scaletrain.planning import Setup, make_plan, planning_spec
+from scaletrain.planning.candidate import Plan
 from scaletrain.planning.goodput import Failures, GoodputEstimate, estimate_goodput
 from scaletrain.planning.hardware import gpu, parse_size, this_cpu
 from scaletrain.planning.report import print_plan
@@ -22,7 +24,38 @@ from scaletrain.training import defaults
 from scaletrain.training.preflight import accepted, fits_and_time
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """What `scaletrain plan` takes besides the config, as its flags name it (an argparse
+    Namespace of the command serves as well): the machine planned for and how."""
+
+    gpus_per_node: int = 8
+    nodes: int = 1
+    gpu: str | None = None  # h100 (default), h200, a100, ..., or cpu (this machine)
+    gpu_memory: str | None = None  # e.g. 80GiB (default: the GPU's)
+    cpu_memory: str | None = None
+    headroom: float = 0.1
+    configured_only: bool = False
+    device_defaults: bool = False
+    emit_deepspeed: str | None = None
+    mtbf_hours: float | None = None
+    restart_minutes: float = 10.0
+    ft_groups: int | None = None
+    save_seconds: float | None = None
+
+
 def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
+    plan, goodput, model = build_plan(cfg, opts)
+    if opts.json:
+        print(json.dumps(plan.as_dict() | ({"goodput": goodput.as_dict()} if goodput else {}), indent=1))
+    else:
+        print_plan(console(), plan, model, f"plan for model {cfg.model.preset}")
+    return 0
+
+
+def build_plan(cfg: Config, opts: PlanOptions | argparse.Namespace) -> tuple[Plan, GoodputEstimate | None, Any]:
+    """The plan `scaletrain plan` shows (and scaletrain.plan returns), with its goodput
+    estimate where opts asks for one, and the model it planned."""
     model = planning_spec(cfg)
     device = this_cpu() if (opts.gpu or "").lower() == "cpu" else gpu(opts.gpu, opts.gpu_memory)
     cpu_per_node = parse_size(opts.cpu_memory, "--cpu-memory") if opts.cpu_memory else None
@@ -65,11 +98,7 @@ def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
     if opts.mtbf_hours is not None:
         goodput = failure_plan(cfg, plan, world, opts)
         plan.notes += goodput_lines(goodput, cfg.checkpoint.every)
-    if opts.json:
-        print(json.dumps(plan.as_dict() | ({"goodput": goodput.as_dict()} if goodput else {}), indent=1))
-    else:
-        print_plan(console(), plan, model, f"plan for model {cfg.model.preset}")
-    return 0
+    return plan, goodput, model
 
 
 # A synchronous save (DeepSpeed, or checkpoint.async_save=false) writes every device's state
@@ -78,8 +107,9 @@ def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
 SYNC_SAVE_BYTES_PER_S = 1e9
 
 
-def failure_plan(cfg: Config, plan: Any, world: int, opts: argparse.Namespace) -> GoodputEstimate:
+def failure_plan(cfg: Config, plan: Any, world: int, opts: PlanOptions | argparse.Namespace) -> GoodputEstimate:
     """--mtbf-hours: the goodput of both ways of surviving failures, for the chosen layout."""
+    assert opts.mtbf_hours is not None  # build_plan asks for this only with it
     s, m, device = plan.chosen.setup, plan.chosen.memory, plan.device
     groups = opts.ft_groups or max(2, opts.nodes)
     if groups < 2 or world % groups:

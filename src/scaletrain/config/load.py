@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +18,22 @@ from scaletrain.config.schema import Config
 from scaletrain.errors import UserError
 
 
-def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Merge YAML files in order, apply `dotted.key=value` overrides, validate."""
+def load_config(
+    files: list[str] | tuple[str, ...] = (),
+    overrides: list[str] | tuple[str, ...] = (),
+    values: Mapping[str, Any] | None = None,
+) -> Config:
+    """Merge YAML files in order, apply `dotted.key=value` overrides (their values read as
+    YAML), then `values` ({dotted key: value}, taken as they are: a program's), validate."""
     merged: dict[str, Any] = {}
     for f in files:
         _deep_merge(merged, _read_yaml_file(f))
     for item in overrides:
         key, value = _parse_override(item)
+        _set_dotted(merged, key, value)
+    for key, value in (values or {}).items():
+        if not key or any(not part for part in key.split(".")):
+            raise UserError(f"config key {key!r} needs the form section.key, e.g. train.lr")
         _set_dotted(merged, key, value)
     try:
         return Config.model_validate(merged)

@@ -13,6 +13,7 @@ from scaletrain.config import Config
 from scaletrain.config.parallel import ParallelDims
 from scaletrain.engines.base import Engine, MicroBatch, ParamGroups, StepStats
 from scaletrain.launch.distributed import World
+from scaletrain.launch.env import use_build_environment
 from scaletrain.models.spec import ModelSpec
 from scaletrain.strategies import TABLE, strategy
 
@@ -47,6 +48,7 @@ def preload(cfg: Config) -> None:
 
 
 def _module(cfg: Config) -> ModuleType:
+    use_build_environment()  # before DeepSpeed (or an engine that imports it) may build an op
     return importlib.import_module(f"scaletrain.engines.{strategy(cfg.parallel.strategy).engine}")
 
 

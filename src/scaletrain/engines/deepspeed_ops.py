@@ -5,7 +5,7 @@ and async_io for NVMe offload) the first time a run needs them: minutes on a sma
 (async_io with its pin_memory op alone ~3 min on 2 cores), spent inside the first training
 run. async_io links libaio and is built only where libaio-dev is installed (`make
 setup-test` installs it as root); elsewhere nvme offload is refused with that message. `make setup` calls this once so runs start at full speed; the builds are
-cached in TORCH_EXTENSIONS_DIR (inside the virtual environment: see scaletrain/__init__.py),
+cached in TORCH_EXTENSIONS_DIR (inside the virtual environment: launch/env.py's use_build_environment),
 by the environment's own ninja, which every later build uses too (also pinned there: a
 ninja of another version rejects the build log and rebuilds every op).
 On a CUDA machine there is nothing to do here: the CUDA ops are built by DeepSpeed for the
@@ -48,6 +48,10 @@ def clear_stale_locks() -> list[Path]:
 
 def main() -> int:
     import torch
+
+    from scaletrain.launch.env import use_build_environment
+
+    use_build_environment()
 
     if torch.cuda.is_available():
         print("deepspeed ops: CUDA present, CPU ops not needed")

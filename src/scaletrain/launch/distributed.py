@@ -74,6 +74,11 @@ def init_distributed(device_choice: str = "auto", backend_choice: str = "auto", 
         raise UserError(
             "parallel.backend=nccl needs CUDA devices and this run has none; accepted on CPU: parallel.backend=gloo or auto"
         )
+    global _OWN_GROUP
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # A group the caller made (a program that calls scaletrain.train): used as it is, its
+        # ranks as it numbers them, and left alone at the end (shutdown).
+        return World(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
     if world_size == 1:
         return World(0, 1, 0, device, None)
     # The flight recorder keeps the last collectives of every group (a ring buffer, read only
@@ -85,6 +90,9 @@ def init_distributed(device_choice: str = "auto", backend_choice: str = "auto", 
             timeout=timedelta(seconds=timeout_s),
             device_id=device if use_cuda else None,
         )
+        _OWN_GROUP = True
+        if _KEEP:  # the next call of the program's joins it again: torchrun's store takes one init per process
+            atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     return World(rank, world_size, local_rank, device, backend)
 
 
@@ -173,7 +181,17 @@ def ensure_process_group(world: World) -> None:
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
-_OWN_GROUP = False
+_OWN_GROUP = False  # this process made the default group (from the launcher's environment, or its own of one)
+_KEEP = False  # ...and keeps it until it exits (keep_process_group)
+
+
+def keep_process_group() -> None:
+    """A program that calls scaletrain (api.py) may train, then evaluate, in one process: the
+    group made from the launcher's environment stays for the next call (torchrun's store
+    serves one init per process) and goes at the interpreter's exit. The CLI's process ends
+    after its one command and destroys its group itself (shutdown)."""
+    global _KEEP
+    _KEEP = True
 
 
 def all_hostnames(world: World) -> list[str]:
@@ -234,10 +252,12 @@ def side_group(name: str) -> Any:
 
 
 def shutdown(world: World) -> None:
-    """Destroy the process group (the launcher's or a single rank's own). Free the engines
-    first: a DDP model alive at this point intermittently aborts gloo."""
+    """Destroy the process group this process made (from the launcher's environment, or a
+    single rank's own), unless the program keeps it (keep_process_group); a group the
+    caller made stays. Free the engines first: a DDP model alive at this point
+    intermittently aborts gloo."""
     global _OWN_GROUP
-    _SIDE_GROUPS.clear()  # they go with the process group
-    if (world.distributed or _OWN_GROUP) and dist.is_initialized():
+    if _OWN_GROUP and not _KEEP and dist.is_initialized():
+        _SIDE_GROUPS.clear()  # they go with the process group; else they stay with it, for the next call
         dist.destroy_process_group()
-    _OWN_GROUP = False
+        _OWN_GROUP = False

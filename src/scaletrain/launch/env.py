@@ -1,5 +1,8 @@
 """The environment variables a launcher sets for its ranks: the one place their names live,
-so the side that sets one and the side that reads it cannot drift apart."""
+so the side that sets one and the side that reads it cannot drift apart; and the build
+environment every process that builds DeepSpeed's ops shares."""
+
+import os
 
 # Restarts `scaletrain launch` made itself after an out-of-memory error (launch/torchrun.py);
 # with torchrun's TORCHELASTIC_RESTART_COUNT, which attempt this is (resilience/faults.py).
@@ -11,3 +14,35 @@ GROUP_ENV = "SCALETRAIN_FT_GROUP"
 # torchft's lighthouse address, and the launcher's start barrier (launch/groups.py).
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 START_ENV = "SCALETRAIN_FT_START"
+
+
+def use_build_environment() -> None:
+    """Where DeepSpeed builds its C++ ops, the same for every process that builds them: the
+    CLI's (cli.main), a DeepSpeed engine's or bench loop's, the ops' set-up build. Called
+    there, never on import: a program that imports scaletrain keeps its environment.
+
+    DeepSpeed JIT-builds into torch's extension cache, one directory per user, shared by
+    every checkout and environment, and guarded by a lock file that a killed build leaves
+    behind: every later build then waits on it forever (a CI run hung so). Inside a virtual
+    environment the cache lives in it instead, beside the torch the ops are compiled
+    against; `make setup` fills it and clears locks that no live build holds
+    (engines/deepspeed_ops.py). An explicit TORCH_EXTENSIONS_DIR wins.
+
+    The same ninja for every build into that cache: torch's extension builder runs
+    whichever `ninja` comes first on PATH, and a machine may have two (the environment's, a
+    DeepSpeed dependency, 1.13; Debian's /usr/bin/ninja, 1.11). Each discards the other's
+    build log (`.ninja_log` v7 against v5, other command hashes) and rebuilds every op:
+    minutes on 2 cores. So the environment's scripts directory (where its ninja is) goes
+    first, as activating the environment does; only where it holds a ninja and another one
+    would win. The ranks a launcher starts inherit both.
+    """
+    import shutil
+    import sys
+    import sysconfig
+
+    if sys.prefix != sys.base_prefix:
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    scripts = sysconfig.get_path("scripts")
+    ninja = os.path.join(scripts, "ninja")
+    if os.path.isfile(ninja) and shutil.which("ninja") != ninja:
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")

@@ -119,6 +119,16 @@ def print_banner(
         )
 
 
+def last_losses(metrics: Path) -> dict[str, float | None]:
+    """The run's last logged training loss and last eval loss (None where it has none)."""
+    from scaletrain.telemetry.metrics import read_metrics
+
+    rows = read_metrics(metrics, events=True) if metrics.exists() else []
+    steps = [r for r in rows if "event" not in r]
+    evals = [r for r in rows if r.get("event") == "eval"]
+    return {"loss": steps[-1]["loss"] if steps else None, "eval_loss": evals[-1]["loss"] if evals else None}
+
+
 def print_run_summary(console: Console, paths: Any, summary: dict[str, Any], resume_from: Path | None) -> None:
     from scaletrain.checkpoint import complete_checkpoints
     from scaletrain.telemetry.metrics import read_metrics

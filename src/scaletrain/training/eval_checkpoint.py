@@ -71,8 +71,9 @@ def checkpoint_config(ckpt: Path, overrides: list[str]) -> Config:
     return cfg
 
 
-def evaluate_checkpoint(target: str, overrides: list[str]) -> dict[str, Any]:
-    """Collective over the launched ranks: the eval figures of the checkpoint `target`; rank 0 prints them."""
+def evaluate_checkpoint(target: str, overrides: list[str], say: bool = True) -> dict[str, Any]:
+    """Collective over the launched ranks: the eval figures of the checkpoint `target`; rank 0
+    prints them (unless not `say`: scaletrain.evaluate returns them only)."""
     ckpt = newest_checkpoint(target)
     cfg = checkpoint_config(ckpt, overrides)
     world = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.parallel.timeout_s)
@@ -81,7 +82,7 @@ def evaluate_checkpoint(target: str, overrides: list[str]) -> dict[str, Any]:
     finally:
         gc.collect()  # the engine before the process group (trainer.train says why)
         shutdown(world)
-    if world.is_main:
+    if world.is_main and say:
         print(
             f"eval {ckpt} (step {row['step']}): loss {row['loss']:.6f}  perplexity {row['perplexity']:.4f}  "
             f"({row['tokens']:,} tokens of {row['data']}; {row['engine']} at world {world.world_size})",
