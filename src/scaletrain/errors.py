@@ -9,6 +9,8 @@ class UserError(Exception):
     """
 
 
+# Bad input (a UserError): the CLI's exit code, and what a launcher reads as "nothing crashed".
+EXIT_USAGE = 2
 # Documented in README and docs/checkpointing.md: "stopped on request, checkpoint saved,
 # run again to continue" (EX_TEMPFAIL, sysexits.h: try again later).
 EXIT_PREEMPTED = 75

@@ -19,11 +19,9 @@ from typing import Protocol
 
 from scaletrain import __version__
 from scaletrain.cli import bench, ckpt, compare, data, diagnose, evaluate, launch, plan, startup, train
-from scaletrain.errors import EXIT_PREEMPTED, Preempted, UserError
+from scaletrain.errors import EXIT_PREEMPTED, EXIT_USAGE, Preempted, UserError
 from scaletrain.launch.env import use_build_environment
 from scaletrain.launch.torchrun import launcher_rank, report_error, report_preempted
-
-EXIT_USAGE = 2
 
 
 class Command(Protocol):

@@ -7,7 +7,9 @@ import os
 # Restarts `scaletrain launch` made itself after an out-of-memory error (launch/torchrun.py);
 # with torchrun's TORCHELASTIC_RESTART_COUNT, which attempt this is (resilience/faults.py).
 RELAUNCH_ENV = "SCALETRAIN_RELAUNCH"
-# Where each rank writes the one line of a fatal error for the launcher to print.
+# Set by `run_torchrun` for its workers (launch/torchrun.py): a rank that stops on a UserError
+# writes its one line into this directory instead of printing it, and the launcher prints
+# each distinct line once. Without it (plain torchrun), rank 0 prints and the others stay quiet.
 ERROR_DIR_ENV = "SCALETRAIN_ERROR_DIR"
 # A replica group's index, 0..groups-1 (`launch --ft-groups`; resilience/replica_groups.py).
 GROUP_ENV = "SCALETRAIN_FT_GROUP"

@@ -20,13 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.cli import startup
-from scaletrain.errors import EXIT_HUNG, EXIT_OOM, EXIT_PREEMPTED, UserError
+from scaletrain.errors import EXIT_HUNG, EXIT_OOM, EXIT_PREEMPTED, EXIT_USAGE, UserError
 from scaletrain.launch.env import ERROR_DIR_ENV, RELAUNCH_ENV
 
-# Set by `run_torchrun` for its workers: a rank that stops on a UserError writes its one
-# line into this directory instead of printing it, and the launcher prints each distinct
-# line once. Without it (plain torchrun), rank 0 prints and the others stay quiet.
-EXIT_USAGE = 2
 # torchrun's default set plus SIGUSR1, the other signal the workers stop on (resilience/preempt.py).
 AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
