@@ -229,6 +229,9 @@ class ReplicaGroups:
         if self.diloco is not None:
             self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
+        # The engine must not outlive the process group, whatever still holds this object (a
+        # traceback's Run): the trainer's _release drops its other holders before this runs.
+        self.engine = self.optimizer = self.diloco = None
 
     # torchft's transport: what a peer sends (`_state`) and a rejoining group takes (`_load`).
     def _state(self) -> dict[str, Any]:
