@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from scaletrain.config import Config
+from scaletrain.config.batch import global_batch
 from scaletrain.engines.base import Mark
 from scaletrain.engines.compile_stats import compile_counters
 from scaletrain.launch.distributed import World
@@ -38,7 +39,7 @@ class Telemetry:
         t = cfg.telemetry
         self.info = device_info(world.device, cfg.precision, t.peak_tflops)
         self.flops_per_token = flops_per_token
-        samples = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
+        samples = global_batch(cfg.train, dp_size)
         rates = Rates(
             tokens_per_step=samples * cfg.data.seq_len,
             samples_per_step=samples,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scaletrain.config import AUTO_MICRO_BATCH, Config
+from scaletrain.config.batch import global_batch
 
 # The cross entropy's fp32 logits and their fp32 gradient are the largest tensors of a step
 # from here up (a 128k vocabulary at 16 x 4096 tokens: 34 GB each, models/loss.py).
@@ -91,7 +92,7 @@ def before_plan(cfg: Config, target: Target, vocab_size: int, dp: int, free: fro
     if "train.micro_batch" in free and t.micro_batch != AUTO_MICRO_BATCH:
         train["micro_batch"] = AUTO_MICRO_BATCH
         if t.global_batch is None:
-            train["global_batch"] = t.micro_batch * t.grad_accum * dp
+            train["global_batch"] = global_batch(t, dp)
         applied.append(
             f"train.micro_batch=auto (the largest the plan fits, at the global batch of {train.get('global_batch', t.global_batch)})"
         )

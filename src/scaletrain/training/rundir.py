@@ -14,6 +14,7 @@ from typing import Any
 from scaletrain import checkpoint
 from scaletrain.checkpoint.resume import check_config
 from scaletrain.config import Config, load_config
+from scaletrain.config.batch import global_batch
 from scaletrain.config.parallel import ParallelDims
 from scaletrain.errors import UserError
 from scaletrain.launch.distributed import World, versions
@@ -94,8 +95,8 @@ def _lr_change(path: Path, cfg: Config, saved: checkpoint.TrainerState, dp_size:
         before = load_config([str(path / "config.yaml")]).train
     except UserError:  # written by another version: its schedule cannot be recomputed here
         return []
-    old_batch = before.micro_batch * before.grad_accum * int(saved.parallel.get("dp_size", saved.world_size))
-    new_batch = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
+    old_batch = global_batch(before, int(saved.parallel.get("dp_size", saved.world_size)))
+    new_batch = global_batch(cfg.train, dp_size)
     old = lr_at(saved.step, before, scaled_lr(before, old_batch))
     new = lr_at(saved.step, cfg.train, scaled_lr(cfg.train, new_batch))
     if math.isclose(old, new, rel_tol=1e-9):

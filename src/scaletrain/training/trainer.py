@@ -26,6 +26,7 @@ from scaletrain import checkpoint
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
+from scaletrain.config.batch import global_batch
 from scaletrain.config.parallel import ParallelDims, describe, dims_for
 from scaletrain.data import (
     DataMix,
@@ -268,8 +269,9 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     metrics = MetricsLog(paths.metrics, enabled=main)
     if writes_checkpoints(cfg):  # a replica group without checkpoints starts at 0 each life: its rows stay
         metrics.truncate_after(step)
-    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
-    peak_lr = scaled_lr(cfg.train, global_batch)
+    sequences = global_batch(cfg.train, dp_size)  # per optimizer step, every rank's
+    tokens_per_step = sequences * cfg.data.seq_len
+    peak_lr = scaled_lr(cfg.train, sequences)
     telemetry = Telemetry(cfg, world, dp_size, hosts, spec.flops_per_token(cfg.data.seq_len), paths.root, metrics, step)
     stack.callback(telemetry.close)
     if main:
@@ -281,9 +283,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
         write_run_info(paths, cfg, world, dims, hosts, resume_from, telemetry.run_info() | about)
         for line in lines:
             say(line)
-        print_banner(
-            console, cfg, world, spec, data.samples_per_epoch, global_batch * cfg.data.seq_len, global_batch, peak_lr, resume_from
-        )
+        print_banner(console, cfg, world, spec, data.samples_per_epoch, tokens_per_step, sequences, peak_lr, resume_from)
     position = resumed.data_position if resumed else 0
     batches = RankBatches(data, cfg.train.micro_batch, cfg.train.grad_accum, dp_rank, dp_size, start=position)
     if isinstance(data, DataMix):  # each interval's realised shares (data/mix.py), computed, not gathered
@@ -316,7 +316,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     run = Run(
         cfg, world, say, paths, resume_from, engine, batches, per_trained_token(loss, batches, dp_size * dims.cp) if data.masked else loss,
         telemetry, metrics,
-        guard, replicas, watchdog, watch, progress, saves, drills, evaluation, peak_lr, global_batch * cfg.data.seq_len, step,
+        guard, replicas, watchdog, watch, progress, saves, drills, evaluation, peak_lr, tokens_per_step, step,
         resumed.tokens_seen if resumed else 0,
     )  # fmt: skip
     if cfg.fault_tolerance.groups > 1:
