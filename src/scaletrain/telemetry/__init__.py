@@ -1,13 +1,12 @@
 """Metrics recording, the metrics.jsonl log, and the terminal display."""
 
 from scaletrain.telemetry.metrics import MetricsLog, StepRecorder, read_metrics
-from scaletrain.telemetry.progress import TrainProgress, last_losses, print_banner, print_run_summary, print_summary
+from scaletrain.telemetry.progress import TrainProgress, print_banner, print_run_summary, print_summary
 
 __all__ = [
     "MetricsLog",
     "StepRecorder",
     "TrainProgress",
-    "last_losses",
     "print_banner",
     "print_run_summary",
     "print_summary",

@@ -119,17 +119,9 @@ def print_banner(
         )
 
 
-def last_losses(metrics: Path) -> dict[str, float | None]:
-    """The run's last logged training loss and last eval loss (None where it has none)."""
-    from scaletrain.telemetry.metrics import read_metrics
-
-    rows = read_metrics(metrics, events=True) if metrics.exists() else []
-    steps = [r for r in rows if "event" not in r]
-    evals = [r for r in rows if r.get("event") == "eval"]
-    return {"loss": steps[-1]["loss"] if steps else None, "eval_loss": evals[-1]["loss"] if evals else None}
-
-
-def print_run_summary(console: Console, paths: Any, summary: dict[str, Any], resume_from: Path | None) -> None:
+def print_run_summary(console: Console, paths: Any, summary: dict[str, Any], resume_from: Path | None) -> dict[str, float | None]:
+    """The run's closing table, from its metrics; returns its last logged training loss and
+    last eval loss (None where it has none), read in the same pass (scaletrain.train's summary)."""
     from scaletrain.checkpoint import complete_checkpoints
     from scaletrain.telemetry.metrics import read_metrics
 
@@ -168,6 +160,7 @@ def print_run_summary(console: Console, paths: Any, summary: dict[str, Any], res
         ("checkpoints", ", ".join(p.name for _, p in complete_checkpoints(paths.checkpoints)) or "none"),
     ]
     print_summary(console, "training finished", items)
+    return {"loss": rows[-1]["loss"] if rows else None, "eval_loss": evals[-1]["loss"] if evals else None}
 
 
 def model_label(cfg: Any, model: Any) -> str:

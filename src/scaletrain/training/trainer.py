@@ -55,7 +55,7 @@ from scaletrain.resilience.preempt import PreemptionWatch
 from scaletrain.resilience.replica_groups import NoGroups, ReplicaGroups, data_ranks, group_dir, writes_checkpoints
 from scaletrain.resilience.watchdog import Watchdog
 from scaletrain.resilience.weights import ReplicaCheck
-from scaletrain.telemetry import MetricsLog, TrainProgress, last_losses, print_banner, print_run_summary
+from scaletrain.telemetry import MetricsLog, TrainProgress, print_banner, print_run_summary
 from scaletrain.telemetry.session import Telemetry
 from scaletrain.training import defaults
 from scaletrain.training.evaluation import Evaluation, eval_loss, open_eval_set
@@ -123,9 +123,9 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
             torch.cuda.empty_cache()
     summary = {"run_dir": str(run.paths.root), "steps": run.step, "steps_this_run": run.step - (first or 0)}
     summary["elapsed_s"] = time.perf_counter() - clock
-    summary |= broadcast_object(world, last_losses(run.paths.metrics) if world.is_main else {})  # the same data on every rank
-    if world.is_main:
-        print_run_summary(console, run.paths, summary, run.resumed_from)
+    # The closing table reads the metrics once on rank 0; its last losses go to every rank.
+    losses = print_run_summary(console, run.paths, summary, run.resumed_from) if world.is_main else {}
+    summary |= broadcast_object(world, losses)
     return summary
 
 
