@@ -9,11 +9,13 @@ module, by whichever of its runs comes first."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
 from scaletrain import checkpoint
 from scaletrain.errors import UserError
+from scaletrain.launch.env import deepspeed_arch_list, use_build_environment
 from scaletrain.launch.torchrun import LaunchOptions, launch_command, read_hostfile
 
 from helpers import check, losses, run_info, scaletrain, train
@@ -25,6 +27,28 @@ def test_single_node_torchrun_uses_a_private_rendezvous():
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node=4"]
     assert "--standalone" in cmd
     assert cmd[-5:] == ["-m", "scaletrain", "train", "a.yaml", "train.steps=3"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("arches", "expected"),
+    [("9.0a", "9.0"), ("8.0;9.0a", "8.0;9.0"), ("9.0a+PTX 10.0f", "9.0+PTX;10.0"), ("8.6+PTX", "8.6+PTX"), ("9.0;9.0a", "9.0")],
+)
+def test_deepspeed_reads_the_arch_list_the_build_environment_leaves(arches, expected, monkeypatch):
+    """The lent H200's image sets an arch-specific TORCH_CUDA_ARCH_LIST (`9.0a`); DeepSpeed's
+    own parser (FusedAdam's first JIT build) failed on it and stopped every ZeRO run there.
+    Checked with DeepSpeed's parser itself, which on a CPU machine parses and returns no flags."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True  # the path a training process takes: FusedAdam built on first use
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arches)
+    if "a" in arches or "f" in arches:  # what DeepSpeed 0.19.8 makes of the list as the image sets it
+        with pytest.raises(ValueError, match="invalid literal for int"):
+            builder.compute_capability_args()
+    use_build_environment()
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == expected == deepspeed_arch_list(arches)
+    builder.compute_capability_args()  # no error
 
 
 @pytest.mark.unit

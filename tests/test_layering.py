@@ -25,17 +25,27 @@ MODULES = {module_name(p): p for p in SRC.rglob("*.py")}
 
 def imports_of(path: Path) -> set[str]:
     """Every scaletrain module `path` imports, at the top, inside a function or under
-    TYPE_CHECKING: `from a.b import c` names a.b.c where that is a module, else a.b."""
+    TYPE_CHECKING: `from a.b import c` names a.b.c where that is a module, else a.b; and
+    the packages above it, whose `__init__` runs first (launch.torchrun importing
+    cli.startup ran cli/__init__, which imports cli.launch, which imports launch.torchrun:
+    `import scaletrain.launch.torchrun` failed until startup moved to launch/)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("scaletrain"):
             found.update(full if (full := f"{node.module}.{a.name}") in MODULES else node.module for a in node.names)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("scaletrain"))
-    return found
+    return found | {parent for name in found for parent in _packages_above(name)}
 
 
-GRAPH = {name: imports_of(path) for name, path in MODULES.items()}
+def _packages_above(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts))]  # not scaletrain itself: its __init__ imports nothing at the top
+
+
+# Less the importer and the packages above it: they are being imported already (a module's
+# own package running first is no circle).
+GRAPH = {name: {m for m in imports_of(path) if not (name + ".").startswith(m + ".")} for name, path in MODULES.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

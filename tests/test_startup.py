@@ -1,4 +1,4 @@
-"""cli/startup.py: a process the CLI owns imports torch and the engine with the cyclic collector
+"""launch/startup.py: a process the CLI owns imports torch and the engine with the cyclic collector
 paused, freezes what the imports made, and runs with the collector on; any other process
 keeps its collector as it was. Each case runs in a fresh interpreter: a freeze is for the
 life of a process, and this one is pytest's."""
@@ -22,7 +22,7 @@ def _python(code: str) -> dict:
 
 BLOCK = """
 import gc, json
-from scaletrain.cli import startup
+from scaletrain.launch import startup
 {before}
 with startup.heavy_imports():
     inside = gc.isenabled()

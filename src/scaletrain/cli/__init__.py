@@ -18,8 +18,9 @@ import threading
 from typing import Protocol
 
 from scaletrain import __version__
-from scaletrain.cli import bench, ckpt, compare, data, diagnose, evaluate, launch, plan, startup, train
+from scaletrain.cli import bench, ckpt, compare, data, diagnose, evaluate, launch, plan, train
 from scaletrain.errors import EXIT_PREEMPTED, EXIT_USAGE, Preempted, UserError
+from scaletrain.launch import startup
 from scaletrain.launch.env import use_build_environment
 from scaletrain.launch.torchrun import launcher_rank, report_error, report_preempted
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from scaletrain.cli import startup
+from scaletrain.launch import startup
 from scaletrain.strategies import STRATEGIES
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from scaletrain.cli import startup
 from scaletrain.cli.console import console
+from scaletrain.launch import startup
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:

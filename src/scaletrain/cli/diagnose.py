@@ -8,8 +8,8 @@ import sys
 
 from rich.markup import escape
 
-from scaletrain.cli import startup
 from scaletrain.cli.console import console
+from scaletrain.launch import startup
 
 SEVERITY_STYLE = {"warning": "bold yellow", "info": "cyan"}
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from scaletrain.cli import startup
 from scaletrain.config import split_args
+from scaletrain.launch import startup
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:

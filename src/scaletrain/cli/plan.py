@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from scaletrain.cli import startup
 from scaletrain.config import AUTO_MICRO_BATCH, Config, load_config, split_args
 from scaletrain.errors import UserError
+from scaletrain.launch import startup
 from scaletrain.strategies import STRATEGIES
 
 

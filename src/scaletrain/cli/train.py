@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    from scaletrain.cli import startup
+    from scaletrain.launch import startup
 
     with startup.heavy_imports():  # torch, the engine: once the config is known to be good
         from scaletrain.engines import preload

@@ -30,7 +30,7 @@ def build_engine(
 
 def preload(cfg: Config) -> None:
     """What building the configured model and engine will import, imported now: the CLI does
-    it while the collector is paused (cli/startup.py). torch._dynamo is imported by every
+    it while the collector is paused (launch/startup.py). torch._dynamo is imported by every
     torch.optim constructor (DeepSpeed's optimizers included); transformers' auto classes
     by a Hugging Face model or teacher; an engine module may name more with a
     `preload(cfg)` of its own (DeepSpeed's)."""

@@ -363,7 +363,7 @@ def _set_optimizer_step(optimizer: Any, step: int) -> None:
 
 
 def preload(cfg: Config) -> None:
-    """engines.preload: DeepSpeed's import at start-up, with the collector paused (cli/startup.py)."""
+    """engines.preload: DeepSpeed's import at start-up, with the collector paused (launch/startup.py)."""
     _import_deepspeed(torch.device("cuda" if uses_cuda(cfg.run.device) else "cpu"))
 
 

@@ -37,6 +37,13 @@ def use_build_environment() -> None:
     minutes on 2 cores. So the environment's scripts directory (where its ninja is) goes
     first, as activating the environment does; only where it holds a ninja and another one
     would win. The ranks a launcher starts inherit both.
+
+    And an architecture list DeepSpeed can read: CUDA images set TORCH_CUDA_ARCH_LIST with
+    arch-specific targets such as `9.0a` (Hopper's wgmma), which torch's extension builder
+    accepts but DeepSpeed 0.19.8's `compute_capability_args` parses as integers and fails on
+    ("invalid literal for int() with base 10: '0a'"): every ZeRO run on the lent H200 stopped
+    there, in FusedAdam's first build. DeepSpeed's ops use no arch-specific instruction, so
+    the suffix goes and the number stays (`9.0a` -> `9.0`); `+PTX` and plain entries are kept.
     """
     import shutil
     import sys
@@ -48,3 +55,22 @@ def use_build_environment() -> None:
     ninja = os.path.join(scripts, "ninja")
     if os.path.isfile(ninja) and shutil.which("ninja") != ninja:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    arches = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if arches:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(arches)
+
+
+def deepspeed_arch_list(arches: str) -> str:
+    """TORCH_CUDA_ARCH_LIST with each entry as DeepSpeed parses it: `major.minor[+PTX]`, an
+    arch-specific or family suffix (`9.0a`, `10.0f`) dropped, duplicates once, the order kept.
+    Names DeepSpeed reads some other way (`Hopper`, a bare `9`) pass through untouched."""
+    out: list[str] = []
+    for entry in arches.replace(" ", ";").split(";"):
+        base, plus, ptx = entry.strip().partition("+")
+        major, dot, minor = base.partition(".")
+        if dot and major.isdigit() and minor[:1].isdigit():
+            base = f"{major}.{minor.rstrip('abcdefghijklmnopqrstuvwxyz')}"
+        entry = base + plus + ptx
+        if entry and entry not in out:
+            out.append(entry)
+    return ";".join(out)

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.cli import startup
 from scaletrain.errors import EXIT_HUNG, EXIT_OOM, EXIT_PREEMPTED, EXIT_USAGE, UserError
+from scaletrain.launch import startup
 from scaletrain.launch.env import ERROR_DIR_ENV, RELAUNCH_ENV
 
 # torchrun's default set plus SIGUSR1, the other signal the workers stop on (resilience/preempt.py).
