@@ -93,7 +93,16 @@ PLAN_SMALL = ("model.preset=small", "data.seq_len=256", "train.micro_batch=8", "
 BIG = ("model.preset=1b", "model.vocab_size=128256", "data.seq_len=2048", "precision=bf16")
 BIG_CUDA = (*BIG, "run.device=cuda")
 PLAN_1B = ("--gpus-per-node", "1", "--gpu", "{gpu_kind}", "--gpu-memory", "{gpu_memory}B", "--configured-only", "--json")
-MFU = (*BIG_CUDA, "parallel.strategy=fsdp", "train.micro_batch={mb}", "train.log_every=5")
+# Step 5 traced by torch.profiler (telemetry.profile_steps): the device time by kind of kernel and the idle
+# device (judge_mfu), which say where the MFU goes. It is in the first log interval, which the medians leave out.
+PROFILED_STEP = 5
+MFU = (
+    *BIG_CUDA,
+    "parallel.strategy=fsdp",
+    "train.micro_batch={mb}",
+    "train.log_every=5",
+    f"telemetry.profile_steps=[{PROFILED_STEP},{PROFILED_STEP}]",
+)
 AC = "parallel.activation_checkpointing"
 # Part 4 (the first four) and part 6: three real steps under torch's MemTracker (on CUDA also
 # max_memory_allocated). The error is reported, not judged: FAIL only when the command fails; beyond 15%
@@ -167,7 +176,7 @@ CHECKS = [
           "checkpointing (a recompute of each block) only where nothing fits without", judge="micro_batch",
           needs=CUDA | {"planned"}),
     *(Check(f"1b-{how}-mb{{mb}}{{ac_tag}}", 3, f"MFU, {how.replace('-', ', ')}",
-            ("scaletrain", "train", *MFU, f"{AC}={{ac}}", *flags), "trains", CUDA | {"micro-batch"}, MFU_STEPS,
+            ("scaletrain", "train", *MFU, f"{AC}={{ac}}", *flags), "mfu", CUDA | {"micro-batch"}, MFU_STEPS,
             retry_oom=True)
       for how, flags in {"eager": ("train.compile=false",), "compiled": ("train.compile=true",),
                          "float8-compiled": ("train.compile=true", "train.float8=true")}.items()),
@@ -182,13 +191,24 @@ CHECKS = [
     # the first ones).
     engine_check("zero1", "bf16", 6), engine_check("fsdp-offload", "bf16", 6),
     Check("1b-eager-mb{mb}-AC", 6, "what activation checkpointing costs, where the runs above went without",
-          ("scaletrain", "train", *MFU, f"{AC}=true", "train.compile=false"), "trains",
+          ("scaletrain", "train", *MFU, f"{AC}=true", "train.compile=false"), "mfu",
           CUDA | {"micro-batch", "no-ac-needed"}, MFU_STEPS, retry_oom=True),
     *(planner_check(n, 6) for n in list(PLANNER)[4:]),
     *(engine_check(e, "fp16", 6, FP16_STEPS) for e in FIVE),
 ]
 # fmt: on
 PHASES = ("data_s", "forward_s", "backward_s", "optimizer_s", "comm_s", "other_s")
+# The kinds of kernel summary.md gives a column each (telemetry/profile.py's KERNEL_KINDS), the rest as "other".
+KINDS = (
+    "matmul",
+    "attention",
+    "fused (inductor)",
+    "elementwise, reductions (aten)",
+    "optimizer",
+    "copies",
+    "communication",
+    "other",
+)
 
 
 class Context(dict):  # what earlier checks found (env, facts, ds_extra, mb, ...)
@@ -273,6 +293,22 @@ def judge_trains(proc, ctx):
     if skipped := sum(1 for r in steps if r.get("skipped")):
         line += f", {skipped} fp16 steps skipped"
     return ("FAIL" if problems else "PASS"), "; ".join([*problems, line]), d
+
+
+def judge_mfu(proc, ctx):
+    """As judge_trains, then the profiled step's device time by kind of kernel (telemetry/profile.py's
+    analyze_trace): its share of the step for each kind and for the idle device, the costliest kernels."""
+    from scaletrain.telemetry.profile import analyze_trace
+
+    status, detail, d = judge_trains(proc, ctx)
+    trace = Path(overrides(proc)["run.dir"]) / "profile" / "rank0.trace.json"
+    if not trace.is_file():
+        return "FAIL", f"no trace of step {PROFILED_STEP} ({trace}); {detail}", d
+    a = analyze_trace(trace)
+    d["profile"] = {k: a.get(k) for k in ("total_s", "kernel_s", "gpu_idle_s", "top_kernels")}
+    step, kinds = a["total_s"], {**(a.get("kernel_s") or {}), "idle": a.get("gpu_idle_s")}
+    top = sorted(((k, v) for k, v in kinds.items() if v), key=lambda kv: -kv[1])[:4]
+    return status, f"{detail}; step {PROFILED_STEP}: " + ", ".join(f"{k} {pct(v / step, '{:.0f}%')}" for k, v in top), d
 
 
 def judge_host_syncs(proc, ctx):
@@ -523,6 +559,15 @@ def summary(ctx: Context) -> None:
          "run | data | forward | backward | optimizer | exposed comm | other | step",
          [(r["name"], *(share(d["phases"][k], d["step_s"]) for k in PHASES), msec(d["step_s"]))
           for r, d in rows(lambda r: runs(r) and mfu(r))]),
+        (f"Device time by kind of kernel (ms in step {PROFILED_STEP}, traced; share of that step)",
+         f"run | {' | '.join(KINDS)} | idle device | step",
+         [(r["name"], *(share((p["kernel_s"] or {}).get(k), p["total_s"]) for k in KINDS[:-1]),
+           share(sum(v for k, v in (p["kernel_s"] or {}).items() if k not in KINDS[:-1]) or None, p["total_s"]),
+           share(p["gpu_idle_s"], p["total_s"]), msec(p["total_s"]))
+          for r, d in rows(lambda r: bool(r["data"].get("profile"))) if (p := d["profile"])]),
+        ("Costliest kernels of the traced step (name cut at 90 characters)", "run | kernel | ms | calls",
+         [(r["name"], k["name"][:90].replace("|", "/"), msec(k["self_s"]), k["count"])
+          for r, d in rows(lambda r: bool(r["data"].get("profile"))) for k in d["profile"]["top_kernels"][:5]]),
     ]
     # fmt: on
     for title, columns, body in tables:
@@ -543,6 +588,9 @@ def env_json() -> int:
 
     cuda = torch.cuda
     info = {**versions(), "host": platform.node(), "torch_cuda": torch.version.cuda, "cuda_available": cuda.is_available()}
+    info["torch_cuda_arch_list"] = os.environ.get(
+        "TORCH_CUDA_ARCH_LIST"
+    )  # as the image sets it: DeepSpeed's ops build for it (launch/env.py)
     info["scaletrain"] = info["scaletrain"] or f"{scaletrain.__version__} (source: {Path(scaletrain.__file__).parent})"
     for package in ("torchao", "triton", "pydantic"):  # float8's, compile's, the config's
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):

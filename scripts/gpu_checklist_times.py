@@ -2,9 +2,9 @@
 
     python scripts/gpu_checklist_times.py OUT_DIR/results.jsonl   # a run's measured seconds, as a GPU_S table
 
-GPU_S holds ESTIMATES until a GPU run has measured them: made without a GPU (docs/gpu.md says how),
-to be replaced by the table this prints from the first GPU run's results.jsonl (each result row
-holds the seconds from its check's start to its result line), with SOURCE set to where and when.
+GPU_S holds what a GPU run measured (SOURCE says where and when), and estimates for the checks no
+GPU run has timed yet (ESTIMATED): after a run, replace its figures with the table this prints from
+its results.jsonl (each result row holds the seconds from its check's start to its result line).
 CPU_S, the CPU stand-ins, was measured on this project's 2-core machine.
 """
 
@@ -14,41 +14,44 @@ import json
 import sys
 from pathlib import Path
 
-SOURCE = "estimate"  # "estimate" until a GPU run measured GPU_S; then e.g. "H100 80GB, 2026-12-01"
+SOURCE = "H200, 2026-11-27"  # where GPU_S was measured; "estimate" while none of it was
 # The checklist's own cost per check, the same on any machine: its result line, results.jsonl appended,
 # summary.md and logs.tar.gz rewritten (a run's checkpoint is removed inside its own seconds).
 OVERHEAD_S = 0.5
 RESERVE_S = 5.0  # left at the end of a budget: the last summary, the way out
 UNKNOWN_S = 30.0  # a check missing from the tables (one added since they were measured)
 
-# Seconds on one H100 (16 cores), check by check, from its start to its result line; names as in
-# CHECKS, templates unfilled. ESTIMATES, central ones (each could be half or double): no GPU run has
-# measured them. What they assume: a process that imports torch and scaletrain and starts CUDA takes
-# 5-10 s there (DeepSpeed adds ~2 s); the small preset's 3 steps take about a second.
+# Seconds on one GPU (16 cores), check by check, from its start to its result line; names as in CHECKS,
+# templates unfilled. Measured on the lent H200 (docs/gpu/2026-11-27-h200: its results.jsonl files, each
+# `seconds`), the first run's for what passed there and the second's for the ZeRO checks (DeepSpeed's
+# arch-list failure had stopped them in seconds the first time), rounded up. Two were killed where the
+# budget ended, so their figure is a floor raised by a guess: oom-1b-mb64 (62 s when it was killed after
+# its three steps, while saving or exiting) and zero1-bf16 (16 s, also after its steps). The MFU runs get
+# 3 s for the trace of step 5, added since. ESTIMATED names what no GPU run has timed yet.
 # fmt: off
 GPU_S = {
     # 1: nvidia-smi; the CLI (no torch); torch and deepspeed imported, CUDA started, nvcc asked
-    "nvidia-smi": 1, "scaletrain CLI": 2, "python/torch/deepspeed": 8, "DeepSpeed optimizer": 0,
-    # 2: ddp, the first run, also trains the tokenizer and cuts the shards (8 s on 2 cores here);
-    # zero2 JIT-builds FusedAdam with nvcc (two sources that include torch's headers: ~40 s),
-    # zero3-offload DeepSpeedCPUAdam with the host compiler (~25 s)
-    "ddp-bf16": 15, "fsdp-bf16": 10, "zero2-bf16": 50, "zero3-bf16": 12, "zero3-offload-bf16": 40,
-    # 3: the 1b preset at seq 2048. A plan is start-up and a traced block; a run is start-up, 1.24B
-    # parameters initialised, 20 steps of 8 x 2048 tokens (~7 s at 40% MFU) and the final checkpoint
-    # (15 GB of weights and Adam state: ~10 s); compiling adds inductor's first compile of a block
-    # (forward and backward: ~40 s), float8 torchao's conversion and a compile of its own
-    "plan 1b AC=false": 8, "plan 1b AC=true": 6, "MFU 1b": 0,
-    "1b-eager-mb{mb}{ac_tag}": 30, "1b-compiled-mb{mb}{ac_tag}": 70, "1b-float8-compiled-mb{mb}{ac_tag}": 80,
+    "nvidia-smi": 0, "scaletrain CLI": 1, "python/torch/deepspeed": 9, "DeepSpeed optimizer": 0,
+    # 2: ddp, the first run, also trains the tokenizer and cuts the shards; zero2 JIT-builds FusedAdam
+    # with nvcc (~60 of its 72 s), zero3-offload DeepSpeedCPUAdam with the host compiler (~45 s)
+    "ddp-bf16": 16, "fsdp-bf16": 11, "zero2-bf16": 72, "zero3-bf16": 19, "zero3-offload-bf16": 59,
+    # 3: the 1b preset at seq 2048: start-up, 1.24B parameters initialised, 20 steps of 16 x 2048 tokens
+    # (11-14 s), the final checkpoint (15 GB); compiling adds inductor's first compile, float8 more
+    "plan 1b AC=false": 10, "plan 1b AC=true": 6, "MFU 1b": 0,
+    "1b-eager-mb{mb}{ac_tag}": 74, "1b-compiled-mb{mb}{ac_tag}": 79, "1b-float8-compiled-mb{mb}{ac_tag}": 87,
     # 4: plan --measure: start-up, the model, 3 steps under MemTracker (zero3: DeepSpeed's partitioning)
-    "1b-fsdp-bf16-AC-mb4": 25, "1b-fsdp-bf16-mb2": 25, "1b-zero3-bf16-AC-mb4": 35, "small-zero2-bf16": 10,
-    # 5: other issues' checks, 3 steps where they train. FlexAttention compiles its kernel; oom-1b-mb64
-    # fails at micro-batch 64, 32 and 16 before it trains at 8 (8 micro-batches a step)
-    "moe-small-bf16": 12, "document-mask-bf16": 30, "cp-attention-kernels": 10, "oom-1b-mb64": 35,
+    "1b-fsdp-bf16-AC-mb4": 27, "1b-fsdp-bf16-mb2": 21, "1b-zero3-bf16-AC-mb4": 49, "small-zero2-bf16": 20,
+    # 5: other issues' checks. oom-1b-mb64 fails at micro-batch 64 and 32 before it trains at 16
+    "moe-small-bf16": 12, "document-mask-bf16": 21, "cp-attention-kernels": 11, "oom-1b-mb64": 80,
     # 6: when time is left (fp16: 10 steps)
-    "zero1-bf16": 12, "fsdp-offload-bf16": 14, "1b-eager-mb{mb}-AC": 35,
-    "small-ddp-fp32": 10, "small-fsdp-bf16": 10, "small-zero3-bf16": 12,
-    "ddp-fp16": 10, "fsdp-fp16": 11, "zero2-fp16": 13, "zero3-fp16": 14, "zero3-offload-fp16": 16,
+    "zero1-bf16": 20, "fsdp-offload-bf16": 14, "1b-eager-mb{mb}-AC": 80,
+    "small-ddp-fp32": 10, "small-fsdp-bf16": 10, "small-zero3-bf16": 20,
+    "ddp-fp16": 10, "fsdp-fp16": 11, "zero2-fp16": 14, "zero3-fp16": 20, "zero3-offload-fp16": 16,
 }
+# Part 6's, but for zero1's floor: estimates from the measured neighbours (the planner's small configs as
+# small-zero2's 20 s less its DeepSpeed, the AC run as the eager one plus its recompute, fp16 as bf16).
+ESTIMATED = frozenset({"fsdp-offload-bf16", "1b-eager-mb{mb}-AC", "small-ddp-fp32", "small-fsdp-bf16", "small-zero3-bf16",
+                       "ddp-fp16", "fsdp-fp16", "zero2-fp16", "zero3-fp16", "zero3-offload-fp16"})
 # The CPU stand-ins, measured (docs/gpu.md's transcript: 2 cores, torch 2.13.0+cpu, 10 steps each).
 CPU_S = {"nvidia-smi": 0, "scaletrain CLI": 1, "python/torch/deepspeed": 2,
          "ddp-cpu": 4, "fsdp-cpu": 4, "zero2-cpu": 5, "tiny-ddp-cpu": 3, "tiny-zero2-cpu": 5}
@@ -66,7 +69,7 @@ def label(name: str, cuda: bool) -> str:
     table = GPU_S if cuda else CPU_S
     if name not in table:
         return "unknown"
-    return ("estimate" if SOURCE == "estimate" else "measured") if cuda else "measured, CPU"
+    return ("estimate" if SOURCE == "estimate" or name in ESTIMATED else "measured") if cuda else "measured, CPU"
 
 
 def measured(path: str) -> dict[str, float]:

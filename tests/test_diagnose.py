@@ -271,7 +271,8 @@ def test_profile_split_per_rank_and_top_ops(make_run, monkeypatch):
     def analyze_trace(path):  # stand-in for scaletrain.telemetry.profile.analyze_trace
         rank = int(Path(path).name[4])
         ops = [{"name": f"op{i}", "self_s": 0.1 * (8 - i) + rank, "count": 10} for i in range(7)]
-        return {"total_s": 2.0, "comm_s": 0.5 + rank * 0.5, "compute_s": 1.5 - rank * 0.5, "top_ops": ops}
+        cuda = {"kernel_s": {"matmul": 1.0, "attention": 0.3}, "gpu_idle_s": 0.2} if rank == 1 else {}  # rank 1's on CUDA
+        return {"total_s": 2.0, "comm_s": 0.5 + rank * 0.5, "compute_s": 1.5 - rank * 0.5, "top_ops": ops, **cuda}
 
     module = types.ModuleType("scaletrain.telemetry.profile")
     module.analyze_trace = analyze_trace  # type: ignore[attr-defined]
@@ -282,6 +283,8 @@ def test_profile_split_per_rank_and_top_ops(make_run, monkeypatch):
     assert f.severity == "info" and f.title == "profile of 2 ranks: communication 38% of traced time (median rank)"
     assert "rank0: 2 s traced, communication 25%, computation 75%" in f.evidence
     assert "rank1: 2 s traced, communication 50%, computation 50%" in f.evidence
+    assert "rank1 on the device: matmul 50%, attention 15%, idle device 10%" in f.evidence
+    assert not any(line.startswith("rank0 on the device") for line in f.evidence)  # a CPU trace has no device
     tops = [line for line in f.evidence if line.startswith("top operator")]
     assert [t.split()[2].rstrip(":") for t in tops] == ["op0", "op1", "op2", "op3", "op4"]
     assert "2.6 s self time in 20 calls" in tops[0]

@@ -157,6 +157,35 @@ def test_cuda_rule_counts_nccl_kernels_not_hidden_behind_compute(tmp_path):
     assert sgemm["count"] == 2 and sgemm["self_s"] == pytest.approx(450e-6)
 
 
+@pytest.mark.unit
+def test_cuda_trace_splits_device_time_by_kind_and_counts_the_idle_device(tmp_path):
+    """What the GPU checklist's MFU runs report (docs/gpu.md): each kind's device seconds in
+    the profiled steps, overlaps inside a kind once, and the span with no device work."""
+    flash = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t>>"
+    events = [
+        x("ProfilerStep#5", 0, 1000, cat="user_annotation"),
+        x("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN", 0, 300, tid=7, cat="kernel"),
+        x("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 250, 400, tid=8, cat="kernel"),  # overlaps 50
+        x(flash, 400, 500, tid=7, cat="kernel"),  # attention, though its name holds "cutlass"
+        x("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", 500, 550, tid=7, cat="kernel"),
+        x("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", 550, 560, tid=7, cat="kernel"),
+        x("Memcpy DtoH (Device -> Pinned)", 560, 570, tid=7, cat="gpu_memcpy"),
+        x("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>", 700, 900, tid=7, cat="kernel"),
+        x("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 850, 950, tid=9, cat="kernel"),
+        x("some_kernel_nobody_named", 1500, 1600, tid=7, cat="kernel"),  # after the step: not counted
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    r = analyze_trace(path)
+    us = {k: round(v * 1e6) for k, v in r["kernel_s"].items()}
+    assert us == {
+        "matmul": 400, "attention": 100, "fused (inductor)": 50, "elementwise, reductions (aten)": 10, "copies": 10,
+        "optimizer": 200, "communication": 100,
+    }  # fmt: skip
+    assert r["gpu_idle_s"] == pytest.approx(180e-6)  # 570-700 and 950-1000: nothing on the device
+    assert r["comm_s"] == pytest.approx(50e-6)  # 900-950: NCCL alone
+
+
 # ---------------------------------------------------------------------------- world 2
 
 

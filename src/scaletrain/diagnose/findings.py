@@ -401,6 +401,12 @@ def profile(run: Run) -> list[Finding]:
                 f"{path.name.removesuffix('.trace.json')}: {total:.3g} s traced, communication {pct(a.get('comm_s', 0.0) / total)}, "
                 f"computation {pct(a.get('compute_s', 0.0) / total)}"
             )
+        if total > 0 and a.get("kernel_s"):  # a CUDA trace: what the device did in the steps (telemetry/profile.py)
+            kinds = {**a["kernel_s"], "idle device": a.get("gpu_idle_s") or 0.0}
+            by_share = sorted(((k, v / total) for k, v in kinds.items() if v), key=lambda kv: -kv[1])
+            evidence.append(
+                f"{path.name.removesuffix('.trace.json')} on the device: " + ", ".join(f"{k} {pct(v)}" for k, v in by_share)
+            )
         for op in a.get("top_ops") or []:
             ops[op["name"]][0] += op.get("self_s", 0.0)
             ops[op["name"]][1] += op.get("count", 0)

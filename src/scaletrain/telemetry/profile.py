@@ -192,9 +192,13 @@ def analyze_trace(path: Path) -> dict[str, Any]:
 
     Returns total_s (the profiled steps on the training thread), comm_s, compute_s,
     comm_share, steps (how many), method ("cpu" or "cuda"), top_ops (CPU operators by self
-    time: name, self_s, count) and top_kernels (the same for CUDA kernels; [] on CPU).
+    time: name, self_s, count) and top_kernels (the same for CUDA kernels; [] on CPU); on
+    CUDA also kernel_s (seconds of device work in the steps by KERNEL_KINDS, overlaps
+    counted once per kind) and gpu_idle_s (the steps' span with nothing on the device: the
+    host not keeping up, or a wait).
     """
     raw = json.loads(Path(path).read_text())
+    gpu = {"kernel", "gpu_memcpy", "gpu_memset"}  # kineto's categories of what runs on the device
     events = [e for e in raw.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e and e.get("cat") != "Trace"]
     step_events = [e for e in events if str(e.get("name", "")).startswith(STEP_PREFIX)]
     if step_events:
@@ -212,9 +216,20 @@ def analyze_trace(path: Path) -> dict[str, Any]:
         compute = _merge((e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower())
         comm = _intersect(_subtract(nccl, compute), span)
         method = "cuda"
+        device_work = [e for e in events if e.get("cat") in gpu]
+        busy = _intersect(_merge((e["ts"], e["ts"] + e["dur"]) for e in device_work), span)
+        by_kind: dict[str, list[Interval]] = defaultdict(list)
+        for e in device_work:
+            by_kind[kernel_kind(e["name"], e["cat"])].append((e["ts"], e["ts"] + e["dur"]))
+        in_span = {k: _length(_intersect(_merge(v), span)) / 1e6 for k, v in sorted(by_kind.items())}
+        cuda_extra = {
+            "kernel_s": {k: s for k, s in in_span.items() if s > 0},
+            "gpu_idle_s": (_length(span) - _length(busy)) / 1e6,
+        }
     else:
         comm = _intersect(_cpu_comm(events, main_tid, steps), steps)
         method = "cpu"
+        cuda_extra = {}
     comm_s = _length(comm) / 1e6
     total_s = total / 1e6
     starts = [a for a, _ in steps]
@@ -229,7 +244,33 @@ def analyze_trace(path: Path) -> dict[str, Any]:
         "method": method,
         "top_ops": _top_by_self_time([e for e in in_steps if e.get("cat") == "cpu_op"]),
         "top_kernels": _top_by_self_time([e for e in in_steps if e.get("cat") == "kernel"], nested=False),
+        **cuda_extra,
     }
+
+
+# What a device kernel does, from its name: the first kind whose words it contains (lower
+# case). The names as CUDA 13's libraries and torch 2.11 give them: cuBLAS's Hopper GEMMs are
+# `nvjet_*` or `sm90_xmma_gemm_*`, CUTLASS's `cutlass*`, inductor's matmul templates
+# `triton_tem_*`; FlashAttention `pytorch_flash::flash_fwd_kernel`, cuDNN's attention
+# `cudnn_generated_fort_native_sdpa_*`, the memory-efficient one `fmha_*`; torchao's float8
+# casts are inductor kernels; everything else inductor fused is `triton_*`; aten's own
+# pointwise and reduction kernels `at::native::*elementwise*` / `*reduce_kernel*`.
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem", "wgmma", "_mm_", "matmul")),
+    ("optimizer", ("multi_tensor_apply", "adam", "foreach")),
+    ("fused (inductor)", ("triton_",)),
+    ("elementwise, reductions (aten)", ("elementwise", "reduce", "vectorized", "unrolled", "softmax", "loss", "index")),
+)
+
+
+def kernel_kind(name: str, cat: str = "kernel") -> str:
+    """One of KERNEL_KINDS' names, "copies" (memcpy, memset), or "other"."""
+    if cat != "kernel":
+        return "copies"
+    lower = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(w in lower for w in words)), "other")
 
 
 def _cpu_comm(events: list[dict[str, Any]], main_tid: Any, steps: list[Interval]) -> list[Interval]:
