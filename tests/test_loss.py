@@ -53,6 +53,48 @@ def test_chunked_equals_plain_in_bf16_and_keeps_the_dtype():
     torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2**-8, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_chunks_equal_the_eager_ones_and_compile_one_shape(dtype):
+    """train.compile's loss (models/loss.py): full chunks through inductor, the last, shorter one
+    eager. 24 positions in chunks of 10: two compiled, one of 4 eager; a prompt position not
+    trained. Tolerances as above: the same fp32 formula, its sums in another order (inductor's
+    reduction against aten's logsumexp) and another exp, so a few fp32 ulps, and a bf16
+    gradient one bf16 ulp where the two straddle a rounding boundary."""
+    from torch._dynamo.utils import counters
+
+    from scaletrain.models import loss as loss_module
+
+    logits, targets = logits_and_targets(dtype)
+    targets[0, 0] = -100  # IGNORE_INDEX: a fine-tuning prompt, weighted 0 in either
+    want_loss, want_grad = value_and_grad(logits, targets, 10)
+    torch._dynamo.reset()
+    loss_module._compiled.clear()  # compiled anew in this test, whatever ran before it
+    counters.clear()
+    x = logits.detach().clone().requires_grad_()
+    got = cross_entropy(x, targets, 10, compiled=True)
+    got.backward()
+    assert counters["stats"]["unique_graphs"] == 2  # the chunk's forward and backward: one shape each, no break
+    torch.testing.assert_close(got.detach(), want_loss, rtol=1e-5, atol=0)
+    bf16 = dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad.float(), want_grad.float(), rtol=2**-8 if bf16 else 1e-5, atol=0 if bf16 else 1e-7)
+    assert x.grad[0, 0].abs().max() == 0  # the untrained row: no gradient
+    x.grad = None
+    cross_entropy(x[:, :7], targets[:, :7], 10, compiled=True).backward()
+    assert counters["stats"]["unique_graphs"] == 2  # 21 positions: two full chunks again, a last one of 1 eager: no compile
+
+
+@pytest.mark.parametrize(("options", "compiled"), [
+    (["train.compile=true", "train.loss_chunk_tokens=64"], True),
+    (["train.compile=true"], False),  # the whole loss: one aten kernel already
+    (["train.loss_chunk_tokens=64"], False),
+])  # fmt: skip
+def test_train_compile_compiles_the_chunked_loss(options, compiled):
+    from scaletrain.models import model_spec
+
+    spec = model_spec(load_config([], ["model.preset=tiny", *options]), 512)
+    assert spec.loss_compiled is compiled
+
+
 def test_gradient_scales_with_the_upstream_gradient():
     # The loss may be scaled (fp16 loss scaling, the 1 / grad_accum of a window).
     logits, targets = logits_and_targets(torch.float32)

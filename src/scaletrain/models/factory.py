@@ -21,7 +21,7 @@ def model_spec(cfg: Any, vocab_size: int | None, eos_id: int | None = None) -> M
     tokenizer, leaves it out: any id gives the same shapes)."""
     m = cfg.model
     eos = _document_eos(cfg, eos_id)
-    spec = _spec(m, vocab_size, cfg.train.loss_chunk_tokens, tuple(m.trainable), m.lora, eos)
+    spec = _spec(m, vocab_size, cfg.train.loss_chunk_tokens, tuple(m.trainable), m.lora, eos, bool(cfg.train.compile))
     if m.teacher is not None and m.teacher.hidden_weight > 0:  # + the projection to the teacher's width
         return WithProjection(spec, _spec(m.teacher, vocab_size, 0, (), None, eos).hidden_size, HiddenStates())
     return spec
@@ -61,9 +61,16 @@ def distill_spec(cfg: Any, student: ModelSpec) -> Distill | None:
 
 
 def _spec(
-    m: Any, vocab_size: int | None, chunk: int, trainable: tuple[str, ...], lora: Any, document_eos: int | None = None
+    m: Any,
+    vocab_size: int | None,
+    chunk: int,
+    trainable: tuple[str, ...],
+    lora: Any,
+    document_eos: int | None = None,
+    compiled: bool = False,
 ) -> ModelSpec:
-    common: dict[str, Any] = {"loss_chunk_tokens": chunk, "trainable": trainable}
+    # train.compile compiles the chunked loss with the blocks (models/loss.py); the whole one is one aten kernel already
+    common: dict[str, Any] = {"loss_chunk_tokens": chunk, "loss_compiled": compiled and chunk > 0, "trainable": trainable}
     if m.source == "builtin":
         return LlamaSpec(resolve_shape(m, vocab_size), lora=lora_spec(lora, None), document_eos=document_eos, **common)
     conf = load_config(m.path, m.hf_config, vocab_size, m.where)

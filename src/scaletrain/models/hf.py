@@ -125,6 +125,7 @@ class HFSpec:
     path: str | None = None
     name: str = "hf"
     loss_chunk_tokens: int = 0
+    loss_compiled: bool = False  # train.compile: each chunk's loss one compiled kernel (models/loss.py)
     trainable: tuple[str, ...] = ()
     lora: LoraSpec | None = None
 
@@ -196,7 +197,7 @@ class HFSpec:
             init_adapters(model, seed)
 
     def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
-        loss = cross_entropy(logits_of(output), targets, self.loss_chunk_tokens)
+        loss = cross_entropy(logits_of(output), targets, self.loss_chunk_tokens, self.loss_compiled)
         # A mixture of experts adds its router's load-balancing term exactly where
         # transformers adds it to the loss it computes from labels: when the model's config
         # sets output_router_logits (then the output holds aux_loss), weighted by its

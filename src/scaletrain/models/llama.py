@@ -261,6 +261,6 @@ def build_model(
     return model
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0, compiled: bool = False) -> torch.Tensor:
     """Mean next-token cross entropy in fp32, whole or `chunk_tokens` positions at a time (models/loss.py)."""
-    return cross_entropy(logits, targets, chunk_tokens)
+    return cross_entropy(logits, targets, chunk_tokens, compiled)

@@ -50,6 +50,10 @@ class ModelSpec(Protocol):
         """Positions per chunk of the cross entropy (0: all at once); the planner's loss memory."""
 
     @property
+    def loss_compiled(self) -> bool:
+        """train.compile: each full chunk of the chunked loss one compiled kernel (models/loss.py)."""
+
+    @property
     def hidden_size(self) -> int:
         """Width of the residual stream between blocks."""
 
@@ -129,6 +133,7 @@ class LlamaSpec:
     shape: ModelShape
     name: str = "llama"
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: the cross entropy in chunks (0: whole)
+    loss_compiled: bool = False  # train.compile: each chunk's loss one compiled kernel (models/loss.py)
     trainable: tuple[str, ...] = ()  # model.trainable: glob patterns; the rest is frozen (empty: none)
     lora: LoraSpec | None = None  # model.lora: peft adapters on a frozen base
     # data.document_mask: the eos that ends each document (models/documents.py), and the
@@ -166,8 +171,8 @@ class LlamaSpec:
     def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         if isinstance(output, tuple):  # a mixture of experts: (logits, the routers' auxiliary loss)
             logits, aux = output
-            return loss_fn(logits, targets, self.loss_chunk_tokens) + aux
-        return loss_fn(output, targets, self.loss_chunk_tokens)
+            return loss_fn(logits, targets, self.loss_chunk_tokens, self.loss_compiled) + aux
+        return loss_fn(output, targets, self.loss_chunk_tokens, self.loss_compiled)
 
     def config(self) -> dict[str, Any]:
         # The tensors' shapes: a dense model's without the (unused) expert fields, and never

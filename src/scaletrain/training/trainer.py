@@ -354,6 +354,9 @@ def _checked_plan(
             "teacher is over every position, the prompt's included; accepted: one of the two"
         )
     cfg, notes = plan_run(cfg, world, spec, free, target)  # resolves strategy=auto, the defaults that need a plan
+    if spec.loss_compiled != bool(cfg.train.compile and spec.loss_chunk_tokens):  # the plan decided train.compile
+        spec = with_fields(spec, loss_compiled=not spec.loss_compiled)  # the chunked loss compiled with the blocks
+        distill = distill_spec(cfg, spec)
     notes = [f"defaults: {a}" for a in applied] + notes
     dims = dims_for(cfg.parallel, world.world_size)
     cfg, remembered = oom.remembered(cfg, paths.root, dims.dp_size)  # a smaller micro-batch after an OOM
