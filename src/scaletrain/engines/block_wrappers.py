@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     _CHECKPOINT_PREFIX,
     checkpoint_wrapper,
 )
+
+from scaletrain.models.inductor import portable_cpu_code
 
 
 def apply_activation_checkpointing(blocks: nn.Module) -> None:
@@ -64,13 +64,7 @@ def compile_blocks(blocks: nn.Module) -> None:
     # halving after an out-of-memory error). Under fullgraph=True, going past torch's
     # default of 8 is a hard failure mid-run (FailOnRecompileLimitHit), not a slowdown.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
-        # Inductor picks its CPU vector width from the CPU, not from ATen's capability: with
-        # ATen's portable kernels forced, its vectorized C++ does not compile ("'at::vec'
-        # has not been declared", torch 2.13). Scalar code compiles and computes the same.
-        import torch._inductor.config as inductor
-
-        inductor.cpp.simdlen = 1
+    portable_cpu_code()
     for block in blocks.children():
         block.compile(backend=BACKEND, fullgraph=_built_in(block), dynamic=False)
 

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
+from scaletrain.models.inductor import portable_cpu_code
+
 # A target that is not trained (a fine-tuning prompt, data/finetune.py): no loss, no gradient,
 # not counted in the mean. torch's own default, so a Hugging Face loss agrees.
 IGNORE_INDEX = -100
@@ -84,6 +86,7 @@ def _kernels(compiled: bool, logits: torch.Tensor, chunk: int) -> tuple[Any, Any
     if not compiled or logits.shape[0] != chunk or is_fake(logits):
         return _chunk_forward, _chunk_backward
     if not _compiled:
+        portable_cpu_code()
         _compiled.update(
             forward=torch.compile(_chunk_forward, dynamic=False, fullgraph=True),
             backward=torch.compile(_chunk_backward, dynamic=False, fullgraph=True),
