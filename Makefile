@@ -69,8 +69,8 @@ test: setup-test
 	$(BIN)/python -m pytest -q -m serial
 
 lint: setup-test
-	$(BIN)/ruff check src tests scripts
-	$(BIN)/ruff format --check src tests scripts
+	$(BIN)/ruff check src tests scripts examples
+	$(BIN)/ruff format --check src tests scripts examples
 	$(BIN)/mypy
 
 test-unit: setup-test

@@ -1,13 +1,24 @@
 """scaletrain: plan, run, watch and recover distributed LLM training.
 
-The Python API (api.py, docs/api.md): load_config, plan, train, evaluate. Importing the
-package changes nothing in the process (its environment, PATH, the collector) and imports
-neither torch nor pydantic; the functions import what they run when called.
+The Python API (api.py, docs/api.md): load_config, plan, train, evaluate, and ModuleSpec
+for a model of your own (models/module_spec.py). Importing the package changes nothing in
+the process (its environment, PATH, the collector) and imports neither torch nor pydantic;
+the functions import what they run when called, ModuleSpec on first use.
 """
+
+from typing import Any
 
 from scaletrain.api import RunSummary, evaluate, load_config, plan, train
 from scaletrain.errors import UserError
 
 __version__ = "0.1.0"
 
-__all__ = ["RunSummary", "UserError", "__version__", "evaluate", "load_config", "plan", "train"]
+__all__ = ["ModuleSpec", "RunSummary", "UserError", "__version__", "evaluate", "load_config", "plan", "train"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ModuleSpec":  # imports torch: only when a model file asks for it
+        from scaletrain.models.module_spec import ModuleSpec
+
+        return ModuleSpec
+    raise AttributeError(f"module 'scaletrain' has no attribute {name!r}")

@@ -117,9 +117,19 @@ def export_target(spec: ModelSpec, max_positions: int, model: Any = None) -> Exp
             hf_name, lambda dtype, eos: hf_config(shape, max_positions, dtype, eos), shape.tie_embeddings, spec.lora
         )
     from scaletrain.models.hf import HFSpec
+    from scaletrain.models.module_spec import PythonSpec
 
+    if isinstance(spec, PythonSpec):
+        # A model of your own: its state dict under its own names (a tied weight under each of them, as
+        # load_state_dict wants it), and a config.json naming the spec that rebuilds it.
+        return ExportTarget(lambda name: name, lambda dtype, eos: _python_config(spec, dtype, eos), tied=False)
     assert isinstance(spec, HFSpec)
     return ExportTarget(lambda name: name, spec.export_config, spec.tied, spec.lora)
+
+
+def _python_config(spec: Any, dtype: str, eos: int | None) -> dict[str, Any]:
+    dtypes = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    return {"scaletrain_model": spec.config(), "torch_dtype": dtypes[dtype], "eos_token_id": eos}
 
 
 def _with_routing(shape: ModelShape, model: Any) -> ModelShape:

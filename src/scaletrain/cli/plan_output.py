@@ -20,6 +20,7 @@ from scaletrain.planning.goodput import Failures, GoodputEstimate, estimate_good
 from scaletrain.planning.hardware import gpu, parse_size, this_cpu
 from scaletrain.planning.report import print_plan
 from scaletrain.strategies import FORMATS, TABLE
+from scaletrain.telemetry.progress import model_label
 from scaletrain.training import defaults
 from scaletrain.training.preflight import accepted, fits_and_time
 
@@ -49,7 +50,7 @@ def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
     if opts.json:
         print(json.dumps(plan.as_dict() | ({"goodput": goodput.as_dict()} if goodput else {}), indent=1))
     else:
-        print_plan(console(), plan, model, f"plan for model {cfg.model.preset}")
+        print_plan(console(), plan, model, f"plan for model {model_label(cfg, model)}")
     return 0
 
 

@@ -5,6 +5,7 @@ which re-exports these names; kept apart so that each file stays one read.
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -54,9 +55,14 @@ class ModelSource(Section):
     where: ClassVar[str] = "model"  # the key path in messages
     # builtin: scaletrain's own Llama, shaped by the preset and the fields below. hf: a
     # Hugging Face causal LM from a local directory (path) or an inline config (hf_config).
-    source: Literal["builtin", "hf"] = "builtin"
+    # python: a model of your own, the spec a function returns (models/module_spec.py).
+    source: Literal["builtin", "hf", "python"] = "builtin"
     path: str | None = None  # source hf: a local directory written by save_pretrained
     hf_config: dict[str, Any] | None = None  # source hf: {model_type: llama, hidden_size: ...}
+    # source python: "package.module:function", imported on every rank, called with spec_args
+    # (and vocab_size, the tokenizer's, unless spec_args gives it); it returns scaletrain.ModuleSpec(...).
+    spec: str | None = None
+    spec_args: dict[str, Any] = Field(default_factory=dict)
     preset: Literal[MODEL_PRESETS] = "tiny"  # type: ignore[valid-type]
     # Each shape field overrides the preset when set; vocab_size defaults to the tokenizer's.
     vocab_size: int | None = Field(None, ge=2)
@@ -74,6 +80,21 @@ class ModelSource(Section):
     def _one_source(self) -> ModelSource:
         at = self.where
         shape = [k for k in _SHAPE_FIELDS if getattr(self, k) is not None]
+        if self.source != "python" and (self.spec is not None or self.spec_args):
+            key = "spec" if self.spec is not None else "spec_args"
+            raise ValueError(f"{at}.{key} is for a model of your own; accepted: {at}.source=python with it, or no {at}.{key}")
+        if self.source == "python":
+            given = [k for k in ("path", "hf_config", *shape) if getattr(self, k) is not None]
+            if self.spec is None or not re.fullmatch(r"[\w.]+:[\w]+", self.spec):
+                raise ValueError(
+                    f"{at}.source=python needs {at}.spec as 'package.module:function' (got {self.spec!r}); accepted: e.g. "
+                    f"{at}.spec=my_models.gpt:make_spec"
+                )
+            if given:
+                raise ValueError(
+                    f"{at}.{given[0]} does not apply to a model of your own; accepted: its arguments in {at}.spec_args"
+                )
+            return self
         if self.source == "builtin":
             given = [k for k in ("path", "hf_config") if getattr(self, k) is not None]
             if given:
@@ -118,6 +139,15 @@ class ModelConfig(ModelSource):
     lora: LoraSection | None = None
     # Distillation: a frozen teacher whose output distribution the model learns. None: off.
     teacher: TeacherConfig | None = None
+
+    @model_validator(mode="after")
+    def _lora_source(self) -> ModelConfig:
+        if self.lora is not None and self.source == "python":
+            raise ValueError(
+                "model.lora adapts the built-in or a Hugging Face model's known layers; accepted: model.lora with "
+                "model.source=builtin|hf, or adapters inside a model of your own"
+            )
+        return self
 
 
 def compiled_experts_problem(cfg: Any) -> str | None:

@@ -440,7 +440,7 @@ def _expert_parallel_problem(cfg: Config, experts: bool) -> None:
     par, m = cfg.parallel, cfg.model
     where = names_where(lambda r: r.ep)
     if not experts:
-        model = "model.source=hf (not built yet)" if m.source != "builtin" else f"model.preset={m.preset} (dense)"
+        model = f"model.source={m.source} (not built yet)" if m.source != "builtin" else f"model.preset={m.preset} (dense)"
         raise ValueError(
             f"parallel.ep={par.ep} splits a mixture of experts' experts over ranks; {model} has none to split; accepted: "
             f"parallel.ep=1, or a built-in mixture of experts (model.preset={'|'.join(MOE_PRESETS)}, or model.moe)"

@@ -9,6 +9,7 @@ from typing import Any
 
 from scaletrain.config.parallel import ParallelDims
 from scaletrain.launch.distributed import World
+from scaletrain.models.capabilities import ContextChunks, capability
 from scaletrain.models.context_parallel import ContextParallel
 from scaletrain.models.spec import ModelSpec
 
@@ -21,5 +22,5 @@ def split_context(world: World, dims: ParallelDims, *models: tuple[ModelSpec | N
     cp = ContextParallel(dims.cp_group(world.device), dims.coordinates(world.rank)["cp"], dims.cp)
     for spec, model in models:
         if spec is not None and model is not None:
-            spec.apply_cp(model, cp)
+            capability(spec, ContextChunks, f"parallel.cp={dims.cp}", "parallel.cp=1").apply_cp(model, cp)
     return cp

@@ -42,6 +42,7 @@ from scaletrain.engines.teacher import frozen_meta, teacher_seed
 from scaletrain.engines.torch_engine import TorchEngineMixin
 from scaletrain.errors import UserError
 from scaletrain.launch.distributed import World, ensure_process_group
+from scaletrain.models.capabilities import ExpertSplit, PipelineStages, TensorParallel, capability
 from scaletrain.models.spec import LossFn, ModelSpec
 from scaletrain.training.optim import build_adamw
 
@@ -64,7 +65,7 @@ class FSDPEngine(TorchEngineMixin):
         # The logits stay split over the vocabulary for the loss under tensor parallelism.
         self.loss_parallel = dims.tp > 1
         if dims.tp > 1:
-            spec.check_tp(dims.tp)
+            capability(spec, TensorParallel, f"parallel.tp={dims.tp}", "parallel.tp=1").check_tp(dims.tp)
 
         def build(model: nn.Module) -> nn.Module:
             return _shard_and_materialize(model, spec, world, dims, cfg, offload)
@@ -79,7 +80,7 @@ class FSDPEngine(TorchEngineMixin):
                 self.float8 = apply_float8(model, spec, world.device, fsdp=True)
             model = build(model)
         else:
-            spec.check_pp(dims.pp)
+            capability(spec, PipelineStages, f"parallel.pp={dims.pp}", "parallel.pp=1").check_pp(dims.pp)
             ids, parts, ranges = stage_parts(spec, dims, world.rank, par.pp_schedule, cfg.data.seq_len)
             parts = [build(part) for part in parts]
             self.pipeline = Pipeline(
@@ -212,11 +213,12 @@ def _shard_and_materialize(
     # Tensor parallel first, on the plain model (its plan names submodules the checkpoint
     # wrapper would rename): FSDP then shards each rank's tp slice over the dp ranks.
     if dims.tp > 1:
-        spec.apply_tp(model, dims.mesh(world.device.type)["tp"], par.sequence_parallel, loss_parallel=True)
+        tp = capability(spec, TensorParallel, f"parallel.tp={dims.tp}", "parallel.tp=1")
+        tp.apply_tp(model, dims.mesh(world.device.type)["tp"], par.sequence_parallel, loss_parallel=True)
     # Expert parallel likewise before FSDP: the experts' ep placement, which FSDP composes with.
     experts: list[nn.Module] = []
     if dims.ep > 1:
-        spec.check_ep(dims.ep)
+        capability(spec, ExpertSplit, f"parallel.ep={dims.ep}", "parallel.ep=1").check_ep(dims.ep)
         expert_dp, ep_mesh = dims.expert_meshes(world.device)
         experts = split_experts(model, ep_mesh)
     blocks = spec.blocks(model)
@@ -272,12 +274,13 @@ def stage_parts(
     check_stages(spec.n_blocks, dims.pp, schedule)
     n_stages = dims.pp * SCHEDULES[schedule][1]
     ids = stage_ids(schedule, dims.pp, dims.coordinates(rank)["pp"])
-    first, block, last = spec.stage_costs(seq_len)
+    stages = capability(spec, PipelineStages, f"parallel.pp={dims.pp}", "parallel.pp=1")
+    first, block, last = stages.stage_costs(seq_len)
     ranges = split_blocks(spec.n_blocks, n_stages, block, first, last)
 
     def stage(i: int) -> nn.Module:
         part = spec.build_meta(seq_len)
-        spec.pipeline_stage(part, ranges[i], first=i == 0, last=i == n_stages - 1)
+        stages.pipeline_stage(part, ranges[i], first=i == 0, last=i == n_stages - 1)
         return part
 
     counts = spec.counts()

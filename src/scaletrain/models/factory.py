@@ -10,6 +10,7 @@ from scaletrain.errors import UserError
 from scaletrain.models.distill import Distill, HiddenStates, Observed, WithProjection, final_norm
 from scaletrain.models.hf import HFSpec, load_config
 from scaletrain.models.lora import LoraSpec, lora_spec
+from scaletrain.models.module_spec import from_import, with_source
 from scaletrain.models.params import PROJECTION
 from scaletrain.models.presets import ModelShape, resolve_shape
 from scaletrain.models.spec import LlamaSpec, ModelSpec
@@ -71,6 +72,8 @@ def _spec(
 ) -> ModelSpec:
     # train.compile compiles the chunked loss with the blocks (models/loss.py); the whole one is one aten kernel already
     common: dict[str, Any] = {"loss_chunk_tokens": chunk, "loss_compiled": compiled and chunk > 0, "trainable": trainable}
+    if m.source == "python":  # a model of your own (models/module_spec.py)
+        return with_source(from_import(m.spec, m.spec_args, vocab_size, m.where), m.spec, m.spec_args, **common)
     if m.source == "builtin":
         return LlamaSpec(resolve_shape(m, vocab_size), lora=lora_spec(lora, None), document_eos=document_eos, **common)
     conf = load_config(m.path, m.hf_config, vocab_size, m.where)
@@ -92,6 +95,10 @@ def saved_spec(saved_model: dict[str, Any]) -> ModelSpec:
     fields.pop(PROJECTION, None)  # distillation's projection: the student's own model has none
     lora = fields.pop("lora", None)
     adapters = LoraSpec(lora["r"], lora["alpha"], lora["dropout"], tuple(lora["target_modules"])) if lora else None
+    if fields.get("source") == "python":  # imported again, with the arguments it was built with
+        return with_source(
+            from_import(fields["spec"], fields["spec_args"], fields["vocab_size"]), fields["spec"], fields["spec_args"]
+        )
     if fields.get("source") == "hf":
         return HFSpec(_canonical_json(fields["hf_config"]), lora=adapters)
     return LlamaSpec(ModelShape(**fields), lora=adapters)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import UserError
+from scaletrain.models.capture import CapturedCall, first_call
 from scaletrain.models.counts import ModelCounts, counts_of
 from scaletrain.models.lora import LoraSpec, apply_lora, init_adapters, trainable_patterns
 from scaletrain.models.loss import cross_entropy, logits_of
@@ -50,6 +51,7 @@ from scaletrain.models.params import (
     freeze_all_but,
     is_adapter,
     name_generator,
+    seeded_init,
 )
 
 # Keys of a config's dict that say nothing about the tensors: left out of what a resume
@@ -192,7 +194,7 @@ class HFSpec:
         if self.path is not None:
             _load_weights(model, Path(self.path).expanduser(), seed, std)
         else:
-            _seeded_init(model, seed, std)
+            seeded_init(model, seed, std)
         if self.lora is not None:
             init_adapters(model, seed)
 
@@ -321,23 +323,6 @@ def _init_buffers(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def _seeded_init(model: nn.Module, seed: int, std: float) -> None:
-    owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
-    for name, param in model.named_parameters():
-        name = base_name(canonical_name(name))  # a LoRA base weight is seeded as without LoRA
-        owner = type(owners[id(param)]).__name__
-        if is_adapter(name):
-            continue  # lora.init_adapters
-        if name.endswith("bias"):
-            full = torch.zeros(param.shape)
-        elif "Norm" in owner or "norm" in owner:
-            full = torch.ones(param.shape)
-        else:
-            full = torch.empty(param.shape).normal_(0.0, std, generator=name_generator(seed, name))
-        copy_full(param, full)
-
-
-@torch.no_grad()
 def _load_weights(model: nn.Module, directory: Path, seed: int, std: float) -> None:
     """Each parameter from the directory's safetensors, one tensor at a time (a parameter
     saved in another layout: from its source tensors, converted)."""
@@ -432,23 +417,12 @@ def weight_files(directory: Path) -> dict[str, str]:
     )
 
 
-class _Stop(Exception):
-    pass
-
-
-class _CapturedCall(nn.Module):
+class _CapturedCall(CapturedCall):
     """A decoder layer called with the other arguments its model passed it."""
-
-    def __init__(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
-        super().__init__()
-        self.layer = layer
-        self.args = args
-        self.kwargs = kwargs
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         with _fake_friendly_experts():
-            out = self.layer(hidden, *self.args, **self.kwargs)
-        return out[0] if isinstance(out, tuple) else out
+            return super().forward(hidden)
 
 
 @contextmanager
@@ -468,18 +442,4 @@ def _captured_block(spec: HFSpec, seq_len: int) -> nn.Module:
     """The first decoder layer of a one-layer copy, and what the model passes it for a
     [1, seq_len] batch (run under the caller's FakeTensorMode: nothing is allocated)."""
     model = spec._build(spec._one_layer())
-    layer = next(decoder_layers(model).children())
-    seen: list[Any] = []
-
-    def grab(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        seen[:] = [args[1:], kwargs]  # all but the hidden states
-        raise _Stop
-
-    handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        model(torch.zeros(1, seq_len, dtype=torch.long))
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
-    return _CapturedCall(layer, *seen)
+    return first_call(model, next(decoder_layers(model).children()), seq_len, _CapturedCall)

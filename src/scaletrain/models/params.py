@@ -65,6 +65,26 @@ def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
+@torch.no_grad()
+def seeded_init(model: nn.Module, seed: int, std: float) -> None:
+    """Every parameter from its own (seed, name) stream: biases 0, a norm's weights 1, the rest
+    normal(0, std). The default of a Hugging Face model without weights and of a model of your
+    own (models/module_spec.py): the same numbers on any layout, as the built-in model's."""
+    owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
+    for name, param in model.named_parameters():
+        name = base_name(canonical_name(name))  # a LoRA base weight is seeded as without LoRA
+        owner = type(owners[id(param)]).__name__
+        if is_adapter(name):
+            continue  # lora.init_adapters
+        if name.endswith("bias"):
+            full = torch.zeros(param.shape)
+        elif "Norm" in owner or "norm" in owner:
+            full = torch.ones(param.shape)
+        else:
+            full = torch.empty(param.shape).normal_(0.0, std, generator=name_generator(seed, name))
+        copy_full(param, full)
+
+
 def freeze_all_but(model: nn.Module, patterns: tuple[str, ...]) -> None:
     """Turn requires_grad off for every parameter no pattern matches (none: all train).
     A weight shared under several names (a tied head) trains if any of its names match.

@@ -36,8 +36,10 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]  # (model output, targets) 
 
 
 class ModelSpec(Protocol):
-    """A model family as engines, planner and trainer see it. Frozen and hashable: the
-    planner caches by spec."""
+    """A model family as engines, planner and trainer see it: the core every model has.
+    Frozen and hashable: the planner caches by spec. What only some models offer (tensor
+    parallel, pipeline stages, context parallel, experts to split, the planner's trace) is
+    a capability (models/capabilities.py), asked for where it is needed."""
 
     @property
     def name(self) -> str: ...
@@ -85,37 +87,6 @@ class ModelSpec(Protocol):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token at this context length."""
-
-    def traced_block(self, seq_len: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-        """A fresh block and the extra inputs it takes after the hidden states (the planner
-        builds it under FakeTensorMode and traces what it saves for backward)."""
-
-    def traced_head(self) -> nn.Module:
-        """Final norm + output projection: hidden states -> logits, for the same tracing."""
-
-    def check_tp(self, tp: int) -> None:
-        """A one-line UserError unless the model splits evenly over `tp` ranks."""
-
-    def apply_tp(self, model: nn.Module, mesh: Any, sequence_parallel: bool, loss_parallel: bool) -> None:
-        """Split the (meta-device) model over the 1-D tensor-parallel `mesh` in place, before FSDP."""
-
-    def check_ep(self, ep: int) -> None:
-        """A one-line UserError unless the model's experts split evenly over `ep` ranks."""
-
-    def apply_cp(self, model: nn.Module, cp: Any) -> None:
-        """Have the model hold only this rank's chunks of each sequence (a ContextParallel,
-        models/context_parallel.py); a one-line UserError where it cannot."""
-
-    def check_pp(self, pp: int) -> None:
-        """A one-line UserError unless the model can be cut into pipeline stages."""
-
-    def pipeline_stage(self, model: nn.Module, blocks: range, first: bool, last: bool) -> None:
-        """Cut the (meta-device) model down to one stage in place: `blocks`, the input
-        embedding if `first`, the head if `last`; parameter names stay the whole model's."""
-
-    def stage_costs(self, seq_len: int) -> tuple[float, float, float]:
-        """Training FLOPs per token of (the embedding, one block, the final norm and head):
-        what the pipeline split and the planner balance stages by."""
 
 
 def with_fields(spec: Any, **changes: Any) -> Any:

@@ -19,6 +19,8 @@ def planning_spec(cfg: Config) -> ModelSpec:
     presets) the size of the tokenizer the run would train."""
     if cfg.model.source == "hf":
         has_vocab = cfg.model.path is not None or "vocab_size" in (cfg.model.hf_config or {})
+    elif cfg.model.source == "python":
+        has_vocab = "vocab_size" in cfg.model.spec_args
     else:
         has_vocab = cfg.model.vocab_size is not None or PRESETS[cfg.model.preset]["vocab_size"] is not None
     spec = model_spec(cfg, None if has_vocab else cfg.data.vocab_size)

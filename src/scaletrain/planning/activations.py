@@ -21,6 +21,7 @@ from functools import lru_cache
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from scaletrain.models.capabilities import Traceable, capability
 from scaletrain.models.spec import ModelSpec
 from scaletrain.planning.trace_cache import cached
 
@@ -107,6 +108,10 @@ def block_activations(
     return BlockActivations(saved=saved, weight_copies=weights, block_input=block_input)
 
 
+def _traceable(model: ModelSpec) -> Traceable:
+    return capability(model, Traceable, "the plan (scaletrain plan, and every run's preflight)", "a spec that defines them")
+
+
 def _linear(at_one: int, at_two: int, n: int) -> int:
     return at_one + (n - 1) * (at_two - at_one)
 
@@ -123,7 +128,7 @@ def _trace_block(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, 
     param_dtype, act_dtype = _dtypes(regime, low)
     with FakeTensorMode():
         with _default_dtype(param_dtype):
-            block, extra = model.traced_block(seq_len)
+            block, extra = _traceable(model).traced_block(seq_len)
         _WEIGHT_SHAPES.clear()
         _WEIGHT_SHAPES.update(tuple(p.shape) for p in block.parameters() if p.dim() == 2)
         # A non-leaf input, as in the real model where each block's input is the previous
@@ -155,7 +160,7 @@ def _trace_head(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, l
     param_dtype, act_dtype = _dtypes(regime, low)
     with FakeTensorMode():
         with _default_dtype(param_dtype):
-            head = model.traced_head()
+            head = _traceable(model).traced_head()
         _WEIGHT_SHAPES.clear()
         _WEIGHT_SHAPES.update(tuple(p.shape) for p in head.parameters() if p.dim() == 2)
         x = torch.empty(micro_batch, seq_len, model.hidden_size, dtype=act_dtype, requires_grad=True).clone()

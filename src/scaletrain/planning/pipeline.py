@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from scaletrain.config.stages import SCHEDULES, ideal_bubble, schedule_problem, split_blocks, stage_ids
 from scaletrain.errors import UserError
+from scaletrain.models.capabilities import PipelineStages, capability
 from scaletrain.models.spec import ModelSpec
 from scaletrain.planning.setup import Setup
 
@@ -30,7 +31,7 @@ def rank_share(model: ModelSpec, pp: int, schedule: str, seq_len: int) -> tuple[
     if pp == 1:
         return c.total, model.n_blocks
     n_stages = pp * SCHEDULES[schedule][1]
-    first, block, last = model.stage_costs(seq_len)
+    first, block, last = capability(model, PipelineStages, f"parallel.pp={pp}", "parallel.pp=1").stage_costs(seq_len)
     ranges = split_blocks(model.n_blocks, n_stages, block, first, last)
     head = c.total - c.embedding - model.n_blocks * c.block  # final norm and an untied head
 
@@ -75,6 +76,8 @@ def pp_comm_bytes_per_step(model: ModelSpec, s: Setup) -> float:
 def pp_options(fsdp: Setup, model: ModelSpec, world: int, nodes: int, tps: list[int]) -> list[Setup]:
     """fsdp x tp x pp for each tp in `tps` and pp a power of two the world and the model
     allow, the global batch kept (fewer data-parallel ranks accumulate more micro-batches)."""
+    if not isinstance(model, PipelineStages):
+        return []  # a model of your own without stages (models/capabilities.py)
     try:
         model.check_pp(2)
     except UserError:

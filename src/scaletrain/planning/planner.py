@@ -16,6 +16,7 @@ from scaletrain.config.batch import described, micro_batches, settle
 from scaletrain.config.parallel import dims_for
 from scaletrain.config.stages import SCHEDULES
 from scaletrain.errors import UserError
+from scaletrain.models.capabilities import TensorParallel
 from scaletrain.models.factory import distill_spec
 from scaletrain.models.spec import ModelSpec, with_fields
 from scaletrain.planning.candidate import Candidate, Plan
@@ -133,6 +134,8 @@ def _tp_sizes(model: ModelSpec, world: int, nodes: int) -> list[int]:
     for tp in (2, 4, 8):
         if tp > per_node or per_node % tp:
             continue
+        if not isinstance(model, TensorParallel):
+            break  # a model of your own without a tensor-parallel plan (models/capabilities.py)
         try:
             model.check_tp(tp)
         except UserError:

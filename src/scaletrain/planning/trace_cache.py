@@ -38,6 +38,6 @@ def _code() -> str:
 
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256(torch.__version__.encode())
-    for f in sorted([*root.joinpath("models").glob("*.py"), *root.joinpath("plan").glob("*.py")]):
+    for f in sorted([*root.joinpath("models").glob("*.py"), *root.joinpath("planning").glob("*.py")]):
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()

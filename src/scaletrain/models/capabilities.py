@@ -1,0 +1,90 @@
+"""What a model may offer beyond the core ModelSpec (models/spec.py): a layout or a tool that
+needs more than building, blocks, materializing and a loss asks for it here, and this is the
+one place a missing capability is refused, in one line naming it and the key that needs it.
+
+The built-in Llama offers all of them, a Hugging Face model the planner's trace (its other
+answers are refusals with their reasons), a model of your own (model.source: python,
+models/module_spec.py) whatever its spec defines: a spec is a capability's as soon as it has
+the capability's methods."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import torch
+from torch import nn
+
+from scaletrain.errors import UserError
+
+
+@runtime_checkable
+class TensorParallel(Protocol):
+    def check_tp(self, tp: int) -> None:
+        """A one-line UserError unless the model splits evenly over `tp` ranks."""
+
+    def apply_tp(self, model: nn.Module, mesh: Any, sequence_parallel: bool, loss_parallel: bool) -> None:
+        """Split the (meta-device) model over the 1-D tensor-parallel `mesh` in place, before FSDP."""
+
+
+@runtime_checkable
+class PipelineStages(Protocol):
+    def check_pp(self, pp: int) -> None:
+        """A one-line UserError unless the model can be cut into pipeline stages."""
+
+    def pipeline_stage(self, model: nn.Module, blocks: range, first: bool, last: bool) -> None:
+        """Cut the (meta-device) model down to one stage in place: `blocks`, the input
+        embedding if `first`, the head if `last`; parameter names stay the whole model's."""
+
+    def stage_costs(self, seq_len: int) -> tuple[float, float, float]:
+        """Training FLOPs per token of (the embedding, one block, the final norm and head):
+        what the pipeline split and the planner balance stages by."""
+
+
+@runtime_checkable
+class ContextChunks(Protocol):
+    def apply_cp(self, model: nn.Module, cp: Any) -> None:
+        """Have the model hold only this rank's chunks of each sequence (a ContextParallel,
+        models/context_parallel.py); a one-line UserError where it cannot."""
+
+
+@runtime_checkable
+class ExpertSplit(Protocol):
+    def check_ep(self, ep: int) -> None:
+        """A one-line UserError unless the model's experts split evenly over `ep` ranks."""
+
+
+@runtime_checkable
+class Traceable(Protocol):
+    def traced_block(self, seq_len: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        """A fresh block and the extra inputs it takes after the hidden states (the planner
+        builds it under FakeTensorMode and traces what it saves for backward)."""
+
+    def traced_head(self) -> nn.Module:
+        """Final norm + output projection: hidden states -> logits, for the same tracing."""
+
+
+# What each is, and the methods a spec defines to offer it (for the refusal's line).
+_WHAT = {
+    TensorParallel: ("a tensor-parallel plan", "check_tp and apply_tp"),
+    PipelineStages: ("pipeline stages", "check_pp, pipeline_stage and stage_costs"),
+    ContextChunks: ("context-parallel attention", "apply_cp"),
+    ExpertSplit: ("experts to split", "check_ep"),
+    Traceable: ("the planner's trace of a block and the head", "traced_block and traced_head"),
+}
+C = TypeVar("C")
+
+
+def capability(spec: Any, cap: type[C], key: str, accepted: str) -> C:
+    """`spec` as `cap`, or the one-line refusal: `key` (e.g. "parallel.tp=2") needs what
+    `cap` is, which this model does not offer; `accepted`: what would do instead."""
+    if isinstance(spec, cap):
+        return spec
+    what, methods = _WHAT[cap]
+    raise UserError(
+        f"{key} needs {what}, which the model {describe(spec)} does not offer (its spec has no {methods}); accepted: {accepted}"
+    )
+
+
+def describe(spec: Any) -> str:
+    """How a spec is named in messages: its import string for a model of your own."""
+    return str(getattr(spec, "source", None) or spec.name)
