@@ -69,10 +69,21 @@ def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.T
 
 def _chunk_backward(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """One chunk's gradient in the logits' dtype: (softmax - one-hot) x coef, coef the scale
-    per row (0 on the rows that are not trained)."""
+    per row (0 on the rows that are not trained). Written for inductor, which fuses it into
+    one kernel: eagerly each step would be a chunk-sized temporary (_chunk_backward_in_place)."""
     probs = (logits.float() - lse[:, None]).exp()
     hit = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
     return (torch.where(hit, probs - 1.0, probs) * coef[:, None]).to(logits.dtype)
+
+
+def _chunk_backward_in_place(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """The same, eagerly, on one fp32 copy of the chunk worked on in place: the one chunk
+    temporary the planner counts (a version with a temporary per step measured 2 GiB over
+    its prediction on an H100, docs/planner.md). The same operations in the same order."""
+    probs = logits.to(torch.float32, copy=True)  # a copy even of fp32 logits (saved for backward)
+    probs.sub_(lse[:, None]).exp_()
+    probs[torch.arange(logits.shape[0], device=probs.device), targets] -= 1.0
+    return probs.mul_(coef[:, None])  # the caller's copy into the gradient casts to the logits' dtype
 
 
 _compiled: dict[str, Any] = {}
@@ -84,7 +95,7 @@ def _kernels(compiled: bool, logits: torch.Tensor, chunk: int) -> tuple[Any, Any
     traces the loss under FakeTensorMode (planning/activations.py), where compiling crashed
     the process (a segmentation fault in dynamo, torch 2.13, CPU)."""
     if not compiled or logits.shape[0] != chunk or is_fake(logits):
-        return _chunk_forward, _chunk_backward
+        return _chunk_forward, _chunk_backward_in_place
     if not _compiled:
         portable_cpu_code()
         _compiled.update(
