@@ -85,6 +85,20 @@ def capability(spec: Any, cap: type[C], key: str, accepted: str) -> C:
     )
 
 
+def check_layout(spec: Any, parallel: Any) -> None:
+    """Every capability the layout (`parallel`, the config's section) asks of the model, on
+    every rank before anything is planned or built: a refusal on one rank only (the planner
+    runs on rank 0) would leave the others waiting for it."""
+    for size, cap, key in (
+        (parallel.tp, TensorParallel, "tp"),
+        (parallel.pp, PipelineStages, "pp"),
+        (parallel.cp, ContextChunks, "cp"),
+        (parallel.ep, ExpertSplit, "ep"),
+    ):
+        if size > 1:
+            capability(spec, cap, f"parallel.{key}={size}", f"parallel.{key}=1")
+
+
 def describe(spec: Any) -> str:
     """How a spec is named in messages: its import string for a model of your own."""
     return str(getattr(spec, "source", None) or spec.name)

@@ -43,6 +43,7 @@ from scaletrain.engines import Engine, build_engine
 from scaletrain.errors import OutOfMemoryRestart, Preempted, UserError
 from scaletrain.launch.distributed import World, all_hostnames, broadcast_object, init_distributed, rank0_first, shutdown
 from scaletrain.models import ModelSpec, distill_spec, model_spec
+from scaletrain.models.capabilities import check_layout
 from scaletrain.models.distill import Distill
 from scaletrain.models.documents import measured_context
 from scaletrain.models.loss import trained
@@ -67,6 +68,10 @@ from scaletrain.training.saves import Saves
 
 
 def train(cfg: Config, console: Console | None = None) -> dict[str, Any]:
+    if cfg.model.source == "python":
+        # tp, pp, cp, ep a model of your own does not offer: refused before any rank joins a group, so that
+        # every rank stops on the same line and none is left waiting on a store rank 0 has closed.
+        check_layout(model_spec(cfg, cfg.data.vocab_size), cfg.parallel)
     world = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
         return _train(cfg, world, console or Console())
