@@ -40,8 +40,9 @@ import importlib
 import inspect
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,7 +93,7 @@ class PythonSpec:
     loss_chunk_tokens: int = 0
     loss_compiled: bool = False
     trainable: tuple[str, ...] = ()
-    digest: str = field(default="", compare=True)  # the builder's source file, for the planner's trace cache
+    digest: str = ""  # a hash of the builder's source file, for the planner's trace cache
 
     def __repr__(self) -> str:
         # The planner's trace cache keys on repr (planning/trace_cache.py): an edited model file changes it.
@@ -230,15 +231,13 @@ def from_import(spec: str, args: dict[str, Any], vocab_size: int | None, where: 
 
 def with_source(spec: PythonSpec, source: str, args: dict[str, Any], **fields: Any) -> PythonSpec:
     """`spec` with where it came from, its arguments and the run's fields (models/factory.py)."""
-    from dataclasses import replace
-
     return replace(spec, source=source, spec_args=json.dumps(args, sort_keys=True), digest=_digest(spec.build), **fields)
 
 
 def _digest(fn: Callable[..., Any]) -> str:
     try:
         path = inspect.getsourcefile(fn)
-        return hashlib.sha256(open(path, "rb").read()).hexdigest()[:16] if path else ""
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path else ""
     except (OSError, TypeError):
         return ""
 
