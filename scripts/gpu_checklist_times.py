@@ -22,36 +22,36 @@ RESERVE_S = 5.0  # left at the end of a budget: the last summary, the way out
 UNKNOWN_S = 30.0  # a check missing from the tables (one added since they were measured)
 
 # Seconds on one GPU (16 cores), check by check, from its start to its result line; names as in CHECKS,
-# templates unfilled. Measured on the lent H200 (docs/gpu/2026-11-27-h200: its results.jsonl files, each
-# `seconds`), the first run's for what passed there and the second's for the ZeRO checks (DeepSpeed's
-# arch-list failure had stopped them in seconds the first time), rounded up. Two were killed where the
-# budget ended, so their figure is a floor raised by a guess: oom-1b-mb64 (62 s when it was killed after
-# its three steps, while saving or exiting) and zero1-bf16 (16 s, also after its steps). The MFU runs get
-# 3 s for the trace of step 5, added since. ESTIMATED names what no GPU run has timed yet.
+# templates unfilled. Measured on lent H200s in two sessions (docs/gpu/2026-11-27-h200 and
+# docs/gpu/2026-11-27-second/1-h200: their results.jsonl files, each `seconds`), rounded: parts 1, 2, 4
+# and 5 from the first session (the second call's for the ZeRO checks: the arch-list failure had stopped
+# them in seconds the first time), parts 3 and 6 from the second, which traced step 5 of each MFU run.
+# oom-1b-mb64 was killed where the first session's budget ended (62 s, after its three steps, while
+# saving or exiting): 80 s is that floor raised by a guess. zero1-bf16 and zero3-offload-fp16 were the
+# first DeepSpeed runs of their kind in their call, so their seconds include building FusedAdam and
+# DeepSpeedCPUAdam (~25-30 s); in a whole run part 2 builds them first and the two are pessimistic.
 # fmt: off
 GPU_S = {
     # 1: nvidia-smi; the CLI (no torch); torch and deepspeed imported, CUDA started, nvcc asked
-    "nvidia-smi": 0, "scaletrain CLI": 1, "python/torch/deepspeed": 9, "DeepSpeed optimizer": 0,
+    "nvidia-smi": 0, "scaletrain CLI": 1, "python/torch/deepspeed": 10, "DeepSpeed optimizer": 0,
     # 2: ddp, the first run, also trains the tokenizer and cuts the shards; zero2 JIT-builds FusedAdam
     # with nvcc (~60 of its 72 s), zero3-offload DeepSpeedCPUAdam with the host compiler (~45 s)
     "ddp-bf16": 16, "fsdp-bf16": 11, "zero2-bf16": 72, "zero3-bf16": 19, "zero3-offload-bf16": 59,
     # 3: the 1b preset at seq 2048: start-up, 1.24B parameters initialised, 20 steps of 16 x 2048 tokens
-    # (11-14 s), the final checkpoint (15 GB); compiling adds inductor's first compile, float8 more
-    "plan 1b AC=false": 10, "plan 1b AC=true": 6, "MFU 1b": 0,
-    "1b-eager-mb{mb}{ac_tag}": 74, "1b-compiled-mb{mb}{ac_tag}": 79, "1b-float8-compiled-mb{mb}{ac_tag}": 87,
+    # (7-14 s) with step 5 traced, the final checkpoint (15 GB); compiling adds inductor's first compile
+    "plan 1b AC=false": 9, "plan 1b AC=true": 6, "MFU 1b": 0,
+    "1b-eager-mb{mb}{ac_tag}": 81, "1b-compiled-mb{mb}{ac_tag}": 73, "1b-float8-compiled-mb{mb}{ac_tag}": 76,
     # 4: plan --measure: start-up, the model, 3 steps under MemTracker (zero3: DeepSpeed's partitioning)
     "1b-fsdp-bf16-AC-mb4": 27, "1b-fsdp-bf16-mb2": 21, "1b-zero3-bf16-AC-mb4": 49, "small-zero2-bf16": 20,
     # 5: other issues' checks. oom-1b-mb64 fails at micro-batch 64 and 32 before it trains at 16
     "moe-small-bf16": 12, "document-mask-bf16": 21, "cp-attention-kernels": 11, "oom-1b-mb64": 80,
     # 6: when time is left (fp16: 10 steps)
-    "zero1-bf16": 20, "fsdp-offload-bf16": 14, "1b-eager-mb{mb}-AC": 80,
-    "small-ddp-fp32": 10, "small-fsdp-bf16": 10, "small-zero3-bf16": 20,
-    "ddp-fp16": 10, "fsdp-fp16": 11, "zero2-fp16": 14, "zero3-fp16": 20, "zero3-offload-fp16": 16,
+    "zero1-bf16": 47, "fsdp-offload-bf16": 8, "1b-eager-mb{mb}-AC": 65,
+    "small-ddp-fp32": 10, "small-fsdp-bf16": 11, "small-zero3-bf16": 17,
+    "ddp-fp16": 10, "fsdp-fp16": 9, "zero2-fp16": 12, "zero3-fp16": 12, "zero3-offload-fp16": 42,
 }
-# Part 6's, but for zero1's floor: estimates from the measured neighbours (the planner's small configs as
-# small-zero2's 20 s less its DeepSpeed, the AC run as the eager one plus its recompute, fp16 as bf16).
-ESTIMATED = frozenset({"fsdp-offload-bf16", "1b-eager-mb{mb}-AC", "small-ddp-fp32", "small-fsdp-bf16", "small-zero3-bf16",
-                       "ddp-fp16", "fsdp-fp16", "zero2-fp16", "zero3-fp16", "zero3-offload-fp16"})
+# Every check has now run on a GPU; a check added later goes here until a run times it.
+ESTIMATED: frozenset[str] = frozenset()
 # The CPU stand-ins, measured (docs/gpu.md's transcript: 2 cores, torch 2.13.0+cpu, 10 steps each).
 CPU_S = {"nvidia-smi": 0, "scaletrain CLI": 1, "python/torch/deepspeed": 2,
          "ddp-cpu": 4, "fsdp-cpu": 4, "zero2-cpu": 5, "tiny-ddp-cpu": 3, "tiny-zero2-cpu": 5}

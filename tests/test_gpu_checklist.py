@@ -180,7 +180,7 @@ def test_list_prints_every_command_its_expected_time_and_where_the_budget_cuts(c
     runs = tmp_path / "out" / "runs"
     for exact in (  # as they run: the fixed tail of a training run, and the templates filled at run time
         "[1] DeepSpeed optimizer (needs cuda): FusedAdam where nvcc can build it, else WARN and torch's AdamW "
-        "(DS_OPTIMIZER); judge: ds_optimizer; ~0 s, measured, 12 s in all\n       (no command)",
+        "(DS_OPTIMIZER); judge: ds_optimizer; ~0 s, measured, 13 s in all\n       (no command)",
         "[2] zero2-cpu (needs no-cuda): zero2 trains on CPU (stand-in); judge: trains; ~6 s, measured, CPU, CPU mode only\n"
         f"       $ {ST} train model.preset=tiny run.device=cpu precision=fp32 train.log_every=5 parallel.strategy=zero2 "
         f"parallel.bucket_size=2000000 train.steps=10 checkpoint.every=0 train.resume=never run.dir={runs}/zero2-cpu",
@@ -195,12 +195,12 @@ def test_list_prints_every_command_its_expected_time_and_where_the_budget_cuts(c
         "train.compile=true train.float8=true train.steps=20 checkpoint.every=0 train.resume=never "
         f"'run.dir={runs}/1b-float8-compiled-mb{{mb}}{{ac_tag}}'",
         "[5] moe-small-bf16 (needs cuda): a mixture of experts trains in bf16 on CUDA (the grouped matmul), no host sync "
-        "in a step; judge: host_syncs; ~12 s, measured, 582 s in all\n"
+        "in a step; judge: host_syncs; ~12 s, measured, 572 s in all\n"
         f"       $ {ST} train model.preset=small run.device=cuda train.log_every=1 'model.moe={{}}' parallel.strategy=fsdp "
         "precision=bf16 telemetry.host_syncs=true train.log_every=2 train.steps=4 checkpoint.every=0 train.resume=never "
         f"run.dir={runs}/moe-small-bf16",
         f"       $ {sys.executable} {SCRIPT.parent / 'cp_kernels.py'}",
-        "[6] fsdp-offload-bf16 (needs cuda): fsdp-offload trains in bf16 on CUDA; judge: trains; ~14 s, estimate, 730 s "
+        "[6] fsdp-offload-bf16 (needs cuda): fsdp-offload trains in bf16 on CUDA; judge: trains; ~8 s, measured, 742 s "
         "in all: skipped under --budget 540\n"
         f"       $ {ST} train model.preset=small run.device=cuda train.log_every=1 parallel.strategy=fsdp "
         f"parallel.offload_params=cpu precision=bf16 train.steps=3 checkpoint.every=0 train.resume=never "
@@ -525,7 +525,7 @@ def test_a_check_that_does_not_fit_the_budget_is_skipped_and_a_later_one_that_fi
     after = list(got)[list(got).index("1b-compiled-mb8") + 1 :]
     assert after == ["1b-float8-compiled-mb8", *PLANNER, *MORE, *filled(LEFT), *FP16]
     assert all(got[n]["status"] == "SKIP" and got[n]["detail"].startswith("budget:") for n in after)
-    assert got["1b-float8-compiled-mb8"]["detail"] == "budget: expects ~88 s (measured), 0 s left of --budget 300"
+    assert got["1b-float8-compiled-mb8"]["detail"] == "budget: expects ~76 s (measured), 0 s left of --budget 300"
     assert got["1b-float8-compiled-mb8"]["cmd"].endswith(f"run.dir={out}/runs/1b-float8-compiled-mb8")
     assert f"summary: {out}/summary.md (GPU mode, 295 s, 0 failed)" in printed
 

@@ -242,8 +242,19 @@ def _shard_and_materialize(
     # Offloaded shards (and the optimizer step on them) live in host memory; FSDP copies
     # them to the compute device for each all-gather.
     spec.materialize(model, torch.device("cpu") if offload else world.device, cfg.train.seed)
+    if offload:
+        # FSDP moves only the parameters it manages to the compute device; buffers (the
+        # rotary tables, a router's bias) stay where materialize put them, and the first
+        # forward on a GPU would meet a host tensor (seen on an H200: cuda:0 and cpu).
+        _buffers_to(model, world.device)
     _check_still_shared(model, tied)
     return model
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, buffer.to(device))  # a registered buffer stays one, persistent or not
 
 
 def sharded_teacher(spec: ModelSpec, world: World, dims: ParallelDims, cfg: Config) -> nn.Module:
