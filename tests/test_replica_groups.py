@@ -216,7 +216,8 @@ def test_one_diloco_outer_step_is_nesterov_sgd_on_the_pseudo_gradient(monkeypatc
     shadow.load_state_dict(model.state_dict())
     shadow_opt = torch.optim.AdamW(shadow.parameters(), lr=0.05)
     state = {"step": 0, "position": 0, "tokens_seen": 0}
-    groups = ReplicaGroups(cfg, ALONE, _Engine(model, inner), 0, lambda in_step: dict(state), state.update, lambda row: None)
+    engine = _Engine(model, inner)
+    groups = ReplicaGroups(cfg, ALONE, lambda: engine, 0, lambda in_step: dict(state), state.update, lambda row: None)
     try:
         for step in range(2):
             x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))

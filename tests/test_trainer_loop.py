@@ -56,3 +56,34 @@ def test_forward_backward_and_step_are_all_the_loop_calls_per_step(small_dataset
     assert info["parallel"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "dp_size": 1}
     assert len(info["hosts"]) == 1 and info["versions"]["scaletrain"] and info["resumed_from"] is None
     assert info["started"].endswith("+00:00")
+
+
+@pytest.mark.timeout(300)
+def test_the_engine_is_let_go_while_an_error_still_holds_the_run(small_dataset, tmp_path, monkeypatch):
+    """The run is the engine's one holder (its checkpoints, evaluations and drills reach it
+    through the run): an error's traceback keeps the Run alive, and a DDP wrapper kept with
+    it would outlive the process group. So once train() has given up, nothing holds it."""
+    import gc
+    import weakref
+
+    built: list[weakref.ref] = []
+    build, step = trainer.build_engine, trainer.train_step
+
+    def building(*a, **k):
+        engine = build(*a, **k)
+        built.append(weakref.ref(engine))
+        return engine
+
+    def failing(run):
+        if run.step == 3:
+            raise RuntimeError("planted: a step that fails")
+        step(run)
+
+    monkeypatch.setattr(trainer, "build_engine", building)
+    monkeypatch.setattr(trainer, "train_step", failing)
+    overrides = [*base_overrides(small_dataset, tmp_path / "run", steps=6), "checkpoint.every=2", "eval.every=2", "eval.split=0.3", "eval.batches=1"]
+    with pytest.raises(RuntimeError, match="planted") as error:
+        trainer.train(load_config([], overrides))
+    gc.collect()
+    assert error.value.__traceback__ is not None  # the frames, the Run among them, are still held here
+    assert len(built) == 1 and built[0]() is None

@@ -34,6 +34,7 @@ import torch
 
 from scaletrain.bench.raw import adamw_groups, end_process, peak_bytes
 from scaletrain.config import Config, load_config
+from scaletrain.config.batch import global_batch
 from scaletrain.data import PackedTokens, resolve_dataset_dir
 from scaletrain.models import model_spec
 from scaletrain.strategies import strategy
@@ -64,7 +65,7 @@ def main(argv: list[str]) -> int:
     model = spec.build_meta(cfg.data.seq_len)
     spec.materialize(model, device, cfg.train.seed)  # scaletrain's initial weights
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    examples = Windows(data, cfg.train.steps * cfg.train.micro_batch * cfg.train.grad_accum * world)
+    examples = Windows(data, cfg.train.steps * global_batch(cfg.train, world))
     run = hf_trainer if which == "hf-trainer" else accelerate_loop
     intervals, losses = run(cfg, model, examples, Path(out).parent, cuda)
     peak = torch.tensor(float(peak_bytes(device)), device=device)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.config import Config, ModelConfig
+from scaletrain.config.batch import global_batch
 from scaletrain.errors import UserError
 from scaletrain.strategies import STRATEGIES
 
@@ -133,7 +134,7 @@ def run_bench(cfg: Config, strategies: list[str], nproc: int, rounds: int, peers
     check_request(cfg, strategies, nproc, rounds)
     data = PackedTokens(ensure_prepared(cfg.data), cfg.data.seq_len, cfg.train.seed)  # once, before any timed run
     bench = Bench(strategies, nproc, rounds, peers, out, data.vocab_size)
-    tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum * nproc * cfg.data.seq_len
+    tokens_per_step = global_batch(cfg.train, nproc) * cfg.data.seq_len
     configs = {(s, name): _config_for(cfg, s, name, data, out) for s in strategies for name in variants(s, peers)}
     for strategy, r, name in schedule(strategies, rounds, peers):
         say(f"bench: {strategy} {name} round {r + 1}/{rounds}")

@@ -10,8 +10,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MODEL_PRESETS = ("tiny", "small", "1b", "7b", "8b", "70b", "405b", "tiny-moe", "mixtral-8x7b", "deepseek-moe-16b")
-MOE_PRESETS = ("tiny-moe", "mixtral-8x7b", "deepseek-moe-16b")  # mixtures of experts (models/moe.py)
+from scaletrain.config.presets import PRESETS
+
+MODEL_PRESETS = tuple(PRESETS)
+MOE_PRESETS = tuple(name for name, shape in PRESETS.items() if shape.get("experts"))  # mixtures of experts (models/moe.py)
 
 
 class Section(BaseModel):

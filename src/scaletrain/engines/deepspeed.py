@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext, redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,8 @@ class DeepSpeedEngine(AccumulationWindow):
         # divides by gradient_accumulation_steps again. It still applies its loss scale.
         self.ds.backward(loss, scale_wrt_gas=False)
 
-    def step(self, lr: float) -> StepStats:
+    def step(self, lr: float, across: Callable[[], bool] | None = None) -> StepStats:
+        assert across is None  # replica groups take the torch engines only (config/ft.py)
         set_lr(self.optimizer, lr)
         self.ds.step()  # unscale, overflow check, clip, optimizer step, zero grads
         skipped = not self.ds.was_step_applied()

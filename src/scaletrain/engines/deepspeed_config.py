@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from scaletrain.config import Config
+from scaletrain.config.batch import global_batch
 from scaletrain.errors import UserError
 
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -76,7 +77,7 @@ def build_deepspeed_config(cfg: Config, dp_size: int) -> dict[str, Any]:
     generated: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": t.grad_accum,
-        "train_batch_size": t.micro_batch * t.grad_accum * dp_size,
+        "train_batch_size": global_batch(t, dp_size),  # DeepSpeed checks it is micro x accum x dp
         # 0.0 is DeepSpeed's "no clipping" too, so the value is always written and comparable.
         "gradient_clipping": float(t.clip_grad),
         # DeepSpeed builds the optimizer itself: FusedAdam, or DeepSpeedCPUAdam when the

@@ -8,6 +8,7 @@ engine: the resharding the roadmap builds on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
@@ -155,9 +156,6 @@ class TorchEngineMixin(AccumulationWindow):
     save_frozen = True  # checkpoint.frozen: whether save() writes the frozen parameters
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
-    # fault_tolerance.groups > 1: averages the gradients over the live replica groups and
-    # says whether the step may be applied (scaletrain/replica_groups.py), before clipping.
-    across: Any = None
     staging: Staging | None = None  # background saves' CPU copy, made at the first one
     float8: Any = None  # train.float8: engines/float8.py's Float8 (its after_step hook)
 
@@ -168,9 +166,9 @@ class TorchEngineMixin(AccumulationWindow):
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, lr: float) -> StepStats:
+    def step(self, lr: float, across: Callable[[], bool] | None = None) -> StepStats:
         set_lr(self.optimizer, lr)
-        if self.across is not None and not self.across.reduce():
+        if across is not None and not across():  # before clipping: the norm is of the averaged gradients
             self.optimizer.zero_grad(set_to_none=True)
             return StepStats(torch.zeros((), device=self.device), None, torch.zeros((), dtype=torch.bool), committed=False)
         if self.scaler:

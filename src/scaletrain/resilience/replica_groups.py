@@ -82,6 +82,8 @@ def writes_checkpoints(cfg: Config) -> bool:
 class NoGroups:
     """fault_tolerance off: nothing to agree on."""
 
+    across = None  # what the engine's step calls first (ReplicaGroups.reduce): nothing
+
     def before_step(self) -> None:
         pass
 
@@ -98,10 +100,12 @@ class NoGroups:
 class ReplicaGroups:
     """One group's side of the quorum. `trainer_state(in_step)` / `restore(state)`: the
     loop's step, data position and tokens (with `in_step`, as they will be once the step in
-    progress ends), sent to and taken from a peer; `event(row)`: a metrics.jsonl event row.
+    progress ends), sent to and taken from a peer; `event(row)`: a metrics.jsonl event row;
+    `engine()`: the run's engine, held by the run alone (its optimizer and module are taken
+    once, for torchft's manager and DiLoCo, and let go in close).
 
     Every step (fault_tolerance.diloco off): a quorum before it, the gradients averaged in
-    it: this object is the engine's `across` (engines/torch_engine.py). With DiLoCo, torchft's
+    it: `across`, which the loop hands the engine's step (engines/base.py). With DiLoCo, torchft's
     `DiLoCo` drives the quorum from the optimizer's step hooks: each group steps alone, and
     every sync_every steps the pseudo-gradient (the weights at the last synchronization
     minus the weights now) is averaged over the live groups and the outer optimizer (SGD
@@ -112,7 +116,7 @@ class ReplicaGroups:
         self,
         cfg: Config,
         world: World,
-        engine: Any,
+        engine: Callable[[], Any],
         step: int,
         trainer_state: Callable[[bool], dict[str, int]],
         restore: Callable[[dict[str, int]], None],
@@ -125,7 +129,7 @@ class ReplicaGroups:
 
         ft = cfg.fault_tolerance
         self.group, self.groups = group_index(cfg), ft.groups
-        self.engine, self.optimizer = engine, engine.optimizer
+        self.engine, self.optimizer = engine, engine().optimizer
         self.trainer_state, self.restore, self.event = trainer_state, restore, event
         self.world = world
         timeout = timedelta(seconds=ft.timeout_s)
@@ -172,10 +176,10 @@ class ReplicaGroups:
 
             d = ft.diloco
             outer = torch.optim.SGD(_params(self.optimizer), lr=d.outer_lr, momentum=d.outer_momentum, nesterov=True)
-            self.diloco = DiLoCo(self.manager, [engine.module], self.optimizer, outer, sync_every=d.sync_every)
+            self.diloco = DiLoCo(self.manager, [engine().module], self.optimizer, outer, sync_every=d.sync_every)
             self.diloco.__enter__()  # its hooks on the engine's optimizer
-        else:
-            engine.across = self
+        # Every step without DiLoCo: the gradients averaged over the live groups in the engine's step.
+        self.across: Callable[[], bool] | None = self.reduce if self.diloco is None else None
 
     def before_step(self) -> None:
         """The quorum for the next step (DiLoCo: its synchronizations hold their own); what
@@ -229,9 +233,9 @@ class ReplicaGroups:
         if self.diloco is not None:
             self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
-        # The engine must not outlive the process group, whatever still holds this object (a
-        # traceback's Run): the trainer's _release drops its other holders before this runs.
-        self.engine = self.optimizer = self.diloco = None
+        # The optimizer must not outlive the process group, whatever still holds this object (a
+        # traceback's Run); the engine itself is the run's alone (the trainer's _release).
+        self.optimizer = self.diloco = self.across = None
 
     # torchft's transport: what a peer sends (`_state`) and a rejoining group takes (`_load`).
     def _state(self) -> dict[str, Any]:
@@ -239,7 +243,7 @@ class ReplicaGroups:
         return {
             "params": [_local(p).detach() for p in params],
             "optim": [{k: _local(v) for k, v in self.optimizer.state[p].items()} for p in params],
-            "extra": self.engine.extra_state(),
+            "extra": self.engine().extra_state(),
             # DiLoCo sends from its hook inside the optimizer step: the state after that step.
             "trainer": self.trainer_state(self.diloco is not None),
         }
@@ -256,7 +260,7 @@ class ReplicaGroups:
                     mine = self.optimizer.state[p][key]
                     _local(mine).copy_(v)
                     received += v.numel() * v.element_size()
-        self.engine.load_extra_state(state["extra"])
+        self.engine().load_extra_state(state["extra"])
         self.healed = {"received_bytes": received, "from_step": state["trainer"]["step"], "trainer": state["trainer"]}
 
 

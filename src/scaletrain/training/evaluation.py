@@ -212,7 +212,7 @@ class Evaluation:
         self,
         cfg: Config,
         world: World,
-        engine: Engine,
+        engine: Callable[[], Engine],  # the run's, held by the run alone (training/trainer.py)
         evalset: EvalSet | None,
         loss: LossFn,
         dims: ParallelDims,
@@ -239,7 +239,7 @@ class Evaluation:
         row = {
             "step": step,
             "event": EVENT,
-            **evaluate(self.engine, self.evalset, self.loss, self.world, self.dp_rank, self.dp_size, self.beat),
+            **evaluate(self.engine(), self.evalset, self.loss, self.world, self.dp_rank, self.dp_size, self.beat),
         }
         self.forget()
         for report in self.report:

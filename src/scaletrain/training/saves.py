@@ -4,7 +4,9 @@ background, what the loop waited for it, and going back to one (rollback, verify
 The loop says only `saves.after_step(step, last)` (and `saves.stop(step)` on a preemption);
 this class decides whether a checkpoint is due (checkpoint.every, the last step, a stop),
 flushes the metrics first (so metrics.jsonl holds every step a checkpoint holds) and keeps
-the hang watchdog out of the wait.
+the hang watchdog out of the wait. A checkpoint's trainer state is the loop's position, the
+engine's own part, and what the run's other collaborators report of themselves (`about`:
+the layout, the model, the data, the non-finite guard's counters), each its own part.
 
 With checkpoint.async_save (the default), a torch engine's save returns once the state is
 copied to CPU memory; DCP writes it from a thread and a thread of ours then writes the
@@ -27,17 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain import checkpoint
-from scaletrain.checkpoint.frozen_base import base_reference
 from scaletrain.checkpoint.manager import PendingSave
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
-from scaletrain.config.parallel import ParallelDims
-from scaletrain.data import DataMix, PackedTokens
 from scaletrain.engines import Engine
 from scaletrain.launch.distributed import World, barrier
-from scaletrain.models import ModelSpec
-from scaletrain.resilience.nonfinite import Diverged, NonfiniteGuard
+from scaletrain.resilience.nonfinite import Diverged
 from scaletrain.telemetry import MetricsLog
 from scaletrain.training.rundir import RunPaths
 
@@ -49,14 +47,13 @@ LET_FINISH_S = 120.0
 class Saves:
     cfg: Config
     world: World
-    dims: ParallelDims
-    engine: Engine
-    spec: ModelSpec
-    data: PackedTokens | DataMix
+    engine: Callable[[], Engine]  # the run's, held by the run alone (training/trainer.py)
     paths: RunPaths
-    guard: NonfiniteGuard
     metrics: MetricsLog
     layout: ParamLayout
+    # TrainerState's fields that the run's other collaborators report of themselves (world_size,
+    # parallel, model, data_fingerprint, nonfinite, base): each part called at every save.
+    about: list[Callable[[], dict[str, Any]]]
     position: Callable[[], int]  # the data position where the next step starts
     before_save: Callable[[], None]  # flush the metrics of the steps a checkpoint will hold
     paused: Callable[[], AbstractContextManager[Any]]  # the hang watchdog left out of long waits
@@ -147,14 +144,14 @@ class Saves:
         """Collective, train.nonfinite=rollback: the newest valid checkpoint back into the
         engine (weights, optimizer, loss scale, RNG); returns its trainer state. The data
         position is not restored: training goes on after the batches that failed."""
+        engine = self.engine()
         with self.paused():
             self.wait()
             ckpt = checkpoint.latest_valid(self.paths.checkpoints, self.world, self.say)
             if ckpt is None:  # all damaged since the check: nothing to go back to
                 raise Diverged("train.nonfinite=rollback: no valid checkpoint to roll back to; accepted: train.nonfinite=skip")
-            state, _ = checkpoint.resume_state(ckpt, self.world, self.engine, self.layout, self.dims.as_dict())
-        self.engine.load_extra_state(state.engine_state)
-        self.say(self.guard.rolled_back(state.step))
+            state, _ = checkpoint.resume_state(ckpt, self.world, engine, self.layout, self._about()["parallel"])
+        engine.load_extra_state(state.engine_state)
         return state
 
     def verify_round_trip(self, step: int, position: int, tokens_seen: int) -> None:
@@ -162,28 +159,23 @@ class Saves:
         back natively, compare every tensor with the files (checkpoint.verify), remove it."""
         scratch = self.paths.checkpoints / ".verify_on_start"
         self._write(scratch, step, position, tokens_seen, background=False)
-        checkpoint.load_checkpoint(scratch, self.world, lambda p: self.engine.load(p / "state"))
-        checkpoint.verify(scratch, self.world, self.engine, self.layout)
+        engine = self.engine()
+        checkpoint.load_checkpoint(scratch, self.world, lambda p: engine.load(p / "state"))
+        checkpoint.verify(scratch, self.world, engine, self.layout)
         barrier(self.world)
         if self.world.is_main:
             shutil.rmtree(scratch)
 
     def _write(self, target: Path, step: int, position: int, tokens_seen: int, background: bool) -> PendingSave | None:
-        engine = self.engine
+        engine = self.engine()
         trainer_state = TrainerState(
             step=step,
             data_position=position,
             tokens_seen=tokens_seen,
-            world_size=self.world.world_size,
-            parallel=self.dims.as_dict(),
             format=engine.format,
             engine=engine.name,
-            model=self.spec.config(),
-            data_fingerprint=self.data.fingerprint,
             engine_state=engine.extra_state(),
-            nonfinite=self.guard.counters(),
-            # checkpoint.frozen=reference: the frozen parameters are not in state/: where they come from
-            base=base_reference(self.cfg) if self.cfg.checkpoint.frozen == "reference" else None,
+            **self._about(),
         )
         files = {"config.yaml": self.cfg.to_yaml(), **engine.checkpoint_files()}
         background = background and self.cfg.checkpoint.async_save
@@ -193,6 +185,9 @@ class Saves:
         return checkpoint.save_checkpoint(
             target, self.world, lambda d: engine.save(d, background=background), trainer_state, files, then=prune
         )
+
+    def _about(self) -> dict[str, Any]:
+        return {key: value for part in self.about for key, value in part().items()}
 
     def _event(self, step: int, background: bool, blocking: float, waited: float, total: float) -> None:
         row = {"step": step, "event": "checkpoint", "async": background, "blocking_s": blocking}

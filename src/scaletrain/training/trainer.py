@@ -23,6 +23,7 @@ import torch
 from rich.console import Console
 
 from scaletrain import checkpoint
+from scaletrain.checkpoint.frozen_base import base_reference
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
@@ -111,6 +112,11 @@ class Run:
     tokens_seen: int = 0
     groups: NoGroups | ReplicaGroups = NoGroups()  # fault_tolerance: the quorum of replica groups
 
+    def trained_tokens(self) -> int:
+        """What a step adds to tokens_seen: its trained tokens (fine-tuning records: their
+        responses, counted as the step is taken), else every token of the step."""
+        return self.batches.step_tokens if self.batches.masked else self.tokens_per_step
+
 
 def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
     first, clock = None, time.perf_counter()
@@ -190,7 +196,7 @@ def train_step(run: Run) -> None:
             mark("data")
             loss = run.groups.mean(run.engine.forward_backward(batch, run.drills.loss(step, run.loss), phase.marking(mark)))
             phase.now = "optimizer"
-            stats = run.engine.step(lr)  # a non-finite step is not applied, whatever the policy
+            stats = run.engine.step(lr, run.groups.across)  # a non-finite step is not applied, whatever the policy
             mark("optimizer")
             if stats.committed:  # else a replica group failed during it: applied nowhere, run again on the next batch
                 _record(run, step, lr, loss, stats, time.perf_counter() - t0)
@@ -206,7 +212,7 @@ def train_step(run: Run) -> None:
 
 def _record(run: Run, step: int, lr: float, loss: torch.Tensor, stats: Any, dt: float) -> None:
     # `tokens`: the trained ones (fine-tuning records: their responses); tokens_per_s: all processed.
-    run.step, run.tokens_seen = step, run.tokens_seen + (run.batches.step_tokens if run.batches.masked else run.tokens_per_step)
+    run.step, run.tokens_seen = step, run.tokens_seen + run.trained_tokens()
     run.watchdog.beat(step)
     scaler = {"loss_scale": stats.loss_scale, "skipped": stats.skipped} if stats.loss_scale is not None else {}
     run.telemetry.record(
@@ -234,6 +240,7 @@ class Phase:
 def roll_back(run: Run) -> None:
     """train.nonfinite=rollback: back to the newest valid checkpoint; its later rows go."""
     state = run.saves.roll_back()
+    run.say(run.guard.rolled_back(state.step))
     run.step, run.tokens_seen = state.step, state.tokens_seen
     run.metrics.truncate_after(run.step)  # the rows of the undone steps; the counters keep the tally
     run.progress.advance(run.step)
@@ -300,9 +307,16 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     guard = NonfiniteGuard(cfg.train, cfg.precision, resumed.nonfinite if resumed else {})
     flush = lambda: progress.show(telemetry.flush())  # noqa: E731
     watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=lambda line: print(line, file=sys.stderr, flush=True))
+    # The engine's one holder is the run: the collaborators reach it through `held`, so that
+    # _release lets it go for all of them (a DDP wrapper must not outlive the process group).
+    def held() -> Engine:
+        return run.engine
+
+    identity = _identity(cfg, world, dims, spec, data)
     saves = Saves(
-        cfg, world, dims, engine, spec, data, paths, guard, metrics, layout, lambda: batches.position, flush, watchdog.paused, say,
-        writes=writes_checkpoints(cfg),
+        cfg, world, engine=held, paths=paths, metrics=metrics, layout=layout,
+        about=[lambda: identity, lambda: {"nonfinite": guard.counters()}],
+        position=lambda: batches.position, before_save=flush, paused=watchdog.paused, say=say, writes=writes_checkpoints(cfg),
     )  # fmt: skip
     telemetry.review = lambda rows: guard.review(rows, saves.newest)  # each interval's steps, as they are read
     # A clean stop (the end, a preemption, a one-line error agreed by every rank) lets the
@@ -311,22 +325,24 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
         lambda kind, *_: saves.wait() if kind is None or issubclass(kind, (UserError, Preempted, OutOfMemoryRestart)) else None
     )
     stack.callback(watchdog.close)  # first: a long wait at the end is no hang
-    replicas = ReplicaCheck(world, engine.name, cfg.guards.weight_hash_every, hosts, dims)
-    drills = Drills(lambda: engine.model, saves.wait, lambda: watch.signum != 0)
-    evaluation = Evaluation(
-        cfg, world, engine, evalset, eval_loss(spec), dims, flush, [telemetry.event, progress.evaluated], watchdog.beat,
-        telemetry.drop_routing,
-    )  # fmt: skip
     loss = distill.loss if distill else spec.loss
     run = Run(
-        cfg, world, say, paths, resume_from, engine, batches, per_trained_token(loss, batches, dp_size * dims.cp) if data.masked else loss,
-        telemetry, metrics,
-        guard, replicas, watchdog, watch, progress, saves, drills, evaluation, peak_lr, tokens_per_step, step,
-        resumed.tokens_seen if resumed else 0,
+        cfg=cfg, world=world, say=say, paths=paths, resumed_from=resume_from, engine=engine, batches=batches,
+        loss=per_trained_token(loss, batches, dp_size * dims.cp) if data.masked else loss,
+        telemetry=telemetry, metrics=metrics, guard=guard,
+        replicas=ReplicaCheck(world, engine.name, cfg.guards.weight_hash_every, hosts, dims),
+        watchdog=watchdog, watch=watch, progress=progress, saves=saves,
+        drills=Drills(lambda: held().model, saves.wait, lambda: watch.signum != 0),
+        evaluation=Evaluation(
+            cfg, world, held, evalset, eval_loss(spec), dims, flush, [telemetry.event, progress.evaluated], watchdog.beat,
+            telemetry.drop_routing,
+        ),
+        peak_lr=peak_lr, tokens_per_step=tokens_per_step, step=step, tokens_seen=resumed.tokens_seen if resumed else 0,
     )  # fmt: skip
+    del engine  # from here on the run holds it
     if cfg.fault_tolerance.groups > 1:
         run.groups = ReplicaGroups(
-            cfg, world, engine, step, lambda in_step: _trainer_state(run, in_step), lambda s: _restore(run, s), telemetry.event
+            cfg, world, held, step, lambda in_step: _trainer_state(run, in_step), lambda s: _restore(run, s), telemetry.event
         )
         stack.push(lambda kind, *_: run.groups.close(run.step, clean=kind is None))
     # A mixture of experts' load per interval (a weak reference: _release still frees the model).
@@ -412,8 +428,7 @@ def _trainer_state(run: Run, in_step: bool) -> dict[str, int]:
     position has moved on already: the step's batch was taken before its forward)."""
     if not in_step:
         return {"step": run.step, "position": run.batches.position, "tokens_seen": run.tokens_seen}
-    tokens = run.batches.step_tokens if run.batches.masked else run.tokens_per_step
-    return {"step": run.step + 1, "position": run.batches.position, "tokens_seen": run.tokens_seen + tokens}
+    return {"step": run.step + 1, "position": run.batches.position, "tokens_seen": run.tokens_seen + run.trained_tokens()}
 
 
 def _restore(run: Run, state: dict[str, int]) -> None:
@@ -421,9 +436,21 @@ def _restore(run: Run, state: dict[str, int]) -> None:
     run.progress.advance(run.step)
 
 
+def _identity(cfg: Config, world: World, dims: ParallelDims, spec: ModelSpec, data: PackedTokens | DataMix) -> dict[str, Any]:
+    """What every checkpoint of this start records of the run besides the loop's position and
+    the engine's state: the layout, the model, the data, and with checkpoint.frozen=reference
+    where the frozen parameters (left out of state/) come from."""
+    return {
+        "world_size": world.world_size,
+        "parallel": dims.as_dict(),
+        "model": spec.config(),
+        "data_fingerprint": data.fingerprint,
+        "base": base_reference(cfg) if cfg.checkpoint.frozen == "reference" else None,
+    }
+
+
 def _release(run: Run) -> None:
-    run.engine = run.saves.engine = run.evaluation.engine = None  # type: ignore[assignment]
-    run.drills.model = lambda: None
+    run.engine = None  # type: ignore[assignment]  # its one holder: the others reach it through the run
 
 
 def _training_data(cfg: Config, world: World) -> PackedTokens | DataMix:
