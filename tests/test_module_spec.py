@@ -1,11 +1,12 @@
 """A model of your own (model.source: python, models/module_spec.py): a GPT-2-style decoder
 (examples/gpt2/gpt2.py: learned positions, LayerNorm with biases, a fused qkv, GELU, a tied
 head; nothing of the built-in Llama) trains on ddp, fsdp, zero2 and zero3 at world 2 as one
-process does, resumes at another world size, evaluates, exports and is planned; what it does
+process does, resumes at another world size, evaluates, converts, exports and is planned; what it does
 not offer (tensor, pipeline, context parallel) is refused in one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from scaletrain.checkpoint import read_model_weights
 from scaletrain.config import load_config
 from scaletrain.errors import UserError
 from scaletrain.models import model_spec
@@ -211,6 +213,20 @@ def test_its_checkpoint_evaluates_exports_and_its_run_is_planned(small_dataset, 
     )
     assert plan.stdout.startswith("plan for model gpt2 (gpt2:make_spec): ")
     assert "ddp" in plan.stdout and "zero3" in plan.stdout and " tp " not in plan.stdout  # no tensor-parallel candidate
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_ckpt_convert_rebuilds_it_from_the_import_string(gpt2_reference, tmp_path):
+    # convert builds the target engine's model from trainer.json alone: the import string and its arguments.
+    src, dst = gpt2_reference / "checkpoints" / "step_10", tmp_path / "fsdp" / "checkpoints" / "step_10"
+    proc = check(scaletrain(["ckpt", "convert", str(src), str(dst), "--to", "fsdp"], env=ENV))
+    assert "verified" in proc.stdout and f"train.resume={dst}" in proc.stdout
+    saved, converted = (json.loads((d / "trainer.json").read_text()) for d in (src, dst))
+    assert converted["model"] == saved["model"] and saved["model"]["spec"] == "gpt2:make_spec"
+    assert (converted["engine"], converted["step"], converted["data_position"]) == ("fsdp", 10, saved["data_position"])
+    a, b = read_model_weights(src), read_model_weights(dst)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the tied head included
 
 
 @pytest.mark.e2e

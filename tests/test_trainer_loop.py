@@ -81,7 +81,13 @@ def test_the_engine_is_let_go_while_an_error_still_holds_the_run(small_dataset, 
 
     monkeypatch.setattr(trainer, "build_engine", building)
     monkeypatch.setattr(trainer, "train_step", failing)
-    overrides = [*base_overrides(small_dataset, tmp_path / "run", steps=6), "checkpoint.every=2", "eval.every=2", "eval.split=0.3", "eval.batches=1"]
+    overrides = [
+        *base_overrides(small_dataset, tmp_path / "run", steps=6),
+        "checkpoint.every=2",
+        "eval.every=2",
+        "eval.split=0.3",
+        "eval.batches=1",
+    ]
     with pytest.raises(RuntimeError, match="planted") as error:
         trainer.train(load_config([], overrides))
     gc.collect()

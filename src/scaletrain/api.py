@@ -5,6 +5,7 @@
     print(scaletrain.plan(cfg, gpus_per_node=8).chosen.setup.label)
     summary = scaletrain.train(cfg)                 # every rank: under torchrun, or alone
     print(scaletrain.evaluate(summary.run_dir)["loss"])
+    scaletrain.train("gpt.yaml", spec=make_spec)    # a model of your own: model.spec=<its module>:make_spec
 
 Each function returns data (the config, the plan, the run's summary, the eval row) and
 prints only what the CLI's command would log while it works (training's progress lines).
@@ -17,7 +18,7 @@ import what they run when called (docs/api.md).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,20 +47,35 @@ def load_config(paths: Paths = (), overrides: Overrides = ()) -> Config:
     """YAML files merged in order, then overrides: `["train.lr=3e-4", ...]` (values read as
     on the command line) or `{"train.lr": 3e-4, ...}` (values taken as they are). No files
     and no overrides: the embedded default."""
-    from scaletrain.config import load_config as load
+    from scaletrain.config.load import config_tree, from_tree
 
+    return from_tree(config_tree(*_load_args(paths, overrides)))
+
+
+def _load_args(paths: Paths, overrides: Overrides) -> tuple[list[str], list[str], Mapping[str, Any] | None]:
+    """load_config's files, overrides and values."""
     files = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
     if isinstance(overrides, Mapping):
-        return load(files, values=overrides)
+        return files, [], overrides
     if isinstance(overrides, str):  # one override given bare: a sequence of its characters otherwise
         overrides = [overrides]
-    return load(files, list(overrides))
+    return files, list(overrides), None
 
 
-def train(config: Config | Paths, overrides: Overrides = ()) -> RunSummary:
+def train(config: Config | Paths, overrides: Overrides = (), *, spec: Callable[..., Any] | None = None) -> RunSummary:
     """Train as `scaletrain train` does; collective over the launched ranks. `config`: a
-    Config, or YAML paths (with `overrides` as load_config takes them)."""
-    cfg = _config(config, overrides)
+    Config, or YAML paths (with `overrides` as load_config takes them).
+
+    `spec`: a model of your own, the function that returns its scaletrain.ModuleSpec (called
+    with model.spec_args and the tokenizer's vocab_size, as a config's model.spec is). The
+    same as model.source=python with model.spec naming it by its module and name, which the
+    run records (config.yaml, trainer.json) so that a resume, `scaletrain eval` and `ckpt
+    convert`/`export` import it again: it must be defined at the top level of a module. One
+    defined in the running script (`__main__`) serves that script (its resume, `evaluate`),
+    not the CLI (docs/api.md). The config's model.source is builtin (the default: spec= makes
+    it python, and model.spec_args may come with it) or python with model.spec unset or
+    naming the same function; anything else is refused in one line."""
+    cfg = _config(config, overrides, spec)
     from scaletrain.engines import preload
     from scaletrain.training.trainer import train as run
 
@@ -112,8 +128,9 @@ def evaluate(run_or_checkpoint: str | os.PathLike[str], overrides: Sequence[str]
     return evaluate_checkpoint(os.fspath(run_or_checkpoint), list(overrides), say=False)
 
 
-def _config(config: Any, overrides: Overrides) -> Config:
+def _config(config: Any, overrides: Overrides, spec: Callable[..., Any] | None = None) -> Config:
     from scaletrain.config import Config
+    from scaletrain.config.load import config_tree, from_tree
     from scaletrain.launch.distributed import keep_process_group
 
     keep_process_group()  # one process group for all of the program's calls (launch/distributed.py)
@@ -122,5 +139,35 @@ def _config(config: Any, overrides: Overrides) -> Config:
             from scaletrain.errors import UserError
 
             raise UserError("overrides go with YAML paths, not with a Config: accepted: load_config(paths, overrides)")
-        return config
-    return load_config(config, overrides)
+        if spec is None:
+            return config
+        # The keys it was given, as given: training/defaults.py fills the others on the device.
+        tree = config.model_dump(exclude_unset=True)
+    else:
+        tree = config_tree(*_load_args(config, overrides))
+    return from_tree(tree if spec is None else _with_spec(tree, spec))
+
+
+def _with_spec(tree: dict[str, Any], make: Any) -> dict[str, Any]:
+    """The unchecked config `tree` training the model `make` returns: model.source=python,
+    model.spec its import string (or the config's own, where that names the same function)."""
+    from scaletrain.errors import UserError
+    from scaletrain.models.module_spec import import_string, named
+
+    name = import_string(make)
+    model = tree.get("model", {})
+    if not isinstance(model, dict):  # a bad model section: from_tree says what is wrong
+        return tree
+    source, given = model.get("source", "builtin"), model.get("spec")
+    if source not in ("builtin", "python"):
+        raise UserError(
+            f"spec={name} is a model of your own, and model.source={source} names another; accepted: spec= with "
+            f"model.source=builtin (the default) or python, or model.source={source} without spec="
+        )
+    if given is not None and given != name and (not isinstance(given, str) or named(given) is not make):
+        raise UserError(
+            f"model.spec={given} does not name spec={name}; accepted: model.spec naming that function, or no model.spec "
+            "(spec= sets it)"
+        )
+    # A config naming the function by another module that holds it too keeps its own string.
+    return {**tree, "model": {**model, "source": "python", "spec": given or name}}

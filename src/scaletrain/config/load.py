@@ -25,6 +25,16 @@ def load_config(
 ) -> Config:
     """Merge YAML files in order, apply `dotted.key=value` overrides (their values read as
     YAML), then `values` ({dotted key: value}, taken as they are: a program's), validate."""
+    return from_tree(config_tree(files, overrides, values))
+
+
+def config_tree(
+    files: list[str] | tuple[str, ...] = (),
+    overrides: list[str] | tuple[str, ...] = (),
+    values: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What load_config validates: the files, overrides and values merged, unchecked (a
+    program may set more keys before from_tree, as `train(config, spec=...)` does: api.py)."""
     merged: dict[str, Any] = {}
     for f in files:
         _deep_merge(merged, _read_yaml_file(f))
@@ -35,10 +45,16 @@ def load_config(
         if not key or any(not part for part in key.split(".")):
             raise UserError(f"config key {key!r} needs the form section.key, e.g. train.lr")
         _set_dotted(merged, key, value)
+    return merged
+
+
+def from_tree(tree: dict[str, Any]) -> Config:
+    """The config `tree` (config_tree's, or a Config's model_dump(exclude_unset=True): the keys
+    given stay the given ones, which training/defaults.py reads), checked; one line if not."""
     try:
-        return Config.model_validate(merged)
+        return Config.model_validate(tree)
     except ValidationError as e:
-        raise UserError(_describe(e, merged)) from None
+        raise UserError(_describe(e, tree)) from None
 
 
 def split_args(args: list[str]) -> tuple[list[str], list[str]]:

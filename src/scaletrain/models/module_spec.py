@@ -39,6 +39,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -210,6 +211,12 @@ def from_import(spec: str, args: dict[str, Any], vocab_size: int | None, where: 
             f"{where}.spec={spec!r}: cannot import {module_name} ({e}); accepted: a module on every rank's PYTHONPATH"
         ) from None
     make = getattr(module, attr, None)
+    if not callable(make) and module_name == "__main__":  # train(config, spec=fn) with fn defined in the script
+        raise UserError(
+            f"{where}.spec={spec!r} names a function of the script that trained the model, which this program does not "
+            "define; accepted: that script (scaletrain.evaluate from it), or the function in a module on PYTHONPATH "
+            "when training (docs/api.md)"
+        )
     if not callable(make):
         raise UserError(f"{where}.spec={spec!r}: {module_name} has no function {attr!r}; accepted: 'package.module:function'")
     kwargs = dict(args)
@@ -227,6 +234,50 @@ def from_import(spec: str, args: dict[str, Any], vocab_size: int | None, where: 
     if not isinstance(made, PythonSpec):
         raise UserError(f"{where}.spec={spec!r} returned {type(made).__name__}; accepted: scaletrain.ModuleSpec(...)")
     return made
+
+
+def import_string(make: Any) -> str:
+    """The `module:function` that from_import finds `make` by (what `train(config, spec=make)`
+    puts in model.spec): a function at the top level of its module, the script's own
+    (`__main__`) included; one line for anything an import string cannot name."""
+    if isinstance(make, PythonSpec):
+        raise UserError(
+            "spec= is a ModuleSpec(...) itself, which a checkpoint cannot name; accepted: the function that returns it, "
+            "defined at the top level of a module (train(config, spec=make_spec))"
+        )
+    if isinstance(make, str):
+        raise UserError(
+            f"spec={make!r} is a string; accepted: the function itself (spec=make_spec), or the string as model.spec "
+            "with model.source=python"
+        )
+    module, qualname = getattr(make, "__module__", None), getattr(make, "__qualname__", None)
+    if not callable(make) or not isinstance(module, str) or not isinstance(qualname, str):
+        raise UserError(
+            f"spec= is of type {type(make).__name__}, not a function an import string can name; accepted: a function defined "
+            "at the top level of a module, returning scaletrain.ModuleSpec(...)"
+        )
+    at = f"{module}.{qualname}"
+    if not qualname.isidentifier():
+        what = "a lambda or a function defined inside another" if "<" in qualname else "not at its module's top level"
+        raise UserError(
+            f"spec={at} is {what}: no import string names it, and a checkpoint must rebuild its model from one; "
+            "accepted: a function defined at the top level of a module (or of the script)"
+        )
+    if getattr(sys.modules.get(module), qualname, None) is not make:
+        raise UserError(
+            f"spec={at} is not the function {module}.{qualname} names now, which a resume would import; accepted: "
+            f"the function that {module}.{qualname} is"
+        )
+    return f"{module}:{qualname}"
+
+
+def named(spec: str) -> Any:
+    """What the import string `spec` names, or None where its module does not import or has no such name."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr, None)
+    except (ImportError, ValueError):  # ValueError: no module name at all
+        return None
 
 
 def with_source(spec: PythonSpec, source: str, args: dict[str, Any], **fields: Any) -> PythonSpec:

@@ -307,6 +307,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     guard = NonfiniteGuard(cfg.train, cfg.precision, resumed.nonfinite if resumed else {})
     flush = lambda: progress.show(telemetry.flush())  # noqa: E731
     watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=lambda line: print(line, file=sys.stderr, flush=True))
+
     # The engine's one holder is the run: the collaborators reach it through `held`, so that
     # _release lets it go for all of them (a DDP wrapper must not outlive the process group).
     def held() -> Engine:
