@@ -130,31 +130,48 @@ def test_the_balance_loss_is_one_when_balanced_and_its_gradient_reaches_the_rout
     assert layer.experts.w1.grad is None  # the balance term depends on the router only
 
 
+def _switch(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """The Switch balance term of these tokens' router probabilities [tokens, experts]."""
+    e = probs.shape[1]
+    share = torch.bincount(probs.topk(k, -1).indices.reshape(-1), minlength=e).float() / (probs.shape[0] * k)
+    return e * (share * probs.mean(0)).sum()
+
+
 @pytest.mark.unit
-def test_the_models_loss_carries_the_routers_auxiliary_gradient():
+@pytest.mark.parametrize("balance", ["sequence_aux", "aux"])
+def test_the_models_loss_carries_the_routers_auxiliary_gradient_and_the_cross_entropy_as_its_value(balance):
     """The spec's loss adds each layer's auxiliary terms, gradient included: the router's
     gradient with the terms on, minus with them off (the forward is the same), equals the
     gradient of the terms written out here from their definitions (one MoE block, so the
-    router's input does not itself depend on a router)."""
+    router's input does not itself depend on a router): the balance term over each sequence
+    and averaged (sequence_aux) or over the micro-batch (aux). Its value is the cross
+    entropy alone, the same with the terms on or off."""
     over = ["model.preset=tiny-moe", "model.n_layers=1", "model.dim=32", "model.n_heads=2", "model.n_kv_heads=2"]
-    inputs, captured, grads = torch.randint(0, 64, (2, 9)), {}, {}
+    inputs, captured, grads, values = torch.randint(0, 64, (2, 9)), {}, {}, {}
     for weights in ((0.0, 0.0), (0.5, 0.25)):
         spec = LlamaSpec(
-            _shape(*over, f"model.moe.aux_loss_weight={weights[0]}", f"model.moe.z_loss_weight={weights[1]}", vocab=64)
-        )
+            _shape(
+                *over, f"model.moe.aux_loss_weight={weights[0]}", f"model.moe.z_loss_weight={weights[1]}",
+                f"model.moe.balance={balance}", vocab=64,
+            )
+        )  # fmt: skip
         model = spec.build_meta(8)
         spec.materialize(model, torch.device("cpu"), seed=0)
         (layer,) = [m for m in model.modules() if isinstance(m, MoE)]
         layer.register_forward_hook(lambda _m, args, _out: captured.update(x=args[0].detach()))
         loss = spec.loss(model(inputs[:, :-1]), inputs[:, 1:])
         (grads[weights],) = torch.autograd.grad(loss, [layer.router.weight])
+        values[weights] = loss.item()
+    assert values[(0.5, 0.25)] == values[(0.0, 0.0)]  # bit for bit: aux - aux.detach() adds exactly 0
     router = layer.router.weight.detach().clone().requires_grad_()
-    x = captured["x"].reshape(-1, 32)
+    x = captured["x"]
     logits = (x @ router.t()).float()
-    probs = logits.softmax(-1)
-    e, k = probs.shape[1], layer.top_k
-    share = torch.bincount(probs.topk(k, -1).indices.reshape(-1), minlength=e).float() / (x.shape[0] * k)
-    terms = 0.5 * e * (share * probs.mean(0)).sum() + 0.25 * torch.logsumexp(logits, -1).pow(2).mean()
+    probs = logits.softmax(-1)  # [sequences, tokens, experts]
+    if balance == "aux":
+        term = _switch(probs.reshape(-1, probs.shape[-1]), layer.top_k)
+    else:
+        term = torch.stack([_switch(p, layer.top_k) for p in probs]).mean()
+    terms = 0.5 * term + 0.25 * torch.logsumexp(logits, -1).pow(2).mean()
     (want,) = torch.autograd.grad(terms, [router])
     # The same fp32 operations in another grouping: rounding of values ~1e-2, so a few ulps
     # of the gradient's largest entry; a missing term is off by the whole of `want`.
@@ -236,11 +253,13 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def one_process(small_dataset, tmp_path_factory):
-    """World 1 at micro-batch 4 x 2 accumulated: the same micro-batches as two ranks of 4
-    (data/loader.py), so each balance term sees the same tokens (it is per micro-batch)."""
+    """World 1 with the step's 8 sequences in one micro-batch, where the runs at world 2 take 4
+    on each rank: with the default balance (model.moe.balance=sequence_aux, per sequence) the
+    numbers depend on the global batch only. The per-micro-batch balance (aux) fails this:
+    its load counts, and so its gradient, follow how the sequences are grouped."""
     run = tmp_path_factory.mktemp("moe-ref") / "w1"
-    overrides = [*base_overrides(small_dataset, run, steps=STEPS), "model.preset=tiny-moe", "train.micro_batch=4"]
-    check(train([*overrides, "train.grad_accum=2", "checkpoint.every=4", *eval_overrides(small_dataset)]))
+    overrides = [*base_overrides(small_dataset, run, steps=STEPS), "model.preset=tiny-moe", "train.micro_batch=8"]
+    check(train([*overrides, "train.grad_accum=1", "checkpoint.every=4", *eval_overrides(small_dataset)]))
     return run
 
 
@@ -285,3 +304,25 @@ def test_a_capacity_trains_planned_and_counts_what_it_dropped(small_dataset, tmp
     assert len(layers) == 4 and all(layer["dropped"] > 0 for layer in layers), layers
     # The loads count the routing's decisions, before the drop: top_k slots per token.
     assert all(sum(layer["load"]) == interval["moe"]["tokens"] * 2 for layer in layers)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("balance", ["aux", "sequence_aux"])
+def test_a_micro_batch_the_run_chose_is_said_where_the_balance_follows_it(small_dataset, tmp_path, balance):
+    # Only the per-micro-batch balance makes the numbers depend on the micro-batch: a plan
+    # choosing it (train.micro_batch=auto) says so in one line, and says nothing otherwise.
+    run = tmp_path / balance
+    overrides = [*base_overrides(small_dataset, run, steps=1), "model.preset=tiny-moe", f"model.moe.balance={balance}"]
+    out = check(train([*overrides, "train.micro_batch=auto", "train.global_batch=8"])).stdout
+    said = [line for line in out.splitlines() if "model.moe.balance=aux counts" in line]
+    if balance == "aux":
+        assert len(said) == 1 and "the plan chose it, configured: auto" in said[0], out
+        assert "model.moe.balance=sequence_aux keeps them to the global batch" in said[0]
+    else:
+        assert not said, said
+    # The loss rows are the cross entropy; the routers' terms are in the interval rows, apart.
+    (interval,) = [r for r in read_metrics(run / "metrics.jsonl", events=True) if r.get("event") == "interval"]
+    layers = interval["moe"]["layers"]
+    assert interval["moe"]["aux"] == pytest.approx(sum(layer["aux"] for layer in layers), rel=1e-5)
+    assert all(layer["balance"] >= 1.0 - 1e-6 and layer["z"] > 0 for layer in layers), layers  # balanced: exactly 1

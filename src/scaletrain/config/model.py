@@ -43,6 +43,11 @@ class MoeSection(Section):
     capacity_factor: float | None = Field(None, ge=0)  # 0: dropless; else slots per expert = cf x tokens x top_k / experts
     normalize_top_k: bool | None = None  # True: the top-k router weights sum to 1 (Mixtral)
     aux_loss_weight: float = Field(0.02, ge=0)  # load balancing (Switch); Mixtral's coefficient
+    # Over what the balance loss counts the load (docs/moe.md): sequence_aux, each sequence's,
+    # averaged (linear in sequences: the numbers depend on the global batch only, however it
+    # is split into micro-batches and ranks); aux, each micro-batch's (Switch, Mixtral,
+    # torchtitan: Hugging Face Mixtral's numbers, which change with the micro-batch).
+    balance: Literal["sequence_aux", "aux"] = "sequence_aux"
     z_loss_weight: float = Field(0.001, ge=0)  # router z-loss (ST-MoE)
     # How the experts run (the same numbers): grouped, one torch._grouped_mm per projection,
     # nothing read back to the host; loop, one matmul per expert after one .tolist() of the

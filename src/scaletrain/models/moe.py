@@ -10,13 +10,21 @@ at most ceil(capacity_factor x tokens x top_k / experts) token slots of a micro-
 token order, and the slots past it are dropped (never computed; the token keeps its other
 experts and the residual).
 
-Two auxiliary terms keep the router healthy, added to the loss by the model's spec:
+Two auxiliary terms keep the router healthy; the model's spec adds their gradient to the
+loss's (its value stays the cross entropy) and the telemetry logs them apart:
   load balancing (Switch Transformer, Fedus et al. 2021): experts x sum_e f_e x P_e, where
       f_e is the share of token slots routed to expert e and P_e its mean router
       probability; 1 when balanced, up to `experts` when one expert takes everything.
+      `model.moe.balance` says over what f and P are counted: sequence_aux (the default),
+      each sequence's, and the term is the mean over the micro-batch's sequences, as
+      DeepSeek-V3's sequence-wise balance loss; a mean of per-sequence terms is linear in
+      the sequences, so with the engines' mean over micro-batches and ranks the step's term
+      is the mean over the global batch however it is split (micro-batch, accumulation,
+      ranks, out-of-memory recovery). aux: the micro-batch's, as Mixtral and torchtitan
+      count it; f x P is not linear in the tokens, so its numbers follow the micro-batch.
   router z-loss (ST-MoE, Zoph et al. 2022): the mean squared logsumexp of the router
-      logits, which keeps them small enough for the softmax to stay precise in bf16.
-Both are computed over this rank's micro-batch, as Mixtral and torchtitan do.
+      logits, which keeps them small enough for the softmax to stay precise in bf16: a mean
+      over tokens, invariant to the split either way.
 
 Expert parallelism (`parallel.ep`, engines/expert_parallel.py) sets `ep_group`: each rank
 of it holds experts/ep of the experts (a DTensor sharded on dim 0), and the routed token
@@ -55,9 +63,10 @@ if TYPE_CHECKING:
     from scaletrain.models.presets import ModelShape
 
 # What each MoE layer reports per forward (MoE.forward's third output, detached, fp32):
-# token slots routed to each expert (before any capacity drop), then these.
-STAT_DROPPED, STAT_AUX, STAT_TOKENS = range(3)
-EXTRA_STATS = 3
+# token slots routed to each expert (before any capacity drop), then these: the slots
+# dropped, the weighted auxiliary loss, the tokens, and the two terms unweighted.
+STAT_DROPPED, STAT_AUX, STAT_TOKENS, STAT_BALANCE, STAT_Z = range(5)
+EXTRA_STATS = 5
 
 
 class GroupedExperts(nn.Module):
@@ -95,6 +104,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = e, shape.top_k
         self.capacity_factor, self.normalize = shape.capacity_factor, shape.normalize_top_k
         self.aux_weight, self.z_weight = shape.aux_loss_weight, shape.z_loss_weight
+        self.per_sequence = shape.balance == "sequence_aux"
         self.router = nn.Linear(d, e, bias=False)
         self.experts = GroupedExperts(e, d, h, shape.experts_impl)
         self.shared: nn.Module | None = None
@@ -151,15 +161,26 @@ class MoE(nn.Module):
         y = torch.zeros_like(tokens).index_add_(0, source, weighted)
         if self.shared is not None:
             y = y + self.shared(tokens)
-        # Load balancing: f_e from the routing decisions (no gradient), P_e from the probabilities.
-        share = routed.to(torch.float32) / (n * k)
-        balance = e * (share * probs.mean(dim=0)).sum()
+        balance = self._balance(routed, chosen, probs, b, t)
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
         aux = self.aux_weight * balance + self.z_weight * z
         # torch.full, not torch.tensor: a fill on the device, no host-to-device copy per forward.
-        extra = torch.stack([dropped.float(), aux.detach(), torch.full((), float(n), device=x.device)])
+        tokens_seen = torch.full((), float(n), device=x.device)
+        extra = torch.stack([dropped.float(), aux.detach(), tokens_seen, balance.detach(), z.detach()])
         stats = torch.cat([routed.detach().float(), extra])
         return y.reshape(b, t, d), aux, stats
+
+    def _balance(self, routed: torch.Tensor, chosen: torch.Tensor, probs: torch.Tensor, b: int, t: int) -> torch.Tensor:
+        """The Switch balance term, f_e from the routing decisions (no gradient), P_e from
+        the probabilities: over the micro-batch (aux), or per sequence and averaged."""
+        e, k = self.n_experts, self.top_k
+        if not self.per_sequence:
+            return e * (routed.to(torch.float32) / (b * t * k) * probs.mean(dim=0)).sum()
+        # Slots per (sequence, expert): a scatter of static size, nothing read back.
+        slots = chosen.reshape(b, t * k)
+        per_sequence = torch.zeros(b, e, device=probs.device).scatter_add_(1, slots, torch.ones(slots.shape, device=probs.device))
+        share = per_sequence / (t * k)
+        return e * (share * probs.reshape(b, t, e).mean(dim=1)).sum(dim=1).mean()
 
 
 def _expert_parallel(experts: GroupedExperts, slots: torch.Tensor, counts: torch.Tensor, group: Any) -> torch.Tensor:

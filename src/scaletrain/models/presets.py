@@ -35,6 +35,7 @@ class ModelShape:
     capacity_factor: float = 0.0  # 0: dropless
     normalize_top_k: bool = True
     aux_loss_weight: float = 0.0
+    balance: str = "sequence_aux"  # model.moe.balance: sequence_aux | aux (models/moe.py)
     z_loss_weight: float = 0.0
     experts_impl: str = "auto"  # how the experts run (models/moe.py); no tensor's shape
 
@@ -87,6 +88,7 @@ def resolve_shape(cfg: ModelSource, vocab_size: int | None = None) -> ModelShape
             base[key] = moe.get(key, base.get(key, default))
         base["expert_ffn_dim"] = moe.get("expert_ffn_dim", base.get("expert_ffn_dim") or base["ffn_dim"])
         base["aux_loss_weight"], base["z_loss_weight"] = cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight
+        base["balance"] = cfg.moe.balance
         base["experts_impl"] = cfg.moe.experts_impl
     elif base.get("experts"):  # a mixture-of-experts preset: the auxiliary losses' defaults
         base["aux_loss_weight"], base["z_loss_weight"] = AUX_LOSS_WEIGHT, Z_LOSS_WEIGHT

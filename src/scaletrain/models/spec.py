@@ -142,7 +142,10 @@ class LlamaSpec:
     def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         if isinstance(output, tuple):  # a mixture of experts: (logits, the routers' auxiliary loss)
             logits, aux = output
-            return loss_fn(logits, targets, self.loss_chunk_tokens, self.loss_compiled) + aux
+            # The value is the cross entropy alone, what a loss row compares with a dense run's
+            # and an eval's; the gradient carries the auxiliary terms' too: aux - aux.detach()
+            # is exactly 0 (a finite x - x), and its gradient aux's. The terms are logged apart.
+            return loss_fn(logits, targets, self.loss_chunk_tokens, self.loss_compiled) + (aux - aux.detach())
         return loss_fn(output, targets, self.loss_chunk_tokens, self.loss_compiled)
 
     def config(self) -> dict[str, Any]:
@@ -239,7 +242,7 @@ class LlamaSpec:
 
 
 # ModelShape's fields that shape no tensor (the routing, how the experts run); and those of the experts.
-_ROUTING = ("capacity_factor", "normalize_top_k", "aux_loss_weight", "z_loss_weight", "experts_impl")
+_ROUTING = ("capacity_factor", "normalize_top_k", "aux_loss_weight", "balance", "z_loss_weight", "experts_impl")
 _EXPERT_SHAPE = ("experts", "top_k", "shared_experts", "expert_ffn_dim", "dense_layers")
 
 

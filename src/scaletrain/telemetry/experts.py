@@ -6,9 +6,12 @@ loss, tokens seen). Each rank takes them once per interval, at the metrics flush
 sync per step), and sends them in the flush's one all_gather_object; this turns every
 rank's sums into the interval event's "moe" field (docs/telemetry.md):
 
-    {"tokens": tokens routed (all ranks), "layers": [{"load": [slots per expert],
-     "imbalance": max / mean load, "aux": auxiliary loss per micro-batch forward,
-     "dropped": slots dropped by the capacity (0 when dropless)}, ...]}
+    {"tokens": tokens routed (all ranks), "aux": the layers' auxiliary losses summed, per
+     micro-batch forward (what the objective adds to the cross entropy, which the `loss`
+     rows are), "layers": [{"load": [slots per expert], "imbalance": max / mean load,
+     "aux": the layer's weighted auxiliary loss per micro-batch forward, "balance" and
+     "z": its two terms unweighted, "dropped": slots dropped by the capacity (0 when
+     dropless)}, ...]}
 
 Every rank counts the routing decisions of its own tokens (under expert parallelism too:
 where a slot is computed does not matter), so the interval's load is the sum over ranks.
@@ -23,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from scaletrain.models.moe import EXTRA_STATS, STAT_AUX, STAT_DROPPED, STAT_TOKENS
+from scaletrain.models.moe import EXTRA_STATS, STAT_AUX, STAT_BALANCE, STAT_DROPPED, STAT_TOKENS, STAT_Z
 
 
 def expert_load(per_rank: list[Any], forwards: int) -> dict[str, Any] | None:
@@ -36,6 +39,9 @@ def expert_load(per_rank: list[Any], forwards: int) -> dict[str, Any] | None:
     # float64, as the model sums them: slot counts stay whole numbers however long the interval.
     total = np.stack([np.asarray(s, dtype=np.float64) for s in seen]).sum(0)
     experts = total.shape[1] - EXTRA_STATS
+    # Each forward adds its micro-batch's terms: the mean per forward is what the objective
+    # added, comparable across micro-batch sizes and world sizes.
+    per_forward = (lambda x: float(f"{x / (forwards * len(seen)):.6g}")) if forwards else (lambda x: None)
     layers = []
     for row in total.tolist():
         load = [round(x) for x in row[:experts]]
@@ -44,10 +50,11 @@ def expert_load(per_rank: list[Any], forwards: int) -> dict[str, Any] | None:
             {
                 "load": load,
                 "imbalance": round(max(load) / mean, 4) if mean > 0 else None,
-                # Each forward adds its micro-batch's auxiliary loss: the mean per forward is
-                # what the loss added, comparable across micro-batch sizes and world sizes.
-                "aux": float(f"{row[experts + STAT_AUX] / (forwards * len(seen)):.6g}") if forwards else None,
+                "aux": per_forward(row[experts + STAT_AUX]),
+                "balance": per_forward(row[experts + STAT_BALANCE]),
+                "z": per_forward(row[experts + STAT_Z]),
                 "dropped": round(row[experts + STAT_DROPPED]),
             }
         )
-    return {"tokens": round(float(total[0, experts + STAT_TOKENS])), "layers": layers}
+    aux = per_forward(float(total[:, experts + STAT_AUX].sum()))
+    return {"tokens": round(float(total[0, experts + STAT_TOKENS])), "aux": aux, "layers": layers}

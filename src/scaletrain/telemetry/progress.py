@@ -50,6 +50,9 @@ class TrainProgress:
         tps = interval["tokens_per_s"]
         mfu = f"  MFU {interval['mfu']:.1%}" if interval["mfu"] is not None else ""
         evaluated = f"  eval loss {self.eval['loss']:.4f} (step {self.eval['step']})" if self.eval else ""
+        # A mixture of experts: the loss is the cross entropy; its routers' terms, per forward, beside it.
+        aux = (interval.get("moe") or {}).get("aux")
+        evaluated = (f"  moe aux {aux:.4f}" if aux is not None else "") + evaluated
         if self._bar:
             self._bar.update(self._task, loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
         else:

@@ -2,8 +2,8 @@
 
 Both get the same tags: a step row's fields under train/ (train/loss, train/grad_norm,
 train/lr, ...), the interval event's under throughput/, memory/, system/, cost/ and
-phases/ (phases/comm_s ...), a mixture of experts' under moe/layer<i>/ (imbalance, aux,
-dropped: the per-expert loads stay in metrics.jsonl), a data mixture's under data/source<i>/
+phases/ (phases/comm_s ...), a mixture of experts' under moe/aux (the layers' terms summed)
+and moe/layer<i>/ (imbalance, aux, balance, z, dropped: the per-expert loads stay in metrics.jsonl), a data mixture's under data/source<i>/
 (share, total_share, epochs), any other event's numbers under
 <event>/<key> (checkpoint/blocking_s, straggler/excess). The trainer hands rows over once
 per log interval, as it writes metrics.jsonl; neither sink is flushed here beyond what its
@@ -204,10 +204,10 @@ def _require(module: str, key: str) -> Any:
 def _moe_scalars(moe: dict[str, Any]) -> dict[str, Any]:
     # A few numbers per layer: a scalar per expert (64 experts x 27 layers in DeepSeekMoE)
     # would bury the dashboard; diagnose's heat map shows the loads (report.html).
-    return {
+    return {"moe/aux": moe.get("aux")} | {
         f"moe/layer{i}/{key}": layer.get(key)
         for i, layer in enumerate(moe.get("layers") or [])
-        for key in ("imbalance", "aux", "dropped")
+        for key in ("imbalance", "aux", "balance", "z", "dropped")
     }
 
 

@@ -26,7 +26,7 @@ from scaletrain import checkpoint
 from scaletrain.checkpoint.frozen_base import base_reference
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.checkpoint.state import TrainerState
-from scaletrain.config import Config
+from scaletrain.config import AUTO_MICRO_BATCH, Config
 from scaletrain.config.batch import global_batch
 from scaletrain.config.parallel import ParallelDims, describe, dims_for
 from scaletrain.data import (
@@ -360,6 +360,7 @@ def _checked_plan(
     """The data, the model spec, the plan (strategy auto resolved) and the layout, and
     whether the checkpoint may be continued: all checked before anything is allocated."""
     data = _training_data(cfg, world)
+    asked = cfg.train.micro_batch  # what the config says, before a plan or an out-of-memory error changes it
     free, target = defaults.unset(cfg), runtime_target(world)  # the keys the device decides, and the device
     spec = model_spec(cfg, data.vocab_size, data.eos_id)
     groups = dims_for(cfg.parallel, world.world_size).dp_size * cfg.fault_tolerance.groups
@@ -383,6 +384,13 @@ def _checked_plan(
     dims = dims_for(cfg.parallel, world.world_size)
     cfg, remembered = oom.remembered(cfg, paths.root, dims.dp_size)  # a smaller micro-batch after an OOM
     notes += remembered
+    moe = cfg.model.moe
+    if moe is not None and moe.balance == "aux" and (asked == AUTO_MICRO_BATCH or cfg.train.micro_batch != asked):
+        notes.append(
+            f"note: model.moe.balance=aux counts the experts' load per micro-batch, so this run's numbers follow "
+            f"train.micro_batch={cfg.train.micro_batch} ({'after an out-of-memory error' if remembered else 'the plan chose it'}, "
+            f"configured: {'auto' if asked == AUTO_MICRO_BATCH else asked}); model.moe.balance=sequence_aux keeps them to the global batch"
+        )
     if resume_from is not None:
         notes += check_resume(resume_from, cfg, spec, data.fingerprint, dims.dp_size)
     if world.is_main:
