@@ -77,6 +77,22 @@ def test_an_oom_on_one_rank_restarts_every_rank_at_half_the_micro_batch_with_the
     }  # fmt: skip
 
 
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
+def test_a_mixture_of_experts_survives_an_oom_with_the_numbers_of_a_run_that_met_none(small_dataset, tmp_path):
+    # The balance term counted per sequence (model.moe.balance=sequence_aux, the default) makes a
+    # MoE run's numbers depend on the global batch only: halving the micro-batch mid-run changes
+    # nothing, so the run that met the error equals one that never did, at micro-batch 4 throughout.
+    run, straight = tmp_path / "oom", tmp_path / "straight"
+    moe = ("model.preset=tiny-moe", "parallel.strategy=fsdp", "parallel.ep=2", "train.micro_batch=4")
+    proc = check(train(_overrides(small_dataset, run, *moe), nproc=2, env={"SCALETRAIN_KILL_AT": "oom:3@1"}))
+    check(train(_overrides(small_dataset, straight, *moe), nproc=2))
+    _assert_same_numbers(run, straight)
+    assert "train.micro_batch 4 -> 2, train.grad_accum 1 -> 2" in proc.stdout
+    assert "model.moe.balance=aux counts" not in proc.stdout  # nothing to warn of: the numbers keep
+
+
 @pytest.mark.e2e
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
