@@ -52,7 +52,7 @@ BAD_VALUES = [
         "model.preset=huge",
         "model.preset",
         "'huge'",
-        "'tiny', 'small', '1b', '7b', '8b', '70b', '405b', 'tiny-moe', 'mixtral-8x7b' or 'deepseek-moe-16b'",
+        "'tiny', 'small', '1b', '7b', '8b', '70b', '405b', 'tiny-moe', 'mixtral-8x7b', 'deepseek-moe-16b' or 'qwen3-moe-30b-a3b'",
     ),
     ("train.micro_batch=2.5", "train.micro_batch", "2.5", "an integer >= 1, or auto"),
     ("train.micro_batch=0", "train.micro_batch", "0", "an integer >= 1, or auto"),

@@ -151,13 +151,18 @@ def test_bad_eval_values_are_one_line(overrides, said):
 @pytest.mark.unit
 def test_the_eval_loss_is_the_cross_entropy_alone():
     # A mixture of experts' output is (logits, the routers' auxiliary loss): training's loss
-    # adds it, the evaluation does not.
+    # adds its gradient (its value stays the cross entropy, what the loss rows show), the
+    # evaluation neither.
     spec = LlamaSpec(resolve_shape(load_config([], ["model.preset=tiny-moe"]).model, 64))
     g = torch.Generator().manual_seed(0)
-    logits, targets, aux = torch.randn(2, 5, 64, generator=g), torch.randint(0, 64, (2, 5), generator=g), torch.tensor(0.25)
+    logits, targets = torch.randn(2, 5, 64, generator=g), torch.randint(0, 64, (2, 5), generator=g)
+    aux = torch.tensor(0.25, requires_grad=True)
     ce = F.cross_entropy(logits.reshape(-1, 64), targets.reshape(-1))
     assert torch.equal(eval_loss(spec)((logits, aux), targets), ce)
-    assert torch.equal(spec.loss((logits, aux), targets), ce + aux)
+    trained = spec.loss((logits, aux), targets)
+    assert torch.equal(trained.detach(), ce)
+    (grad,) = torch.autograd.grad(trained, [aux])
+    assert grad.item() == 1.0  # the auxiliary term's gradient, whole
 
 
 class _Window(AccumulationWindow):

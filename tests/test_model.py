@@ -264,3 +264,30 @@ def test_loss_fn_is_fp32_mean_cross_entropy():
     want = F.cross_entropy(logits.float().view(6, 7), targets.view(6))
     assert loss_fn(logits, targets).dtype == torch.float32
     torch.testing.assert_close(loss_fn(logits, targets), want)
+
+
+@pytest.mark.unit
+def test_qwen3_attention_heads_wider_than_dim_over_heads_with_query_and_key_norms():
+    # The Qwen3 presets' attention: heads of attention_head_dim channels whatever dim / n_heads
+    # is, and an RMSNorm over each head's queries and keys (before the rotary embedding).
+    from dataclasses import replace
+
+    from scaletrain.models.llama import build_model
+    from scaletrain.models.spec import LlamaSpec
+
+    s = replace(shape("tiny"), attention_head_dim=64, qk_norm=True)  # tiny: dim 128, 4 heads of 32 otherwise
+    model = build_model(s, SEQ, seed=0)
+    attention = model.layers[0].attention
+    assert attention.wq.weight.shape == (4 * 64, 128) and attention.wo.weight.shape == (128, 4 * 64)
+    assert attention.q_norm.weight.shape == attention.k_norm.weight.shape == (64,)
+    loss = F.cross_entropy(model(tokens()).flatten(0, 1), tokens(seed=1).flatten())
+    loss.backward()
+    assert attention.q_norm.weight.grad.abs().sum() > 0 and attention.k_norm.weight.grad.abs().sum() > 0
+    # What the norm changes: scaling a head's queries scales nothing after it.
+    q = torch.randn(2, SEQ, 4, 64)
+    torch.testing.assert_close(attention.q_norm(3.0 * q), attention.q_norm(q), rtol=1e-5, atol=1e-6)
+    # A checkpoint's model entry names these only where they are not Llama's (so that one
+    # written before they existed names the same shape); the planner counts the wider heads.
+    assert {"attention_head_dim", "qk_norm"} <= LlamaSpec(s).config().keys()
+    assert not {"attention_head_dim", "qk_norm"} & LlamaSpec(shape("tiny")).config().keys()
+    assert LlamaSpec(s).counts().total == sum(p.numel() for p in model.parameters())

@@ -198,6 +198,11 @@ def test_a_capacity_drops_the_slots_past_it_in_token_order():
         # active per token 12.9B. DeepSeekMoE-16B (its paper): 16.4B and 2.8B.
         ("mixtral-8x7b", 46_702_792_704, 12.9e9),
         ("deepseek-moe-16b", 16.4e9, 2.8e9),
+        # Qwen3-30B-A3B: its model card says 30.5B and 3.3B active; its config.json's tensors
+        # count 30,532,122,624, and 3.35B active with the embedding and head (48 x (attention
+        # 18.9M + router 0.26M + 8 experts x 4.7M) + 0.62B): heads of 128 channels on a 2048
+        # residual and the query/key norms included (a head of dim / n_heads = 64 would miss 7%).
+        ("qwen3-moe-30b-a3b", 30_532_122_624, 3.35e9),
     ],
 )
 def test_the_planning_presets_have_their_published_total_and_active_parameters(preset, total, active):

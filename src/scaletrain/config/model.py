@@ -80,7 +80,7 @@ class ModelSource(Section):
     ffn_dim: int | None = Field(None, ge=1)
     tie_embeddings: bool | None = None
     rope_theta: float | None = Field(None, gt=0)
-    norm_eps: float = Field(1e-5, gt=0)
+    norm_eps: float | None = Field(None, gt=0)  # the preset's (1e-5 for most, 1e-6 for DeepSeekMoE and Qwen3)
     moe: MoeSection | None = None  # a mixture of experts (built-in model only)
 
     @model_validator(mode="after")

@@ -138,4 +138,23 @@ PRESETS: dict[str, dict] = {
         dense_layers=1,
         normalize_top_k=False,
     ),
+    # Qwen3-30B-A3B: 30.5B parameters, 3.3B active; 128 experts of width 768, top-8, no
+    # shared expert, every block a mixture; heads of 128 channels (32 x 128 = 4096 wide
+    # queries on a 2048 residual), 4 kv heads, RMSNorm on each head's queries and keys.
+    "qwen3-moe-30b-a3b": dict(
+        vocab_size=151936,
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        ffn_dim=6144,
+        tie_embeddings=False,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        attention_head_dim=128,
+        qk_norm=True,
+        experts=128,
+        top_k=8,
+        expert_ffn_dim=768,
+    ),
 }

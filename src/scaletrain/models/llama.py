@@ -65,6 +65,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(shape.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(shape.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, shape.dim, bias=False)
+        # Qwen3: each head's queries and keys normalized (one weight per channel of a head, shared by the heads).
+        self.q_norm = RMSNorm(self.head_dim, shape.norm_eps) if shape.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, shape.norm_eps) if shape.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None) -> torch.Tensor:
         """`mask`: None (causal), or the documents' mask (models/documents.py), with cos and
@@ -78,6 +81,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, hd]
         # enable_gqa lets the fused kernels read each kv head for its group of query heads

@@ -38,10 +38,14 @@ class ModelShape:
     balance: str = "sequence_aux"  # model.moe.balance: sequence_aux | aux (models/moe.py)
     z_loss_weight: float = 0.0
     experts_impl: str = "auto"  # how the experts run (models/moe.py); no tensor's shape
+    # Qwen3's attention: heads wider than dim / n_heads (0: dim / n_heads, Llama's), and an
+    # RMSNorm over each head's queries and keys before the rotary embedding.
+    attention_head_dim: int = 0
+    qk_norm: bool = False
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attention_head_dim or self.dim // self.n_heads
 
     @property
     def moe_layers(self) -> int:
@@ -105,7 +109,7 @@ Z_LOSS_WEIGHT = 0.001
 def _check(s: ModelShape) -> None:
     # Head counts must split `dim` evenly, and RoPE rotates pairs of channels, so head_dim is even.
     good_heads = [h for h in range(1, s.dim + 1) if s.dim % h == 0 and (s.dim // h) % 2 == 0]
-    if s.dim % s.n_heads != 0:
+    if s.dim % s.n_heads != 0 and not s.attention_head_dim:
         raise UserError(
             f"model.n_heads={s.n_heads} does not divide model.dim={s.dim}; choose n_heads among {_listing(good_heads)}"
         )

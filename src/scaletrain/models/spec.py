@@ -152,6 +152,9 @@ class LlamaSpec:
         # The tensors' shapes: a dense model's without the (unused) expert fields, and never
         # the routing's loss weights or capacity, which a resume may change.
         shape = {k: v for k, v in asdict(self.shape).items() if k not in _ROUTING}
+        for key, usual in _USUAL_ATTENTION.items():  # written where a preset sets them (Qwen3's)
+            if shape[key] == usual:
+                del shape[key]
         if not self.shape.experts:
             shape = {k: v for k, v in shape.items() if k not in _EXPERT_SHAPE}
         return shape | ({"lora": self.lora.as_dict()} if self.lora else {})
@@ -244,6 +247,9 @@ class LlamaSpec:
 # ModelShape's fields that shape no tensor (the routing, how the experts run); and those of the experts.
 _ROUTING = ("capacity_factor", "normalize_top_k", "aux_loss_weight", "balance", "z_loss_weight", "experts_impl")
 _EXPERT_SHAPE = ("experts", "top_k", "shared_experts", "expert_ffn_dim", "dense_layers")
+# Attention fields at their usual value, left out of config(): a checkpoint written before they
+# existed names the same shape.
+_USUAL_ATTENTION = {"attention_head_dim": 0, "qk_norm": False}
 
 
 def count_params(shape: ModelShape) -> dict[str, int]:
