@@ -62,8 +62,16 @@ class TrainConfig(Section):
     # embedding or routers): ddp and fsdp, bf16, Ada/Hopper GPUs (config/float8.py, docs/float8.md).
     float8: bool = False
     lr: float = Field(3e-3, gt=0, le=10)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # the decay ends at lr * min_lr_ratio
     warmup_steps: int = Field(20, ge=0)
+    # After the linear warmup (training/optim.py, lr_at): cosine or linear decay over the rest
+    # of train.steps; constant; wsd, warmup-stable-decay: lr held until the last
+    # train.decay_steps (unset: a fifth of train.steps), then decayed with train.decay_shape
+    # (1-sqrt, Hägele et al. 2024, or linear). Only wsd's shape up to its decay does not
+    # depend on train.steps: a run can be extended from any of its stable-phase checkpoints.
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    decay_steps: int | None = Field(None, ge=1)
+    decay_shape: Literal["1-sqrt", "linear"] = "1-sqrt"
     weight_decay: float = Field(0.1, ge=0)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.95, ge=0, lt=1)
@@ -117,6 +125,21 @@ class TrainConfig(Section):
             raise ValueError(
                 "train.micro_batch=auto needs train.global_batch (sequences per optimizer step): the micro-batch "
                 "the plan fits then never changes the numbers; accepted: train.global_batch=N with it, or a number"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _decay_steps_are_wsds(self) -> TrainConfig:
+        if self.schedule != "wsd" and self.decay_steps is not None:
+            raise ValueError(
+                f"train.decay_steps is the length of wsd's decay, and train.schedule={self.schedule} has none; "
+                "accepted: train.schedule=wsd with it, or no train.decay_steps"
+            )
+        stable = self.steps - self.warmup_steps
+        if self.schedule == "wsd" and self.decay_steps is not None and self.decay_steps > stable:
+            raise ValueError(
+                f"train.decay_steps={self.decay_steps} is longer than the {stable} steps after the warmup "
+                f"(train.steps={self.steps} - train.warmup_steps={self.warmup_steps}); accepted: 1..{stable}"
             )
         return self
 
