@@ -287,3 +287,23 @@ def test_many_intervals_merge_into_at_most_the_cell_budget(tmp_path):
     cells = heat_cells(write_report(root, diagnose(root)).read_text())
     per = math.ceil(300 * 2 * EXPERTS / MAX_CELLS)
     assert len(cells) == 2 * EXPERTS * math.ceil(300 / per) <= MAX_CELLS
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_the_loss_plot_shows_the_routers_terms_apart_from_the_cross_entropy(one_process):
+    from matplotlib.figure import Figure
+
+    from scaletrain.diagnose import load_run
+    from scaletrain.diagnose.report import ROUTERS, _loss
+
+    ax = Figure().add_subplot()
+    assert _loss(ax, load_run(one_process)) is None
+    (right,) = [a for a in ax.figure.axes if a is not ax]  # their own axis: ~0.03 beside a loss of ~6
+    (routers,) = right.get_lines()
+    rows = intervals(one_process)
+    assert routers.get_label() == ROUTERS and list(routers.get_xdata()) == [r["step"] for r in rows]
+    assert list(routers.get_ydata()) == [r["moe"]["aux"] for r in rows]
+    assert "training (each step's batch)" in [line.get_label() for line in ax.get_lines()]
+    page = write_report(one_process, diagnose(one_process)).read_text()
+    assert ROUTERS in figure(page, "plot-loss")

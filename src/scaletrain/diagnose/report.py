@@ -118,9 +118,21 @@ def _loss(ax: Axes, run: Run) -> str | None:
     evals = [(e["step"], e["loss"]) for e in run.events_of("eval") if isinstance(e.get("loss"), int | float)]
     if evals:
         ax.plot(*zip(*evals), marker="o", ms=3, lw=1.2, color="#d62728", label="eval (the fixed held-out windows)")
-        ax.legend(loc="upper right", fontsize=8)
+    # A mixture of experts: the loss rows are the cross entropy; what the routers' terms added
+    # to the objective (per forward, each interval's) on an axis of their own, apart.
+    routers = [(e["step"], e["moe"]["aux"]) for e in run.intervals if isinstance((e.get("moe") or {}).get("aux"), int | float)]
+    lines = list(ax.get_lines())
+    if routers:
+        right = ax.twinx()
+        lines += right.plot(*zip(*routers), marker="s", ms=3, lw=1.0, color="#9467bd", label=ROUTERS)
+        right.set_ylabel("routers' terms")
+    if len(lines) > 1:
+        ax.legend(lines, [str(line.get_label()) for line in lines], loc="upper right", fontsize=8)
     ax.set(xlabel="step", ylabel="loss")
     return None
+
+
+ROUTERS = "MoE routers' terms (moe.aux, right axis)"
 
 
 def _throughput(ax: Axes, run: Run) -> str | None:
