@@ -54,7 +54,7 @@ def test_background_saves_copy_into_the_buffers_of_the_first(tmp_path):
     try:
         cfg = load_config([], ["model.preset=tiny", "model.vocab_size=64", "data.seq_len=16", "run.device=cpu"])
         spec = model_spec(cfg, None)
-        engine = build_engine(spec, world, dims_for(cfg.parallel, 1), cfg, decay_groups(0.1))
+        engine = build_engine(spec, world, dims_for(cfg.parallel, 1), cfg, decay_groups(cfg.train))
         tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
         batch: list[MicroBatch] = [(tokens[:, :-1], tokens[:, 1:])]
         buffers = []

@@ -19,5 +19,5 @@ def build(overrides: list[str], world) -> tuple[Engine, ModelSpec, Config]:
     spec = model_spec(cfg, None)
     distill = distill_spec(cfg, spec)
     dims = dims_for(cfg.parallel, world.world_size)
-    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay), distill.teacher if distill else None)
+    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train), distill.teacher if distill else None)
     return engine, spec, cfg

@@ -41,7 +41,7 @@ def engine(world, strategy: str, float8: bool, seed: int):
     # config/float8.py refuses run.device=cpu: the flag is set past the checks, as only this probe may.
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"float8": float8})})
     spec = model_spec(cfg, None)
-    return build_engine(spec, world, dims_for(cfg.parallel, world.world_size), cfg, decay_groups(0.1))
+    return build_engine(spec, world, dims_for(cfg.parallel, world.world_size), cfg, decay_groups(cfg.train))
 
 
 def full(e) -> dict[str, torch.Tensor]:

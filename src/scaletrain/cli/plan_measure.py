@@ -79,7 +79,7 @@ def measure_peak(cfg: Config, world: Any, model: ModelSpec, steps: int = 3) -> d
     generator = torch.Generator().manual_seed(cfg.train.seed)
     dims = dims_for(cfg.parallel, world.world_size)
     with tracker:
-        engine = build_engine(model, world, dims, cfg, decay_groups(cfg.train.weight_decay))
+        engine = build_engine(model, world, dims, cfg, decay_groups(cfg.train))
         for step in range(steps):
             tracker.reset_mod_stats()  # MemTracker tracks one iteration's module stats at a time
             batches = [_random_batch(cfg, model, generator) for _ in range(cfg.train.grad_accum)]

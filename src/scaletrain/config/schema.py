@@ -37,6 +37,16 @@ from scaletrain.strategies import STRATEGIES, TABLE, names_where, said
 AUTO_MICRO_BATCH = 0
 
 
+class ParamGroupSection(Section):
+    """One entry of train.param_groups: the parameters whose names match (glob patterns over
+    the model's parameter names, e.g. "tok_embeddings.*", "layers.*.feed_forward.router.*"),
+    trained at `lr` x the scheduled learning rate, with their own weight decay."""
+
+    match: list[str] = Field(min_length=1)
+    lr: float = Field(1.0, gt=0)  # a multiplier of the schedule's learning rate
+    weight_decay: float | None = Field(None, ge=0)  # unset: train.weight_decay on matrices, 0 on 1-D parameters
+
+
 class TrainConfig(Section):
     steps: int = Field(300, ge=1)
     # Sequences per rank per forward: a number, or auto (stored as AUTO_MICRO_BATCH until a
@@ -73,6 +83,10 @@ class TrainConfig(Section):
     decay_steps: int | None = Field(None, ge=1)
     decay_shape: Literal["1-sqrt", "linear"] = "1-sqrt"
     weight_decay: float = Field(0.1, ge=0)
+    # Parameters trained at their own learning rate (a multiplier) and weight decay: the
+    # first entry whose patterns match a parameter's name takes it; the rest keep the
+    # defaults. A pattern that matches no parameter is an error (training/optim.py).
+    param_groups: list[ParamGroupSection] = Field(default_factory=list)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.95, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)

@@ -39,7 +39,7 @@ def convert(src: Path, dst: Path, strategy: str, overrides: list[str]) -> str:
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
     state = read_state(src, layout)
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay))
+    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train))
     try:
         engine.load_state_dict(state)
         engine.load_extra_state(saved.engine_state)

@@ -109,7 +109,7 @@ def _evaluate(ckpt: Path, cfg: Config, world: World) -> dict[str, Any]:
         )
     evalset = open_eval_set(cfg, world, data, dims.dp_size)  # before anything is allocated
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay))
+    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train))
     try:
         layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
         checkpoint.resume_state(ckpt, world, engine, layout, dims.as_dict())

@@ -3,6 +3,7 @@ linear warmup, then cosine, linear, constant or warmup-stable-decay (train.sched
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Callable
 from typing import Any
@@ -12,26 +13,68 @@ from torch import nn
 from torch.utils import _foreach_utils
 
 from scaletrain.config import TrainConfig
+from scaletrain.errors import UserError
+from scaletrain.models.params import canonical_name
 
 
-def decay_groups(weight_decay: float) -> Callable[[nn.Module], list[dict[str, Any]]]:
-    """The default parameter groups (engines.ParamGroups): every trainable parameter, with
-    decoupled weight decay on matrices only. Norm gains (1-D) are not decayed: decaying
-    them pulls activations toward zero."""
+def decay_groups(train: TrainConfig) -> Callable[[nn.Module], list[dict[str, Any]]]:
+    """The parameter groups (engines.ParamGroups): every trainable parameter, with decoupled
+    weight decay on matrices only (norm gains, 1-D, are not decayed: decaying them pulls
+    activations toward zero); then each train.param_groups entry takes the parameters its
+    patterns match first, at its learning-rate multiplier (the group's lr_scale) and weight
+    decay. Without entries: the two default groups, as every earlier run had them."""
 
     def groups(model: nn.Module) -> list[dict[str, Any]]:
-        decay: list[nn.Parameter] = []
-        no_decay: list[nn.Parameter] = []
-        for p in model.parameters():
-            if p.requires_grad:
-                (decay if p.ndim >= 2 else no_decay).append(p)
+        # Plain names, whatever wraps the model (DDP's module., checkpointing, compile).
+        named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        taken = _matched(train.param_groups, [n for n, _ in named])
+        buckets: dict[tuple[int, bool], list[nn.Parameter]] = {}
+        for name, p in named:
+            buckets.setdefault((taken.get(name, -1), p.ndim >= 2), []).append(p)
+        out = []
+        for index in range(-1, len(train.param_groups)):
+            entry = train.param_groups[index] if index >= 0 else None
+            for matrix in (True, False):
+                decay = train.weight_decay if matrix else 0.0
+                if entry is not None and entry.weight_decay is not None:
+                    decay = entry.weight_decay
+                group: dict[str, Any] = {"params": buckets.get((index, matrix), []), "weight_decay": decay}
+                if entry is not None:
+                    group["lr_scale"] = entry.lr
+                out.append(group)
         # No empty group: where only matrices train (LoRA adapters, attention projections),
         # torch's flattened optimizer state cannot be loaded back into an optimizer with an
         # empty group (state_dict._unflatten_optim_state_dict indexes its first parameter).
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return [g for g in groups if g["params"]]
+        return [g for g in out if g["params"]]
 
     return groups
+
+
+def _matched(entries: list[Any], names: list[str]) -> dict[str, int]:
+    """Each name's first matching entry of train.param_groups; a pattern that matches no
+    trainable parameter is a one-line UserError naming some real names."""
+    taken: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        for pattern in entry.match:
+            hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                raise UserError(
+                    f"train.param_groups[{i}].match pattern {pattern!r} matches no trainable parameter; accepted: glob "
+                    f"patterns over names such as {', '.join(repr(n) for n in (names[0], names[len(names) // 2], names[-1]))}"
+                )
+            for name in hits:
+                taken.setdefault(name, i)
+    return taken
+
+
+def describe_groups(optimizer: torch.optim.Optimizer) -> list[str]:
+    """One line per optimizer group, for the start of a run: its size, learning-rate
+    multiplier and weight decay."""
+    return [
+        f"optimizer group {i}: {sum(p.numel() for p in g['params']):,} parameters in {len(g['params'])} tensors, "
+        f"lr x {g.get('lr_scale', 1.0):g}, weight_decay {g['weight_decay']:g}"
+        for i, g in enumerate(optimizer.param_groups)
+    ]
 
 
 def build_adamw(groups: list[dict[str, Any]], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:

@@ -61,7 +61,7 @@ from scaletrain.telemetry import MetricsLog, TrainProgress, print_banner, print_
 from scaletrain.telemetry.session import Telemetry
 from scaletrain.training import defaults
 from scaletrain.training.evaluation import Evaluation, eval_loss, open_eval_set
-from scaletrain.training.optim import decay_groups, lr_at, scaled_lr
+from scaletrain.training.optim import decay_groups, describe_groups, lr_at, scaled_lr
 from scaletrain.training.paths import make_dir
 from scaletrain.training.preflight import plan_run, runtime_target
 from scaletrain.training.rundir import RunPaths, check_resume, resume_point, write_run_info
@@ -273,7 +273,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     # The global batch's windows (too few: said now); replica groups each evaluate all of them.
     evalset = open_eval_set(cfg, world, data, dp_size) if cfg.eval.every > 0 else None
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train.weight_decay), distill.teacher if distill else None)
+    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train), distill.teacher if distill else None)
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
     resumed = _resume(resume_from, world, engine, layout, dims, say) if resume_from else None
     step = resumed.step if resumed else 0
@@ -289,6 +289,8 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     if main:
         oom.log_new(paths.root, telemetry.event)
     about, lines = engine.describe()  # e.g. a pipeline's stages
+    if cfg.train.param_groups and hasattr(engine, "optimizer"):  # train.param_groups: what each group got
+        lines = [*lines, *describe_groups(engine.optimizer)]
     if main:
         for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON
             (paths.root / name).write_text(text)

@@ -1,0 +1,58 @@
+"""train.param_groups (training/optim.py): parameters matched by name get their own learning
+rate multiplier and weight decay in the engine's optimizer, on every engine, and say so."""
+
+from __future__ import annotations
+
+import pytest
+
+from scaletrain.config import load_config
+from scaletrain.errors import UserError
+
+from helpers import base_overrides, check, probe, train
+
+GROUPS = (
+    'train.param_groups=[{match: ["tok_embeddings.*"], lr: 0.5, weight_decay: 0.0}, {match: ["*.attention_norm.*"], lr: 2.0}]'
+)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_each_group_steps_at_its_multiple_of_the_schedule_on_every_engine(tmp_path):
+    # One step at lr 1e-2 on 2 ranks, then each engine's neutral state (Engine.state_dict):
+    # the learning rate and weight decay its optimizer holds for each parameter.
+    ranks = probe("param_groups", ["ddp", "fsdp", "zero2", "zero3"], tmp_path, nproc=2)
+    for strategy, got in ranks[0].items():
+        assert got["tok_embeddings.weight"] == [pytest.approx(0.5e-2), 0.0], strategy  # the entry's decay, not 0.1
+        assert got["layers.0.attention_norm.weight"] == [pytest.approx(2e-2), 0.0], strategy  # 1-D: no decay unless told
+        assert got["layers.0.attention.wq.weight"] == [pytest.approx(1e-2), pytest.approx(0.1)], strategy  # the defaults
+        assert got["layers.0.ffn_norm.weight"] == [pytest.approx(1e-2), 0.0], strategy
+    assert ranks[0] == ranks[1]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_the_groups_are_said_at_the_start(small_dataset, tmp_path):
+    out = check(train([*base_overrides(small_dataset, tmp_path / "run", steps=1), GROUPS])).stdout
+    # The two default groups, then each entry's (the embedding, a matrix; the norms, 1-D).
+    said = [line for line in out.splitlines() if line.startswith("optimizer group")]
+    assert len(said) == 4 and "lr x 0.5, weight_decay 0" in said[2] and "lr x 2, weight_decay 0" in said[3], said
+    assert "lr x 1, weight_decay 0.1" in said[0] and "lr x 1, weight_decay 0" in said[1]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_a_pattern_that_matches_nothing_is_one_line(small_dataset, tmp_path):
+    bad = 'train.param_groups=[{match: ["embeddings.*"], lr: 0.1}]'
+    proc = train([*base_overrides(small_dataset, tmp_path / "bad", steps=1), bad])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "train.param_groups[0].match pattern 'embeddings.*' matches no trainable parameter; accepted: glob patterns" in (
+        proc.stderr
+    )
+
+
+@pytest.mark.unit
+def test_an_entry_without_a_pattern_or_with_a_bad_multiplier_is_refused():
+    with pytest.raises(UserError, match="param_groups"):
+        load_config([], ["train.param_groups=[{match: [], lr: 0.5}]"])
+    with pytest.raises(UserError, match="param_groups"):
+        load_config([], ['train.param_groups=[{match: ["*"], lr: 0}]'])
