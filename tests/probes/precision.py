@@ -10,18 +10,14 @@ scale after it and whether any weight changed on this rank. Writes OUT/rank<R>.j
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-from pathlib import Path
 
 import torch
 
-from scaletrain.launch.distributed import init_distributed, shutdown
 from scaletrain.models import build_model, loss_fn
 from scaletrain.models.params import canonical_name
 
-from common import SMALL_MODEL, Z3_PARTITION_ALL, build
+from common import SMALL_MODEL, Z3_PARTITION_ALL, build, run_strategies
 
 SEQ = 16  # SMALL_MODEL's data.seq_len
 # strategy -> its overrides; FSDP with activation checkpointing (the recompute goes through
@@ -89,16 +85,5 @@ def probe_engine(strategy: str, world) -> dict:
     return report
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("strategies", nargs="+")
-    args = ap.parse_args()
-    world = init_distributed("cpu", "gloo")
-    report = {strategy: probe_engine(strategy, world) for strategy in args.strategies}
-    (Path(args.out) / f"rank{world.rank}.json").write_text(json.dumps(report))
-    shutdown(world)
-
-
 if __name__ == "__main__":
-    main()
+    run_strategies(probe_engine)
