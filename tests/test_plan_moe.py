@@ -195,6 +195,24 @@ def test_auto_picks_ep_for_mixtral_on_8_nodes_of_8_x_80gib_and_says_why():
 
 
 @pytest.mark.unit
+def test_auto_picks_ep_for_qwen3_moe_on_2_nodes_of_8_x_80gib_in_bf16_and_not_in_fp32():
+    # Issue 40's question: Qwen3-30B-A3B (128 experts, top-8) at sequence 4096 on 2 x 8 GPUs of
+    # 80 GiB. In bf16 (what a run applies on such a GPU) the all-gathers of 29B expert weights
+    # over 16 ranks and the network cost more than the all-to-all inside each node: ep 8.
+    qwen = lambda *extra: load_config([], ["model.preset=qwen3-moe-30b-a3b", "data.seq_len=4096", *extra])  # noqa: E731
+    plan = make_plan(qwen("precision=bf16"), planning_spec(qwen("precision=bf16")), 16, 2, H100)
+    assert (plan.chosen.setup.strategy, plan.chosen.setup.ep) == ("fsdp", 8)
+    (why,) = [r for r in plan.reasons if r.startswith("ep=")]
+    assert why.startswith("ep=8: each rank holds 16 of each MoE layer's 128 experts") and "over NVLink inside a node" in why
+    assert "the fastest without expert parallel" in why or "needs" in why
+    # In fp32 the step is compute-bound (67 TFLOP/s): the exposed all-to-all is what ep adds.
+    fp32 = make_plan(qwen(), planning_spec(qwen()), 16, 2, H100)
+    assert fp32.chosen.setup.ep == 1
+    (why,) = [r for r in fp32.reasons if "expert parallel" in r]
+    assert why.startswith("expert parallel not chosen: the fastest layout with it") and "is all exposed" in why
+
+
+@pytest.mark.unit
 def test_on_one_node_ep_does_not_fit_and_the_plan_says_so():
     # 16 bytes x 46.7B / 8 = 87 GiB of FSDP model states per GPU: no ep layout fits 80 GiB.
     plan = make_plan(config(), mixtral(), 8, 1, H100)

@@ -33,7 +33,7 @@ from scaletrain.checkpoint.neutral import ParamLayout, WeightStream
 from scaletrain.errors import UserError
 from scaletrain.models.lora import LoraSpec, merge, merged_names
 from scaletrain.models.presets import ModelShape, resolve_shape
-from scaletrain.models.spec import LlamaSpec, ModelSpec
+from scaletrain.models.spec import ROUTING, LlamaSpec, ModelSpec
 
 DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16"), "fp16": (torch.float16, "F16")}
 
@@ -134,12 +134,11 @@ def _python_config(spec: Any, dtype: str, eos: int | None) -> dict[str, Any]:
 
 def _with_routing(shape: ModelShape, model: Any) -> ModelShape:
     """The saved shape with the routing fields of the run's config (top-k renormalization,
-    capacity, loss weights): the checkpoint's model entry holds only tensor shapes."""
+    capacity, scores, groups, balance): the checkpoint's model entry holds only tensor shapes."""
     if model is None or model.source != "builtin":
         return shape
     run = resolve_shape(model, shape.vocab_size)
-    fields = ("capacity_factor", "normalize_top_k", "aux_loss_weight", "z_loss_weight")
-    return replace(shape, **{k: getattr(run, k) for k in fields})
+    return replace(shape, **{k: getattr(run, k) for k in ROUTING})
 
 
 def _mixtral_target(shape: ModelShape, max_positions: int, lora: LoraSpec | None) -> ExportTarget:

@@ -48,13 +48,19 @@ def check_expressible(shape: ModelShape) -> None:
         off.append("model.moe.normalize_top_k=false")
     if shape.capacity_factor:
         off.append(f"model.moe.capacity_factor={shape.capacity_factor:g}")
+    if shape.score != "softmax":
+        off.append(f"model.moe.score={shape.score}")
+    if shape.topk_groups < shape.groups:
+        off.append(f"model.moe.topk_groups={shape.topk_groups} of groups={shape.groups}")
+    if shape.balance == "bias":  # the bias changes which experts each token takes
+        off.append("model.moe.balance=bias (its routing bias)")
     if shape.qk_norm or shape.attention_head_dim:  # a Qwen3-MoE preset: its own format, not written yet
         off.append("Qwen3's attention (its head width and query/key norms)")
     if off:
         raise UserError(
             f"--format hf: {', '.join(off)} {'has' if len(off) == 1 else 'have'} no Hugging Face Mixtral equivalent; "
-            "accepted: a mixture of experts with shared_experts=0, dense_layers=0, normalize_top_k=true and "
-            "capacity_factor=0 (exported as MixtralForCausalLM)"
+            "accepted: a mixture of experts with shared_experts=0, dense_layers=0, normalize_top_k=true, "
+            "capacity_factor=0, softmax scores, no group limit and balance=sequence_aux|aux (exported as MixtralForCausalLM)"
         )
 
 

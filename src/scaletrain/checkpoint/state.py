@@ -40,6 +40,9 @@ class TrainerState:
     # checkpoint.frozen=reference: where the frozen parameters left out of state/ come
     # from (checkpoint/frozen_base.py); None when state/ holds every parameter.
     base: dict[str, Any] | None = None
+    # model.moe.balance=bias: each MoE layer's expert bias [layers][experts] (models/moe.py
+    # ExpertBias), model state that no engine holds; None without one.
+    expert_bias: list[list[float]] | None = None
     # `scaletrain ckpt convert`: the checkpoint this one was converted from (path, engine, world size).
     converted_from: dict[str, Any] | None = None
     version: int = VERSION

@@ -42,12 +42,28 @@ class MoeSection(Section):
     dense_layers: int | None = Field(None, ge=0)  # 0; the first N blocks keep a dense feed-forward
     capacity_factor: float | None = Field(None, ge=0)  # 0: dropless; else slots per expert = cf x tokens x top_k / experts
     normalize_top_k: bool | None = None  # True: the top-k router weights sum to 1 (Mixtral)
-    aux_loss_weight: float = Field(0.02, ge=0)  # load balancing (Switch); Mixtral's coefficient
-    # Over what the balance loss counts the load (docs/moe.md): sequence_aux, each sequence's,
-    # averaged (linear in sequences: the numbers depend on the global batch only, however it
-    # is split into micro-batches and ranks); aux, each micro-batch's (Switch, Mixtral,
-    # torchtitan: Hugging Face Mixtral's numbers, which change with the micro-batch).
-    balance: Literal["sequence_aux", "aux"] = "sequence_aux"
+    # The balance loss's weight (Switch): 0.02 (Mixtral's coefficient), 0.0001 with balance=bias
+    # (DeepSeek-V3's sequence-wise term beside its bias).
+    aux_loss_weight: float | None = Field(None, ge=0)
+    # How the experts' load is balanced (docs/moe.md): sequence_aux, a balance loss counted
+    # per sequence and averaged (linear in sequences: the numbers depend on the global batch
+    # only, however it is split into micro-batches and ranks); aux, counted per micro-batch
+    # (Switch, Mixtral, torchtitan: Hugging Face Mixtral's numbers, which change with the
+    # micro-batch); bias, DeepSeek-V3's loss-free balancing: a per-expert bias added to the
+    # scores for choosing the experts only, moved by bias_update_rate x sign(mean load - load)
+    # after each optimizer step from the load of the whole step (every micro-batch and rank),
+    # beside the per-sequence loss at aux_loss_weight.
+    balance: Literal["sequence_aux", "aux", "bias"] = "sequence_aux"
+    bias_update_rate: float = Field(0.001, gt=0)  # balance=bias: DeepSeek-V3's gamma
+    # The router's scores: softmax over the experts (Mixtral, Qwen), or each expert's sigmoid
+    # (DeepSeek-V3), the chosen ones' renormalized where normalize_top_k. Default softmax.
+    score: Literal["softmax", "sigmoid"] | None = None
+    # Group-limited routing (DeepSeek-V3): the experts in `groups` contiguous groups (under
+    # expert parallelism a group's experts sit on the same ranks), each token's top_k chosen
+    # within its topk_groups best groups (a group's score: its best score with softmax, the
+    # sum of its best two with sigmoid). 1 and 1: no limit.
+    groups: int | None = Field(None, ge=1)
+    topk_groups: int | None = Field(None, ge=1)
     z_loss_weight: float = Field(0.001, ge=0)  # router z-loss (ST-MoE)
     # How the experts run (the same numbers): grouped, one torch._grouped_mm per projection,
     # nothing read back to the host; loop, one matmul per expert after one .tolist() of the

@@ -119,7 +119,7 @@ def _layer_line(i: int, groups: list[Busiest], last: dict[str, Any], dense: int)
 
 def moe_settings(run: Run) -> dict[str, float]:
     """The router's settings from the run's config.yaml (the preset's where unset); {} when unreadable."""
-    from scaletrain.models.presets import AUX_LOSS_WEIGHT, PRESETS, Z_LOSS_WEIGHT
+    from scaletrain.models.presets import AUX_LOSS_WEIGHT, PRESETS, Z_LOSS_WEIGHT, aux_loss_weight
 
     cfg = run.config
     if cfg is None:
@@ -129,10 +129,11 @@ def moe_settings(run: Run) -> dict[str, float]:
         getattr(moe, key) if moe is not None and getattr(moe, key) is not None else preset.get(key, default)
     )
     return {
-        "aux_loss_weight": moe.aux_loss_weight if moe is not None else AUX_LOSS_WEIGHT,
+        "aux_loss_weight": aux_loss_weight(moe.balance, moe.aux_loss_weight) if moe is not None else AUX_LOSS_WEIGHT,
         "z_loss_weight": moe.z_loss_weight if moe is not None else Z_LOSS_WEIGHT,
         "capacity_factor": float(pick("capacity_factor", 0.0) or 0.0),
         "dense_layers": int(pick("dense_layers", 0) or 0),
+        **({"bias_update_rate": moe.bias_update_rate} if moe is not None and moe.balance == "bias" else {}),
     }
 
 
@@ -145,9 +146,15 @@ def _advice(s: dict[str, float]) -> str:
         else f"set model.moe.capacity_factor=1.25 ({'now dropless; ' if cf is not None else ''}an expert then takes at "
         "most 1.25x its fair share of a micro-batch's slots, the rest are dropped, so the busy ones cannot take them all)"
     )
+    balancer = (
+        f"raise model.moe.bias_update_rate ({now('bias_update_rate')}2-5x): the bias is what moves slots back to the "
+        "starved experts"
+        if "bias_update_rate" in s
+        else f"raise model.moe.aux_loss_weight ({now('aux_loss_weight')}2-5x): the load-balancing term is what moves "
+        "slots back to the starved experts"
+    )
     return (
-        f"raise model.moe.aux_loss_weight ({now('aux_loss_weight')}2-5x): the load-balancing term is what moves slots "
-        f"back to the starved experts; {capacity}; raise model.moe.z_loss_weight ({now('z_loss_weight')}e.g. 10x) if the "
+        f"{balancer}; {capacity}; raise model.moe.z_loss_weight ({now('z_loss_weight')}e.g. 10x) if the "
         "router's logits grow (a saturated softmax gives the starved experts almost no gradient to win tokens back); "
         "a collapse early in training also follows too high a train.lr for the router: a lower one or a longer train.warmup_steps"
     )

@@ -17,7 +17,7 @@ from scaletrain.models.context_parallel import ContextParallel
 from scaletrain.models.documents import attend, document_layout, document_mask
 from scaletrain.models.feed_forward import FeedForward
 from scaletrain.models.loss import cross_entropy
-from scaletrain.models.moe import MoE
+from scaletrain.models.moe import EXTRA_STATS, MoE
 from scaletrain.models.params import base_name, canonical_name, copy_full, is_adapter, name_generator
 from scaletrain.models.presets import ModelShape
 
@@ -149,6 +149,9 @@ class Llama(nn.Module):
         # Routing statistics of the training forwards since routing_stats took them
         # [MoE layers, experts + EXTRA_STATS] (models/moe.py), on the device, no sync.
         self.moe_stats: torch.Tensor | None = None
+        # model.moe.balance=bias: the slots per expert [MoE layers, experts] of the training
+        # forwards since the optimizer step; None unless ExpertBias set it (models/moe.py).
+        self.moe_load: torch.Tensor | None = None
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -197,6 +200,8 @@ class Llama(nn.Module):
             # forward again in backward, and only the first run returns to this loop.
             seen = torch.stack(stats).double()  # counts stay whole numbers past 2**24 per interval
             self.moe_stats = seen if self.moe_stats is None else self.moe_stats + seen
+            if self.moe_load is not None:
+                self.moe_load += seen[:, :-EXTRA_STATS]
         if self.output is None or self.norm is None:
             return h
         logits = self.output(self.norm(h))

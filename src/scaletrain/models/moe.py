@@ -104,7 +104,13 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = e, shape.top_k
         self.capacity_factor, self.normalize = shape.capacity_factor, shape.normalize_top_k
         self.aux_weight, self.z_weight = shape.aux_loss_weight, shape.z_loss_weight
-        self.per_sequence = shape.balance == "sequence_aux"
+        self.per_sequence = shape.balance != "aux"  # bias's loss beside it is DeepSeek-V3's sequence-wise one
+        self.sigmoid, self.groups, self.topk_groups = shape.score == "sigmoid", shape.groups, shape.topk_groups
+        # balance=bias: [experts] fp32, added to the scores for choosing the experts only; a
+        # view into ExpertBias's table, which moves it after each optimizer step. A plain
+        # attribute, not a buffer: no engine casts it (DeepSpeed's bf16 would round the
+        # updates away) and it is saved in trainer.json, not in the engines' state.
+        self.expert_bias: torch.Tensor | None = None
         self.router = nn.Linear(d, e, bias=False)
         self.experts = GroupedExperts(e, d, h, shape.experts_impl)
         self.shared: nn.Module | None = None
@@ -119,10 +125,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, d)
         n, k, e = tokens.shape[0], self.top_k, self.n_experts
         logits = self.router(tokens).float()  # routing in fp32: close scores decide the experts
-        probs = logits.softmax(dim=-1)
-        weights, chosen = probs.topk(k, dim=-1)  # [n, k]
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        probs, weights, chosen = self._route(logits)  # [n, e]; [n, k] each
         # Token slots sorted by expert (stable: within an expert, in token order).
         flat = chosen.reshape(-1)
         order = flat.argsort(stable=True)
@@ -169,6 +172,27 @@ class MoE(nn.Module):
         extra = torch.stack([dropped.float(), aux.detach(), tokens_seen, balance.detach(), z.detach()])
         stats = torch.cat([routed.detach().float(), extra])
         return y.reshape(b, t, d), aux, stats
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's logits [n, e] -> (each token's scores as a distribution over the
+        experts, for the balance term; the chosen experts' weights; their indices)."""
+        n, e, k = logits.shape[0], self.n_experts, self.top_k
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias  # the bias chooses, never weighs
+        if self.topk_groups < self.groups:
+            grouped = choice.view(n, self.groups, e // self.groups)
+            # A group's score: DeepSeek-V3's sum of its best two (sigmoid), V2's best one (softmax).
+            best = grouped.topk(min(2, grouped.shape[-1]) if self.sigmoid else 1, dim=-1).values.sum(dim=-1)
+            keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.topk_groups, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
+        chosen = choice.topk(k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # The balance term's P: softmax scores are a distribution already; sigmoid ones are
+        # normalized per token (DeepSeek-V3's s'), a product here so the gradient flows.
+        probs = scores / scores.sum(dim=-1, keepdim=True) if self.sigmoid else scores
+        return probs, weights, chosen
 
     def _balance(self, routed: torch.Tensor, chosen: torch.Tensor, probs: torch.Tensor, b: int, t: int) -> torch.Tensor:
         """The Switch balance term, f_e from the routing decisions (no gradient), P_e from
@@ -261,3 +285,73 @@ def routing_stats(model: nn.Module) -> Callable[[], torch.Tensor | None]:
 def moe_layers(model: nn.Module) -> list[MoE]:
     """The model's mixture-of-experts layers, in order (none in a dense model)."""
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+class ExpertBias:
+    """model.moe.balance=bias (DeepSeek-V3's auxiliary-loss-free balancing): each MoE
+    layer's expert bias, one fp32 table [MoE layers, experts] on the device whose rows the
+    layers route with, moved after each optimizer step by `rate` x sign(mean load - load):
+    an expert that took more than its share of the step's slots is chosen a little less.
+
+    The load is the whole step's: the model sums each training forward's slots per expert
+    (Llama.forward, every micro-batch of the accumulation) and `reduce` sums them over every
+    data-parallel rank in place, one collective per step on the device, nothing read back.
+    So every rank moves the same bias, and how the step's sequences are split into
+    micro-batches and ranks does not change it. The table is saved in trainer.json
+    (`state`, `load`): the engines' state holds parameters only, and a JSON list of floats
+    goes to any world size and engine as it is.
+    """
+
+    def __init__(self, model: nn.Module, rate: float, device: torch.device, reduce: Callable[[torch.Tensor], None]):
+        layers = moe_layers(model)
+        holder = next(m for m in model.modules() if "moe_stats" in vars(m))
+        self.rate, self.reduce = rate, reduce
+        self.table = torch.zeros(len(layers), layers[0].n_experts, device=device)
+        for row, layer in zip(self.table, layers):
+            layer.expert_bias = row  # a view: the layer routes with the table's current values
+        setattr(holder, "moe_load", torch.zeros(self.table.shape, dtype=torch.float64, device=device))  # noqa: B010
+        # Weak: the run's collaborators must not keep a released model alive (routing_stats says why).
+        self._holder = weakref.ref(holder)
+
+    def after_step(self) -> None:
+        holder = self._holder()
+        if holder is None:
+            return
+        load = getattr(holder, "moe_load")  # noqa: B009  # set above, absent from the type nn.Module
+        self.reduce(load)
+        # sign, not the load itself: the step's size and the slots' count do not matter, and a
+        # load exactly at the mean leaves its bias where it is.
+        self.table.add_(self.rate * torch.sign(load.mean(dim=1, keepdim=True) - load).float())
+        load.zero_()
+
+    def state(self) -> list[list[float]]:
+        """The table for trainer.json (a host read: at a checkpoint only)."""
+        return self.table.tolist()
+
+    def load(self, saved: list[list[float]] | None) -> None:
+        """A checkpoint's table back (None: a checkpoint without one starts from zeros)."""
+        if saved is None:
+            self.table.zero_()
+            return
+        values = torch.tensor(saved, dtype=torch.float32)
+        if values.shape != self.table.shape:
+            from scaletrain.errors import UserError
+
+            raise UserError(
+                f"the checkpoint's expert bias is {list(values.shape)} (MoE layers x experts), this model's "
+                f"{list(self.table.shape)}; accepted: a checkpoint of this model"
+            )
+        self.table.copy_(values)
+
+
+def attach_expert_bias(
+    cfg: Any, model: nn.Module, device: torch.device, saved: list[list[float]] | None, reduce: Callable[[torch.Tensor], None]
+) -> ExpertBias | None:
+    """The model's ExpertBias under model.moe.balance=bias (cfg: the whole Config), holding
+    a checkpoint's table where `saved` gives one; None for any other balance."""
+    moe = cfg.model.moe
+    if moe is None or moe.balance != "bias":
+        return None
+    bias = ExpertBias(model, moe.bias_update_rate, device, reduce)
+    bias.load(saved)
+    return bias

@@ -35,7 +35,10 @@ class ModelShape:
     capacity_factor: float = 0.0  # 0: dropless
     normalize_top_k: bool = True
     aux_loss_weight: float = 0.0
-    balance: str = "sequence_aux"  # model.moe.balance: sequence_aux | aux (models/moe.py)
+    balance: str = "sequence_aux"  # model.moe.balance: sequence_aux | aux | bias (models/moe.py)
+    score: str = "softmax"  # model.moe.score: softmax | sigmoid
+    groups: int = 1  # group-limited routing: the experts in `groups` groups, each token's
+    topk_groups: int = 1  # experts within its best topk_groups of them
     z_loss_weight: float = 0.0
     experts_impl: str = "auto"  # how the experts run (models/moe.py); no tensor's shape
     # Qwen3's attention: heads wider than dim / n_heads (0: dim / n_heads, Llama's), and an
@@ -91,9 +94,12 @@ def resolve_shape(cfg: ModelSource, vocab_size: int | None = None) -> ModelShape
         for key, default in MOE_DEFAULTS.items():
             base[key] = moe.get(key, base.get(key, default))
         base["expert_ffn_dim"] = moe.get("expert_ffn_dim", base.get("expert_ffn_dim") or base["ffn_dim"])
-        base["aux_loss_weight"], base["z_loss_weight"] = cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight
-        base["balance"] = cfg.moe.balance
+        base["aux_loss_weight"] = aux_loss_weight(cfg.moe.balance, cfg.moe.aux_loss_weight)
+        base["z_loss_weight"], base["balance"] = cfg.moe.z_loss_weight, cfg.moe.balance
         base["experts_impl"] = cfg.moe.experts_impl
+        base["score"] = moe.get("score", base.get("score", "softmax"))
+        base["groups"] = moe.get("groups", base.get("groups", 1))
+        base["topk_groups"] = moe.get("topk_groups", base.get("topk_groups", base["groups"]))
     elif base.get("experts"):  # a mixture-of-experts preset: the auxiliary losses' defaults
         base["aux_loss_weight"], base["z_loss_weight"] = AUX_LOSS_WEIGHT, Z_LOSS_WEIGHT
     shape = ModelShape(**base)
@@ -101,9 +107,18 @@ def resolve_shape(cfg: ModelSource, vocab_size: int | None = None) -> ModelShape
     return shape
 
 
-# Mixtral's router_aux_loss_coef; ST-MoE's router z-loss coefficient.
+# Mixtral's router_aux_loss_coef; DeepSeek-V3's sequence-wise balance weight beside its bias
+# (alpha); ST-MoE's router z-loss coefficient.
 AUX_LOSS_WEIGHT = 0.02
+BIAS_AUX_LOSS_WEIGHT = 0.0001
 Z_LOSS_WEIGHT = 0.001
+
+
+def aux_loss_weight(balance: str, given: float | None) -> float:
+    """model.moe.aux_loss_weight, or its default for the balance."""
+    if given is not None:
+        return given
+    return BIAS_AUX_LOSS_WEIGHT if balance == "bias" else AUX_LOSS_WEIGHT
 
 
 def _check(s: ModelShape) -> None:
@@ -120,6 +135,18 @@ def _check(s: ModelShape) -> None:
         )
     if s.experts and not 1 <= s.top_k <= s.experts:
         raise UserError(f"model.moe.top_k={s.top_k} must be between 1 and model.moe.experts={s.experts}")
+    if s.experts and (s.experts % s.groups or not 1 <= s.topk_groups <= s.groups):
+        raise UserError(
+            f"model.moe.groups={s.groups} and topk_groups={s.topk_groups} do not fit {s.experts} experts; accepted: groups "
+            f"dividing model.moe.experts ({_listing([g for g in range(1, s.experts + 1) if s.experts % g == 0])}) and "
+            "1 <= topk_groups <= groups"
+        )
+    if s.experts and s.top_k > s.topk_groups * (s.experts // s.groups):
+        raise UserError(
+            f"model.moe.top_k={s.top_k} experts cannot be chosen within topk_groups={s.topk_groups} of groups={s.groups} "
+            f"({s.experts // s.groups} experts each); accepted: top_k <= {s.topk_groups * (s.experts // s.groups)}, or more "
+            "topk_groups"
+        )
     if s.experts and s.experts_impl == "grouped" and (s.dim % 8 or s.expert_ffn_dim % 8):
         # torch._grouped_mm takes rows of a multiple of 16 bytes (8 bf16 elements).
         raise UserError(

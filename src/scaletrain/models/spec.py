@@ -151,7 +151,7 @@ class LlamaSpec:
     def config(self) -> dict[str, Any]:
         # The tensors' shapes: a dense model's without the (unused) expert fields, and never
         # the routing's loss weights or capacity, which a resume may change.
-        shape = {k: v for k, v in asdict(self.shape).items() if k not in _ROUTING}
+        shape = {k: v for k, v in asdict(self.shape).items() if k not in ROUTING}
         for key, usual in _USUAL_ATTENTION.items():  # written where a preset sets them (Qwen3's)
             if shape[key] == usual:
                 del shape[key]
@@ -245,7 +245,10 @@ class LlamaSpec:
 
 
 # ModelShape's fields that shape no tensor (the routing, how the experts run); and those of the experts.
-_ROUTING = ("capacity_factor", "normalize_top_k", "aux_loss_weight", "balance", "z_loss_weight", "experts_impl")
+ROUTING = (
+    "capacity_factor", "normalize_top_k", "aux_loss_weight", "balance", "z_loss_weight", "experts_impl", "score", "groups",
+    "topk_groups",
+)  # fmt: skip
 _EXPERT_SHAPE = ("experts", "top_k", "shared_experts", "expert_ffn_dim", "dense_layers")
 # Attention fields at their usual value, left out of config(): a checkpoint written before they
 # existed names the same shape.

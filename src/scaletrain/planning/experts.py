@@ -16,6 +16,10 @@ the shard/ep ranks holding the same experts, everything else over all shard rank
     (ep-1)/ep leave the rank. Nothing hides them (the experts wait for their tokens, the
     block for the experts' outputs): exposed, plus a start-up per exchange and for the
     exchange of slot counts before each dispatch (models/moe.py);
+  - a group limit (model.moe.groups, topk_groups) does not change those bytes: each slot
+    travels on its own (no copy of a token per node forwarded inside it, as DeepEP's
+    dispatch does), and balanced routing sends every rank the same share of the slots
+    either way; what the limit bounds is how many ranks' groups one token visits;
   - activations: the traced MoE block (balanced routing, planning/activations.py). Balanced,
     a rank's experts receive as many slots as its own tokens make (top_k x tokens), so the
     trace holds under ep; an imbalanced router gives the busiest rank more.

@@ -32,6 +32,7 @@ from scaletrain.engines import build_engine
 from scaletrain.errors import UserError
 from scaletrain.launch.distributed import World, init_distributed, shutdown
 from scaletrain.models import model_spec
+from scaletrain.models.moe import attach_expert_bias
 from scaletrain.training.evaluation import eval_loss, evaluate, open_eval_set
 from scaletrain.training.optim import decay_groups
 
@@ -113,6 +114,7 @@ def _evaluate(ckpt: Path, cfg: Config, world: World) -> dict[str, Any]:
     try:
         layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
         checkpoint.resume_state(ckpt, world, engine, layout, dims.as_dict())
+        attach_expert_bias(cfg, engine.model, world.device, saved.expert_bias, lambda load: None)  # routes as trained
         row = evaluate(engine, evalset, eval_loss(spec), world, dims.dp_rank(world.rank), dims.dp_size, lambda: None)
         return {"step": saved.step, **row, "engine": engine.name}
     finally:

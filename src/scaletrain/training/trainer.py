@@ -48,7 +48,7 @@ from scaletrain.models.capabilities import check_layout
 from scaletrain.models.distill import Distill
 from scaletrain.models.documents import measured_context
 from scaletrain.models.loss import trained
-from scaletrain.models.moe import routing_stats
+from scaletrain.models.moe import ExpertBias, attach_expert_bias, routing_stats
 from scaletrain.models.spec import with_fields
 from scaletrain.resilience import oom
 from scaletrain.resilience.faults import Drills
@@ -111,6 +111,7 @@ class Run:
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0
     groups: NoGroups | ReplicaGroups = NoGroups()  # fault_tolerance: the quorum of replica groups
+    balance: ExpertBias | None = None  # model.moe.balance=bias: the experts' bias, moved after each step
 
     def trained_tokens(self) -> int:
         """What a step adds to tokens_seen: its trained tokens (fine-tuning records: their
@@ -197,6 +198,8 @@ def train_step(run: Run) -> None:
             loss = run.groups.mean(run.engine.forward_backward(batch, run.drills.loss(step, run.loss), phase.marking(mark)))
             phase.now = "optimizer"
             stats = run.engine.step(lr, run.groups.across)  # a non-finite step is not applied, whatever the policy
+            if run.balance is not None and stats.committed:
+                run.balance.after_step()  # from the step's load, every micro-batch and rank
             mark("optimizer")
             if stats.committed:  # else a replica group failed during it: applied nowhere, run again on the next batch
                 _record(run, step, lr, loss, stats, time.perf_counter() - t0)
@@ -240,6 +243,8 @@ class Phase:
 def roll_back(run: Run) -> None:
     """train.nonfinite=rollback: back to the newest valid checkpoint; its later rows go."""
     state = run.saves.roll_back()
+    if run.balance is not None:
+        run.balance.load(state.expert_bias)
     run.say(run.guard.rolled_back(state.step))
     run.step, run.tokens_seen = state.step, state.tokens_seen
     run.metrics.truncate_after(run.step)  # the rows of the undone steps; the counters keep the tally
@@ -318,7 +323,11 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     identity = _identity(cfg, world, dims, spec, data)
     saves = Saves(
         cfg, world, engine=held, paths=paths, metrics=metrics, layout=layout,
-        about=[lambda: identity, lambda: {"nonfinite": guard.counters()}],
+        about=[
+            lambda: identity,
+            lambda: {"nonfinite": guard.counters()},
+            lambda: {"expert_bias": run.balance.state() if run.balance is not None else None},
+        ],
         position=lambda: batches.position, before_save=flush, paused=watchdog.paused, say=say, writes=writes_checkpoints(cfg),
     )  # fmt: skip
     telemetry.review = lambda rows: guard.review(rows, saves.newest)  # each interval's steps, as they are read
@@ -348,6 +357,8 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
             cfg, world, held, step, lambda in_step: _trainer_state(run, in_step), lambda s: _restore(run, s), telemetry.event
         )
         stack.push(lambda kind, *_: run.groups.close(run.step, clean=kind is None))
+    saved_bias = resumed.expert_bias if resumed else None
+    run.balance = attach_expert_bias(cfg, run.engine.model, world.device, saved_bias, _sum_over_ranks(world))
     # A mixture of experts' load per interval (a weak reference: _release still frees the model).
     telemetry.watch_routing(routing_stats(run.engine.model))
     # The engine (a DDP wrapper, say) must not outlive the process group (see train()),
@@ -414,6 +425,16 @@ def _resume(ckpt: Path, world: World, engine: Engine, layout: ParamLayout, dims:
         say(f"resume: {ckpt.name} ({was}) {how} onto {now}; verified")
     engine.load_extra_state(state.engine_state)
     return state
+
+
+def _sum_over_ranks(world: World) -> Any:
+    """An in-place sum over every rank (each sees its own tokens; a mixture of experts has
+    no tp or pp, whose ranks would share them), or nothing at world 1."""
+    if world.world_size == 1:
+        return lambda tensor: None
+    import torch.distributed as dist
+
+    return lambda tensor: dist.all_reduce(tensor)
 
 
 def per_trained_token(loss: Any, batches: RankBatches, ranks: int) -> Any:
