@@ -104,6 +104,7 @@ MFU = (
     f"telemetry.profile_steps=[{PROFILED_STEP},{PROFILED_STEP}]",
 )
 AC = "parallel.activation_checkpointing"
+MOE_V3 = "model.moe={{experts: 64, top_k: 8, groups: 8, topk_groups: 4, score: sigmoid, balance: bias}}"
 # Part 4 (the first four) and part 6: three real steps under torch's MemTracker (on CUDA also
 # max_memory_allocated). The error is reported, not judged: FAIL only when the command fails; beyond 15%
 # (the CPU tests' bound) is marked. The 1b ones first; then zero2, whose buckets the planner models apart.
@@ -148,6 +149,13 @@ MORE_CHECKS = [
     Check("oom-1b-mb64", 5, "a real out-of-memory error survived: micro-batch 64 halved until it fits",
           ("scaletrain", "train", *BIG_CUDA, "parallel.strategy=fsdp", "train.global_batch=64", "train.micro_batch=64"),
           "trains", CUDA, GPU_STEPS),
+    # DeepSeek-V3's routing at a width a GPU holds (issue 40): the small preset with 64 experts, top-8,
+    # sigmoid scores, 8 groups of which each token takes 4, the loss-free bias; tokens/s of the experts as
+    # one grouped matmul against one matmul per expert (the loop, which reads the counts on the host).
+    *(Check(f"moe-v3-{impl}-bf16", 5, f"DeepSeek-V3 routing (64 experts, top-8, 4 of 8 groups, bias), experts {impl}",
+            ("scaletrain", "train", *SMALL, MOE_V3, f"model.moe.experts_impl={impl}", "parallel.strategy=fsdp",
+             "precision=bf16", "train.log_every=5"), "trains", CUDA, 10)
+      for impl in ("grouped", "loop")),
 ]
 
 # A table, one check or one generated family of checks per entry, laid out by hand, in the order they run.
