@@ -82,6 +82,10 @@ class TrainConfig(Section):
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     decay_steps: int | None = Field(None, ge=1)
     decay_shape: Literal["1-sqrt", "linear"] = "1-sqrt"
+    # With train.resume=CKPT (a stable-phase checkpoint of a wsd or constant run) and another
+    # run.dir: a cooldown branched from it, N steps of wsd's decay, the original run untouched
+    # (training/rundir.py branch_cooldown sets train.steps, schedule and decay_steps).
+    cooldown_steps: int | None = Field(None, ge=1)
     weight_decay: float = Field(0.1, ge=0)
     # Parameters trained at their own learning rate (a multiplier) and weight decay: the
     # first entry whose patterns match a parameter's name takes it; the rest keep the
@@ -139,6 +143,15 @@ class TrainConfig(Section):
             raise ValueError(
                 "train.micro_batch=auto needs train.global_batch (sequences per optimizer step): the micro-batch "
                 "the plan fits then never changes the numbers; accepted: train.global_batch=N with it, or a number"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _cooldown_from_a_checkpoint(self) -> TrainConfig:
+        if self.cooldown_steps is not None and self.resume in ("auto", "never"):
+            raise ValueError(
+                f"train.cooldown_steps={self.cooldown_steps} branches a cooldown from a checkpoint, and train.resume="
+                f"{self.resume} names none; accepted: train.resume=RUN/checkpoints/step_N with it (and a new run.dir)"
             )
         return self
 

@@ -15,11 +15,12 @@ from scaletrain import checkpoint
 from scaletrain.checkpoint.resume import check_config
 from scaletrain.config import Config, load_config
 from scaletrain.config.batch import global_batch
+from scaletrain.config.load import from_tree
 from scaletrain.config.parallel import ParallelDims
 from scaletrain.errors import UserError
 from scaletrain.launch.distributed import World, versions
 from scaletrain.models import ModelSpec
-from scaletrain.training.optim import lr_at, scaled_lr
+from scaletrain.training.optim import lr_at, scaled_lr, wsd_decay_steps
 
 
 @dataclass
@@ -69,6 +70,52 @@ def resume_point(resume: str, paths: RunPaths, world: World, report: Callable[[s
     if problem:
         raise UserError(f"train.resume={resume!r} is damaged: {problem}; accepted: a whole checkpoint, or train.resume=auto")
     return path
+
+
+def branch_cooldown(cfg: Config, origin: Path, root: Path) -> tuple[Config, str]:
+    """train.cooldown_steps=N with train.resume=CKPT: a new run that continues CKPT's stable
+    phase for nothing and decays at once, over N steps, as wsd's last N. Its settings are
+    those of a straight wsd run of S + N steps (S: the checkpoint's) with train.decay_steps=N,
+    so its numbers are that run's wherever the schedules coincide. Checked against the
+    checkpoint's own run (one line): past its warmup, before its decay (a stable phase only
+    wsd and constant have), and another run.dir, so that the original stays untouched."""
+    if origin.resolve().parent.parent == root.resolve():
+        raise UserError(
+            f"train.cooldown_steps branches a new run from {origin}, and run.dir={root} is that checkpoint's own run; "
+            "accepted: another run.dir (the original run stays untouched)"
+        )
+    step = checkpoint.TrainerState.read(origin).step
+    try:
+        before = load_config([str(origin / "config.yaml")]).train
+    except UserError as e:
+        raise UserError(f"train.cooldown_steps: {origin}'s config.yaml is unreadable here ({e})") from None
+    where = f"{origin} (step {step} of a {before.schedule} schedule)"
+    if before.schedule not in ("wsd", "constant"):
+        raise UserError(
+            f"train.cooldown_steps branches from a stable phase, and {where} has none: its learning rate decays from "
+            f"the warmup on; accepted: a checkpoint of a run with train.schedule=wsd or constant"
+        )
+    if step < before.warmup_steps:
+        raise UserError(
+            f"train.cooldown_steps: {where} is still in its warmup ({before.warmup_steps} steps); accepted: a checkpoint past it"
+        )
+    decay_from = before.steps - wsd_decay_steps(before) if before.schedule == "wsd" else before.steps
+    if step > decay_from:
+        raise UserError(
+            f"train.cooldown_steps: {where} is in its decay (from step {decay_from}); accepted: a checkpoint of its "
+            f"stable phase, at step {decay_from} or before"
+        )
+    n = cfg.train.cooldown_steps
+    assert n is not None
+    tree = cfg.model_dump(exclude_unset=True)
+    tree.setdefault("train", {}).update(steps=step + n, schedule="wsd", decay_steps=n)
+    branched = from_tree(tree)
+    t = branched.train
+    line = (
+        f"cooldown: from {where}: steps {step + 1}-{step + n} decay to train.lr x {t.min_lr_ratio:g} ({t.decay_shape}), "
+        f"as wsd's last {n} of {step + n} steps; {origin.parent.parent} is left as it is"
+    )
+    return branched, line
 
 
 def check_resume(path: Path, cfg: Config, model: ModelSpec, data_fingerprint: str, dp_size: int) -> list[str]:

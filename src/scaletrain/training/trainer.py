@@ -64,7 +64,7 @@ from scaletrain.training.evaluation import Evaluation, eval_loss, open_eval_set
 from scaletrain.training.optim import decay_groups, describe_groups, lr_at, scaled_lr
 from scaletrain.training.paths import make_dir
 from scaletrain.training.preflight import plan_run, runtime_target
-from scaletrain.training.rundir import RunPaths, check_resume, resume_point, write_run_info
+from scaletrain.training.rundir import RunPaths, branch_cooldown, check_resume, resume_point, write_run_info
 from scaletrain.training.saves import Saves
 
 
@@ -273,6 +273,11 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     if "nvme" in (cfg.parallel.offload_optimizer, cfg.parallel.offload_params) and cfg.parallel.nvme_path:
         make_dir(cfg.parallel.nvme_path, "parallel.nvme_path")
     resume_from = resume_point(cfg.train.resume, paths, world, say)  # the newest whole checkpoint
+    if cfg.train.cooldown_steps is not None and resume_from is not None:
+        cfg, line = branch_cooldown(cfg, resume_from, paths.root)
+        say(line)
+        # A branch that was stopped goes on from its own newest checkpoint, not from the origin again.
+        resume_from = checkpoint.latest_valid(paths.checkpoints, world, say) or resume_from
     cfg, data, spec, distill, dims = _checked_plan(cfg, world, paths, resume_from, say)
     dp_rank, dp_size = data_ranks(cfg, dims, world.rank)  # over every replica group
     # The global batch's windows (too few: said now); replica groups each evaluate all of them.
