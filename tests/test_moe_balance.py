@@ -16,6 +16,7 @@ from scaletrain.errors import UserError
 from scaletrain.models.moe import ExpertBias, MoE
 from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
+from scaletrain.telemetry.metrics import read_metrics
 
 from helpers import (
     assert_bit_exact,
@@ -183,6 +184,11 @@ def test_the_bias_trains_the_same_numbers_however_the_step_is_split(one_process,
     # And it moved, unevenly in every layer (a bias the same for every expert would not
     # change any choice).
     assert all(len(set(row)) > 1 for row in want), want
+    # Each interval row carries the bias the next step routes with: the last one, the checkpoint's.
+    intervals = [r for r in read_metrics(run / "metrics.jsonl", events=True) if r.get("event") == "interval"]
+    assert intervals[-1]["step"] == STEPS and all("bias" in layer for r in intervals for layer in r["moe"]["layers"])
+    logged = [layer["bias"] for layer in intervals[-1]["moe"]["layers"]]
+    assert len(logged) == len(want) and all(got == pytest.approx(row, abs=1e-6) for got, row in zip(logged, want))
 
 
 @pytest.mark.e2e

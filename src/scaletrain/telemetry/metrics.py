@@ -71,6 +71,9 @@ class StepRecorder:
         # The routing statistics the model summed since the last call (models.moe.routing_stats),
         # None for a dense model; set by whoever holds the model (Telemetry.watch_routing).
         self.routing: Callable[[], torch.Tensor | None] = lambda: None
+        # model.moe.balance=bias: the experts' bias table [MoE layers, experts] (models.moe.
+        # ExpertBias; the same on every rank), read with the rest at each flush; else None.
+        self.bias: Callable[[], torch.Tensor | None] = lambda: None
         # A data mixture's realised shares over the interval (data/mix.py: MixShares.take),
         # None without one; every rank computes it from the position alone, so nothing is gathered.
         self.mix: Callable[[], dict[str, Any] | None] = lambda: None
@@ -82,31 +85,39 @@ class StepRecorder:
         self._norms.append(grad_norm.detach())
         self._rows.append(fields)
 
-    def _read(self) -> tuple[list[float], list[float], np.ndarray | None]:
+    def _read(self) -> tuple[list[float], list[float], np.ndarray | None, np.ndarray | None]:
         """The interval's device figures in one read: this rank's losses and gradient norms,
-        the rows' tensor fields (in place) and the expert load (taken here, once per interval)."""
+        the rows' tensor fields (in place), the expert load (taken here, once per interval)
+        and the experts' bias."""
         device = self._losses[0].device
         fields = [(row, k) for row in self._rows for k, v in row.items() if isinstance(v, torch.Tensor)]
-        routing = self.routing()
+        routing, bias = self.routing(), self.bias()
         parts = [torch.stack(self._losses), torch.stack([t.to(device) for t in self._norms])]
         parts += [row[k].to(device).reshape(1) for row, k in fields]
         if routing is not None:
             parts.append(routing.to(device).reshape(-1))
+        if bias is not None:
+            parts.append(bias.to(device).reshape(-1))
         # float64: exact for the fp32 losses and for the routing's slot counts, whatever they sum to.
         values = torch.cat([p.double() for p in parts]).tolist()  # the one read of the interval
         n = len(self._rows)
         losses, norms, rest = values[:n], values[n : 2 * n], values[2 * n :]
         for (row, k), v in zip(fields, rest):
             row[k] = bool(v) if row[k].dtype == torch.bool else v
-        moe = np.asarray(rest[len(fields) :], dtype=np.float64).reshape(routing.shape) if routing is not None else None
-        return losses, norms, moe
+        rest = rest[len(fields) :]
+        moe = table = None
+        if routing is not None:
+            moe, rest = np.asarray(rest[: routing.numel()], dtype=np.float64).reshape(routing.shape), rest[routing.numel() :]
+        if bias is not None:
+            table = np.asarray(rest, dtype=np.float32).reshape(bias.shape)
+        return losses, norms, moe, table
 
     def flush(self, comm: dict[str, float] | None = None) -> Flushed:
         """Collective when distributed (every rank calls it at the same steps). `comm`: this
         rank's communication sample of the interval, if one was taken (telemetry.comm)."""
         if not self._rows:
             return Flushed()
-        losses, norms, routing = self._read()
+        losses, norms, routing, bias = self._read()
         phases = self.clock.take()
         peak, reserved = memory_peak(self.world.device)
         n = len(self._rows)
@@ -140,6 +151,9 @@ class StepRecorder:
         interval = self._interval(step, n, wall, ranks)
         moe = expert_load([r["moe"] for r in everyone], n * self.rates.micro_batches)
         if moe is not None:
+            if bias is not None:  # as the next step routes with it (every rank holds the same)
+                for layer, row in zip(moe["layers"], bias.tolist()):
+                    layer["bias"] = [float(f"{x:.6g}") for x in row]
             interval["moe"] = moe
         mix = self.mix()
         if mix is not None:

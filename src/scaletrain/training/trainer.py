@@ -364,6 +364,9 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
         stack.push(lambda kind, *_: run.groups.close(run.step, clean=kind is None))
     saved_bias = resumed.expert_bias if resumed else None
     run.balance = attach_expert_bias(cfg, run.engine.model, world.device, saved_bias, _sum_over_ranks(world))
+    if run.balance is not None:
+        table = run.balance.table
+        telemetry.recorder.bias = lambda: table  # each interval row's bias, read with the rest
     # A mixture of experts' load per interval (a weak reference: _release still frees the model).
     telemetry.watch_routing(routing_stats(run.engine.model))
     # The engine (a DDP wrapper, say) must not outlive the process group (see train()),
