@@ -15,9 +15,11 @@ from scaletrain.errors import UserError
 from scaletrain.models import distill_spec, model_spec
 from scaletrain.models.distill import kl_to_teacher
 from scaletrain.planning.memory import Setup, estimate
+from scaletrain.telemetry.metrics import read_metrics
 
 from helpers import (
     assert_bit_exact,
+    assert_same_training,
     base_overrides,
     check,
     checkpoint_model,
@@ -162,3 +164,46 @@ def test_a_killed_distillation_resumes_bit_exactly_and_its_checkpoints_hold_only
     assert set(read_model_weights(killed / "checkpoints" / "step_6")) == {
         n for n, _ in student.named_parameters(remove_duplicate=False)
     }
+
+
+# A mixture of experts on either side (issue 40): the student's routers train through its
+# auxiliary terms, added to the distillation loss as its own spec adds them; a teacher's
+# terms are dropped. The default balance (sequence_aux) keeps the numbers to the global
+# batch, so one process at micro-batch 8 is the reference for world 2 at 4 per rank.
+MOE_PAIRS = {
+    "moe-student-fsdp-ep2": (["model.preset=tiny-moe", *TEACHER], ["parallel.strategy=fsdp", "parallel.ep=2"]),
+    "moe-teacher-zero2": (["model.teacher.preset=tiny-moe", "model.teacher.n_layers=2"], ["parallel.strategy=zero2"]),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pair", list(MOE_PAIRS))
+def test_a_mixture_of_experts_distils_and_teaches_at_world_2_as_in_one_process(small_dataset, tmp_path, pair):
+    models, layout = MOE_PAIRS[pair]
+    runs = {}
+    for name, nproc, extra in (("w1", 1, ["train.micro_batch=8"]), ("w2", 2, ["train.micro_batch=4", *layout])):
+        runs[name] = tmp_path / name
+        args = [*base_overrides(small_dataset, runs[name], steps=8), *models, "model.teacher.kl_weight=0.5", *extra]
+        check(train([*args, *eval_overrides(small_dataset)], nproc=nproc))
+    # The standing tolerances (helpers.py): summation order only.
+    assert_same_training(runs["w2"], runs["w1"], steps=8)
+    if pair.startswith("moe-student"):  # its routers were trained: their load is in the interval rows
+        intervals = [r for r in read_metrics(runs["w2"] / "metrics.jsonl", events=True) if r.get("event") == "interval"]
+        assert intervals and all(len(r["moe"]["layers"]) == 4 for r in intervals)
+
+
+@pytest.mark.unit
+def test_the_students_routing_terms_reach_its_gradient_and_leave_the_loss_value():
+    cfg = load_config([], ["model.vocab_size=11", "model.preset=tiny-moe", *TEACHER, "model.teacher.kl_weight=0.5"])
+    distill = distill_spec(cfg, model_spec(cfg, 11))
+    assert distill is not None
+    logits, teacher = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    targets = torch.randint(0, 11, (2, 5))
+    aux = torch.tensor(0.7, requires_grad=True)
+    plain = distill.loss((logits, teacher), targets)
+    with_aux = distill.loss(((logits, aux), (teacher, torch.tensor(5.0))), targets)
+    assert torch.equal(with_aux, plain)  # the value: the distillation loss alone, the teacher's terms dropped
+    with_aux.backward()
+    assert aux.grad == 1.0  # the student's routers get the terms' gradient, once

@@ -35,6 +35,14 @@ class Distill:
 
     def loss(self, output: tuple[Any, Any], targets: torch.Tensor) -> torch.Tensor:
         student, teacher = output
+        # A mixture of experts returns (logits, its routers' auxiliary loss): the student's terms
+        # train its routers, as its own spec's loss adds them (their gradient only: the value
+        # stays the distillation loss); a teacher's are no concern of the student's.
+        aux = None
+        if isinstance(student, tuple):
+            student, aux = student
+        if isinstance(teacher, tuple):
+            teacher = teacher[0]
         t = self.temperature
         # T^2 keeps the KL's gradient on the same scale as the cross entropy's whatever T
         # (the soft targets' gradients shrink as 1/T^2; Hinton et al. 2015).
@@ -44,7 +52,7 @@ class Distill:
         )
         if self.hidden is not None:
             total = total + self.hidden_weight * self.hidden.take_mse()
-        return total
+        return total if aux is None else total + (aux - aux.detach())
 
 
 class HiddenStates:
