@@ -8,6 +8,7 @@ UserError whose one line names the key, the bad value and what is accepted.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -482,12 +483,30 @@ class Config(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+def _hf_model_type(inline: dict[str, Any] | None, path: str | None) -> str:
+    """`model_type X` of an inline config, or of PATH/config.json where it reads; else what is known."""
+    if inline is not None:
+        return f"model_type {inline.get('model_type')}"
+    try:
+        return f"model_type {json.loads((Path(str(path)) / 'config.json').read_text())['model_type']}"
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable here: the model's build says so later
+        return f"model.path={path}"
+
+
 def _expert_parallel_problem(cfg: Config, experts: bool) -> None:
     """parallel.ep > 1: a built-in mixture of experts, on a strategy that has it, in the
     layouts checked so far (the divisibility by the world and the experts is checked where
     those are known: config/parallel.py, the model's spec)."""
     par, m = cfg.parallel, cfg.model
     where = names_where(lambda r: r.ep)
+    if m.source == "hf":
+        kind = _hf_model_type(m.hf_config, m.path)
+        raise ValueError(
+            f"parallel.ep={par.ep} splits the built-in mixture of experts' experts over ranks, not a Hugging Face model's "
+            f"({kind}: transformers holds each layer's experts in a module of its own, not replaced yet); accepted: "
+            "parallel.ep=1 (fsdp and zero3 shard its weights, experts included, like any other), or the built-in mixture "
+            f"of experts (model.preset={'|'.join(MOE_PRESETS)}, or model.moe)"
+        )
     if not experts:
         model = f"model.source={m.source} (not built yet)" if m.source != "builtin" else f"model.preset={m.preset} (dense)"
         raise ValueError(
