@@ -142,7 +142,7 @@ def test_an_export_of_unnormalized_routing_is_refused_in_one_line(moe_run, tmp_p
 # ---------------------------------------------------------------------------- HF models
 
 # output_router_logits: transformers (and so training here) adds router_aux_loss_coef x
-# its load-balancing term to the loss.
+# its load-balancing term to the loss (here its gradient; the value logged stays the cross entropy).
 # Qwen2-MoE besides: a shared expert, top-k weights not renormalized (its default).
 QWEN2_MOE = {"model_type": "qwen2_moe", "num_experts": 4, "moe_intermediate_size": 24, "intermediate_size": 48,
              "shared_expert_intermediate_size": 32}  # fmt: skip
@@ -213,7 +213,7 @@ def test_an_hf_mixture_of_experts_trains_at_world_2_as_in_one_process(hf_moe, sm
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("arch", list(HF_MOE))
-def test_the_first_loss_is_the_saved_models_own_with_its_balance_term(hf_moe, arch):
+def test_the_first_loss_is_the_saved_models_own_cross_entropy(hf_moe, arch):
     from scaletrain.config import load_config
     from scaletrain.data import PackedTokens, RankBatches, resolve_dataset_dir
 
@@ -231,9 +231,29 @@ def test_the_first_loss_is_the_saved_models_own_with_its_balance_term(hf_moe, ar
             balance.append(coef * out.aux_loss.item())
     # Loaded, not initialized: the expert tensors, saved one per expert, were stacked as
     # the model holds them. Same weights and code: fp32 rounding of the sums only.
+    # The logged loss is the cross entropy alone (the balance term trains through its
+    # gradient only: test_the_balance_term_reaches_the_gradient_and_not_the_loss_value).
     got = losses_and_norms(reference)[0][0]
-    np.testing.assert_allclose(got, np.mean(ce) + np.mean(balance), rtol=1e-6)
-    assert np.mean(balance) > 1000 * 1e-6 * got  # the balance term is in it, far above the tolerance
+    np.testing.assert_allclose(got, np.mean(ce), rtol=1e-6)
+    assert np.mean(balance) > 1000 * 1e-6 * got  # with the term in it, the value would be off by far more
+
+
+@pytest.mark.unit
+def test_the_balance_term_reaches_the_gradient_and_not_the_loss_value():
+    from types import SimpleNamespace
+
+    from scaletrain.config import load_config
+    from scaletrain.models import model_spec
+
+    conf = {**COMMON, **HF_MOE["mixtral"], "vocab_size": 64, "router_aux_loss_coef": 0.25}
+    spec = model_spec(load_config([], ["model.source=hf", f"model.hf_config={json.dumps(conf)}"]), 64)
+    logits = torch.randn(2, 3, 64)
+    targets = torch.randint(0, 64, (2, 3))
+    aux = torch.tensor(1.5, requires_grad=True)
+    loss = spec.loss(SimpleNamespace(logits=logits, aux_loss=aux), targets)
+    assert torch.equal(loss, spec.loss(logits, targets))  # the value: the cross entropy
+    loss.backward()
+    assert aux.grad == 0.25  # the gradient: router_aux_loss_coef x the term's
 
 
 @pytest.mark.e2e

@@ -206,11 +206,14 @@ class HFSpec:
         # router_aux_loss_coef. The model's own config decides, as in a transformers
         # fine-tune (MixtralConfig's default leaves it off): a run trains the objective the
         # model's config.json states, and a directory we export states ours. The term is
-        # over this rank's micro-batch, as transformers computes it.
+        # over this rank's micro-batch, as transformers computes it. As for the built-in
+        # model's routers, only its gradient is added: the loss's value (the step rows'
+        # `loss`) stays the cross entropy, comparable with the eval loss and a dense run's.
         aux = getattr(output, "aux_loss", None)
         if aux is None:
             return loss
-        return loss + float(getattr(self._conf, "router_aux_loss_coef", 0.0)) * aux.to(loss.dtype)
+        term = float(getattr(self._conf, "router_aux_loss_coef", 0.0)) * aux.to(loss.dtype)
+        return loss + (term - term.detach())
 
     def config(self) -> dict[str, Any]:
         return {"source": "hf", "hf_config": json.loads(self.hf_config)} | ({"lora": self.lora.as_dict()} if self.lora else {})
