@@ -121,6 +121,24 @@ def test_the_bias_moves_against_the_whole_steps_load_summed_over_ranks():
         restored.load([[0.0] * 8] * 3)
 
 
+@pytest.mark.e2e  # a unit by its scope; with the runs for its compile time (20-50 s here)
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_compiled_block_routes_with_the_bias_as_it_moves():
+    # The bias is a plain tensor attribute, moved in place between steps: a compiled block must
+    # read it as an input each call, not bake in the values it saw when it was traced.
+    layer = _moe(*V3, "model.moe.balance=bias", "model.moe.experts_impl=grouped")
+    layer.expert_bias = table = torch.zeros(8)
+    x = torch.randn(1, 24, 16)
+    compiled = torch.compile(layer, fullgraph=True)
+    before = layer(x)[0]
+    torch.testing.assert_close(compiled(x)[0], before, rtol=0, atol=1e-5 * before.abs().max().item())
+    table[5] = 3.0  # as ExpertBias.after_step moves it: in place
+    after = layer(x)[0]
+    assert not torch.allclose(after, before)  # the move changed the routing
+    torch.testing.assert_close(compiled(x)[0], after, rtol=0, atol=1e-5 * after.abs().max().item())
+
+
 def bias_layers(model: torch.nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
