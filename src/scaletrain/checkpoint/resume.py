@@ -64,6 +64,11 @@ def check_config(path: Path, cfg: Config, saved_state: TrainerState, model: dict
             now.get("model.trainable"),
             "its optimizer state holds exactly the parameters it trained",
         )
+    if saved_cfg.get("train.optimizer", "adamw") != now.get("train.optimizer"):
+        raise refuse(
+            "train.optimizer", saved_cfg.get("train.optimizer", "adamw"), now.get("train.optimizer"),
+            "its optimizer state is that optimizer's: a run changes optimizer only on a fresh start",
+        )  # fmt: skip
     if saved_state.base is not None:  # its frozen parameters come from the base this run builds: the same one?
         check_base(path, saved_state.base, cfg)
     for key in _DATA_KEYS:

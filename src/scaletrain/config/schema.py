@@ -88,6 +88,10 @@ class TrainConfig(Section):
     # (training/rundir.py branch_cooldown sets train.steps, schedule and decay_steps).
     cooldown_steps: int | None = Field(None, ge=1)
     weight_decay: float = Field(0.1, ge=0)
+    # adamw: torch's AdamW for every parameter. muon: torch's Muon for the 2-D matrices inside
+    # the blocks, AdamW for the embedding, the head and the gains, at one train.lr (Muon's
+    # updates scaled to AdamW's RMS, as Moonlight does; training/muon.py, docs/optimizers.md).
+    optimizer: Literal["adamw", "muon"] = "adamw"
     # Parameters trained at their own learning rate (a multiplier) and weight decay: the
     # first entry whose patterns match a parameter's name takes it; the rest keep the
     # defaults. A pattern that matches no parameter is an error (training/optim.py).
@@ -378,6 +382,29 @@ class Config(Section):
         problem = schedule_problem(par.pp_schedule, par.pp, self.train.grad_accum) if self.train.global_batch is None else None
         if problem:
             raise ValueError(f"parallel.pp_schedule={par.pp_schedule}: {problem}")
+        return self
+
+    @model_validator(mode="after")
+    def _muon_where_built(self) -> Config:
+        par, m = self.parallel, self.model
+        if self.train.optimizer != "muon":
+            return self
+        experts = (m.moe is not None or m.preset in MOE_PRESETS) and m.source == "builtin"
+        off = [
+            (par.strategy != "ddp", f"parallel.strategy={par.strategy}", "parallel.strategy=ddp",
+             "its Newton-Schulz steps need each whole matrix: fsdp's and tensor parallel's shards need a gather per "
+             "matrix and step, DeepSpeed its own Muon; not built yet"),
+            (experts, "a mixture of experts", "a dense model",
+             "its stacked experts are 3-D, a batch of matrices torch's Muon does not take; not built yet"),
+            (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1", "not checked yet"),
+            (self.fault_tolerance.groups > 1, f"fault_tolerance.groups={self.fault_tolerance.groups}",
+             "fault_tolerance.groups=1", "not checked yet"),
+        ]  # fmt: skip
+        for bad, given, accepted, why in off:
+            if bad:
+                raise ValueError(
+                    f"train.optimizer=muon runs on ddp, not with {given} ({why}); accepted: {accepted}, or train.optimizer=adamw"
+                )
         return self
 
     @model_validator(mode="after")

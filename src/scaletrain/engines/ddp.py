@@ -26,7 +26,7 @@ from scaletrain.engines.torch_engine import TorchEngineMixin
 from scaletrain.launch.distributed import World
 from scaletrain.models.spec import ModelSpec
 from scaletrain.resilience import faults
-from scaletrain.training.optim import build_adamw
+from scaletrain.training.optim import build_optimizer
 
 
 class DDPEngine(TorchEngineMixin):
@@ -79,7 +79,7 @@ class DDPEngine(TorchEngineMixin):
         self.precision = cfg.precision
         self.clip_grad = cfg.train.clip_grad
         self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/frozen_base.py)
-        self.optimizer = build_adamw(param_groups(model), cfg.train, world.device)
+        self.optimizer = build_optimizer(param_groups(model), cfg.train, world.device)
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
         if teacher is not None:
             self.teacher = replicated_teacher(teacher, cfg.data.seq_len, world.device, cfg.train.seed, cfg.precision)

@@ -15,6 +15,7 @@ from torch.utils import _foreach_utils
 from scaletrain.config import TrainConfig
 from scaletrain.errors import UserError
 from scaletrain.models.params import canonical_name
+from scaletrain.training.muon import MuonWithAdamW, on_muon
 
 
 def decay_groups(train: TrainConfig) -> Callable[[nn.Module], list[dict[str, Any]]]:
@@ -28,19 +29,22 @@ def decay_groups(train: TrainConfig) -> Callable[[nn.Module], list[dict[str, Any
         # Plain names, whatever wraps the model (DDP's module., checkpointing, compile).
         named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         taken = _matched(train.param_groups, [n for n, _ in named])
-        buckets: dict[tuple[int, bool], list[nn.Parameter]] = {}
+        muon = train.optimizer == "muon"
+        buckets: dict[tuple[int, bool, bool], list[nn.Parameter]] = {}
         for name, p in named:
-            buckets.setdefault((taken.get(name, -1), p.ndim >= 2), []).append(p)
+            buckets.setdefault((taken.get(name, -1), p.ndim >= 2, muon and on_muon(name, p)), []).append(p)
         out = []
         for index in range(-1, len(train.param_groups)):
             entry = train.param_groups[index] if index >= 0 else None
-            for matrix in (True, False):
+            for matrix, stepped_by_muon in ((True, True), (True, False), (False, False)):
                 decay = train.weight_decay if matrix else 0.0
                 if entry is not None and entry.weight_decay is not None:
                     decay = entry.weight_decay
-                group: dict[str, Any] = {"params": buckets.get((index, matrix), []), "weight_decay": decay}
+                group: dict[str, Any] = {"params": buckets.get((index, matrix, stepped_by_muon), []), "weight_decay": decay}
                 if entry is not None:
                     group["lr_scale"] = entry.lr
+                if stepped_by_muon:
+                    group["muon"] = True  # training/muon.py: Muon steps this group, AdamW the others
                 out.append(group)
         # No empty group: where only matrices train (LoRA adapters, attention projections),
         # torch's flattened optimizer state cannot be loaded back into an optimizer with an
@@ -70,9 +74,11 @@ def _matched(entries: list[Any], names: list[str]) -> dict[str, int]:
 def describe_groups(optimizer: torch.optim.Optimizer) -> list[str]:
     """One line per optimizer group, for the start of a run: its size, learning-rate
     multiplier and weight decay."""
+    muon = any(g.get("muon") for g in optimizer.param_groups)
     return [
         f"optimizer group {i}: {sum(p.numel() for p in g['params']):,} parameters in {len(g['params'])} tensors, "
-        f"lr x {g.get('lr_scale', 1.0):g}, weight_decay {g['weight_decay']:g}"
+        f"{('Muon, ' if g.get('muon') else 'AdamW, ') if muon else ''}lr x {g.get('lr_scale', 1.0):g}, "
+        f"weight_decay {g['weight_decay']:g}"
         for i, g in enumerate(optimizer.param_groups)
     ]
 
@@ -84,6 +90,14 @@ def build_adamw(groups: list[dict[str, Any]], cfg: TrainConfig, device: torch.de
     takes the non-finite flag into the kernel (skip_where): a skipped step needs no host sync."""
     fused = device.type in _foreach_utils._get_fused_kernels_supported_devices()
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused or None)
+
+
+def build_optimizer(groups: list[dict[str, Any]], cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """train.optimizer: AdamW (build_adamw), or Muon for the groups decay_groups marked and
+    AdamW for the rest, as one optimizer (training/muon.py)."""
+    if cfg.optimizer == "muon":
+        return MuonWithAdamW(groups, cfg.lr, lambda rest: build_adamw(rest, cfg, device))
+    return build_adamw(groups, cfg, device)
 
 
 def after_load(optimizer: torch.optim.Optimizer) -> None:

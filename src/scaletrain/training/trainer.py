@@ -299,7 +299,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     if main:
         oom.log_new(paths.root, telemetry.event)
     about, lines = engine.describe()  # e.g. a pipeline's stages
-    if cfg.train.param_groups and hasattr(engine, "optimizer"):  # train.param_groups: what each group got
+    if (cfg.train.param_groups or cfg.train.optimizer == "muon") and hasattr(engine, "optimizer"):  # what each group got
         lines = [*lines, *describe_groups(engine.optimizer)]
     if main:
         for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON

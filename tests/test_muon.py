@@ -1,0 +1,165 @@
+"""train.optimizer=muon (training/muon.py): torch's Muon for the blocks' matrices, AdamW for
+the embedding, head and gains, as one optimizer: which parameters each steps, that the
+composite steps as the two torch optimizers would and keeps doing so after a load, ddp at
+world 2 equal to one process, a resume bit for bit and from world 2 onto world 1, and the
+one-line refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from scaletrain.config import load_config
+from scaletrain.errors import UserError
+from scaletrain.models import model_spec
+from scaletrain.models.params import canonical_name
+from scaletrain.training.muon import MUON_MOMENTUM
+from scaletrain.training.optim import build_adamw, build_optimizer, decay_groups
+
+from helpers import (
+    assert_bit_exact,
+    assert_same_training,
+    base_overrides,
+    check,
+    copy_until,
+    eval_overrides,
+    one_line_error,
+    train,
+)
+
+MUON = ["train.optimizer=muon"]
+
+
+def _model_and_groups(*overrides: str):
+    cfg = load_config([], ["model.vocab_size=64", *MUON, *overrides])
+    torch.manual_seed(0)
+    model = model_spec(cfg, 64).build_meta(16)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    model.tie_weights()
+    return cfg, model, decay_groups(cfg.train)(model)
+
+
+@pytest.mark.unit
+def test_muon_steps_the_blocks_matrices_and_adamw_the_embedding_head_and_gains():
+    _, model, groups = _model_and_groups()
+    names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in groups if g.get("muon") for p in g["params"]}
+    adamw = {names[id(p)] for g in groups if not g.get("muon") for p in g["params"]}
+    assert muon == {n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("layers.")}
+    assert "tok_embeddings.weight" in adamw and all(n.endswith("norm.weight") or n == "tok_embeddings.weight" for n in adamw)
+    assert all(g["weight_decay"] == 0.1 for g in groups if g.get("muon"))  # the matrices' decay
+
+
+def _steps(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> None:
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        optimizer.step()
+
+
+@pytest.mark.unit
+def test_the_composite_steps_as_torchs_two_optimizers_and_goes_on_so_after_a_load():
+    cfg, model, groups = _model_and_groups()
+    params = [p for g in groups for p in g["params"]]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(4)]
+    # The reference: torch's Muon and AdamW, each over its own groups, on a copy of the model.
+    twin = copy.deepcopy(model)
+    twin_params = dict(zip(map(id, model.parameters()), twin.parameters()))
+    twin_groups = [{**g, "params": [twin_params[id(p)] for p in g["params"]]} for g in groups]
+    muon = torch.optim.Muon(
+        [g for g in twin_groups if g.get("muon")], lr=cfg.train.lr, momentum=MUON_MOMENTUM, adjust_lr_fn="match_rms_adamw"
+    )
+    adamw = build_adamw([g for g in twin_groups if not g.get("muon")], cfg.train, torch.device("cpu"))
+    composite = build_optimizer(groups, cfg.train, torch.device("cpu"))
+    _steps(composite, params, grads[:2])
+    twin_list = [twin_params[id(p)] for p in params]
+    for step_grads in grads[:2]:
+        for p, g in zip(twin_list, step_grads):
+            p.grad = g.clone()
+        muon.step()
+        adamw.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twin_list))
+    # Saved and loaded into a new composite (as a resume does): the next steps the same.
+    again = build_optimizer(groups, cfg.train, torch.device("cpu"))
+    again.load_state_dict(copy.deepcopy(composite.state_dict()))
+    assert all(opt.state is again.state for opt in again.inner)
+    assert [g for opt in again.inner for g in opt.param_groups] == again.param_groups
+    for group in again.param_groups:  # the schedule sets each group's lr: both inner optimizers see it
+        group["lr"] = 0.5 * cfg.train.lr
+    for group in muon.param_groups + adamw.param_groups:
+        group["lr"] = 0.5 * cfg.train.lr
+    _steps(again, params, grads[2:])
+    for step_grads in grads[2:]:
+        for p, g in zip(twin_list, step_grads):
+            p.grad = g.clone()
+        muon.step()
+        adamw.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twin_list))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["parallel.strategy=fsdp"], "not with parallel.strategy=fsdp (its Newton-Schulz steps need each whole matrix"),
+        (["parallel.strategy=zero2"], "not with parallel.strategy=zero2"),
+        (["parallel.strategy=ddp", "model.preset=tiny-moe"], "not with a mixture of experts (its stacked experts are 3-D"),
+    ],
+)
+def test_where_muon_is_not_built_is_one_line(overrides, said):
+    with pytest.raises(UserError) as err:
+        load_config([], [*MUON, *overrides])
+    assert said in str(err.value) and "accepted:" in str(err.value) and "\n" not in str(err.value)
+
+
+STEPS = 8
+# Final weights: torch's Muon runs its Newton-Schulz iterations in bf16 (as Keller Jordan's
+# reference does), so momenta that differ by summation order (~1e-7) round some elements of
+# each step's update one bf16 ulp apart, 2^-8 of the update; over STEPS updates, each smaller
+# than the weight it moves, a weight differs by at most STEPS x 2^-8 of itself. (Measured at
+# world 2 after 8 steps: 8e-3 in the attention output projections.) Losses and grad norms keep
+# the standing tolerances.
+MUON_WEIGHTS_RTOL = STEPS * 2**-8
+
+
+@pytest.fixture(scope="module")
+def one_process(small_dataset, tmp_path_factory):
+    run = tmp_path_factory.mktemp("muon") / "w1"
+    args = [*base_overrides(small_dataset, run, steps=STEPS), *MUON, "train.micro_batch=8", "checkpoint.every=4"]
+    check(train([*args, *eval_overrides(small_dataset)]))
+    return run
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
+def test_ddp_at_world_2_equals_one_process_and_its_checkpoint_resumes_at_world_1(one_process, small_dataset, tmp_path):
+    w2 = tmp_path / "w2"
+    args = [*base_overrides(small_dataset, w2, steps=STEPS), *MUON, "train.micro_batch=4", "checkpoint.every=4"]
+    check(train([*args, "parallel.strategy=ddp", *eval_overrides(small_dataset)], nproc=2))
+    # The standing tolerances (helpers.py) for losses and grad norms: the same gradients up to
+    # summation order, and Newton-Schulz on each whole matrix (every rank holds them all under ddp).
+    assert_same_training(w2, one_process, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL)
+    # N -> M: world 2's step 4 continued by one process, against one process straight through.
+    moved = tmp_path / "moved"
+    copy_until(w2, moved, 4)
+    out = check(train([*base_overrides(small_dataset, moved, steps=STEPS), *MUON, "train.micro_batch=8",
+                       "checkpoint.every=4", *eval_overrides(small_dataset)])).stdout  # fmt: skip
+    assert "resumed from step_4" in out
+    assert_same_training(moved, one_process, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_resume_is_bit_exact_and_one_that_changes_the_optimizer_is_refused(one_process, small_dataset, tmp_path):
+    resumed = tmp_path / "resumed"
+    copy_until(one_process, resumed, 4)
+    args = [*base_overrides(small_dataset, resumed, steps=STEPS), "train.micro_batch=8", "checkpoint.every=4"]
+    one_line_error(train([*args, *eval_overrides(small_dataset)]), "train.optimizer is 'adamw'", "a fresh start")
+    check(train([*args, *MUON, *eval_overrides(small_dataset)]))
+    assert_bit_exact(resumed, one_process, STEPS)
