@@ -33,25 +33,37 @@ MUON = ["train.optimizer=muon"]
 
 
 def _model_and_groups(*overrides: str):
-    cfg = load_config([], ["model.vocab_size=64", *MUON, *overrides])
+    cfg = load_config([], [*([] if "model.source=hf" in overrides else ["model.vocab_size=64"]), *MUON, *overrides])
     torch.manual_seed(0)
     model = model_spec(cfg, 64).build_meta(16)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.1)
-    model.tie_weights()
+    model.tie_weights()  # to_empty unties them (the built-in model's and transformers' method alike)
     return cfg, model, decay_groups(cfg.train)(model)
 
 
+GPT2 = "{model_type: gpt2, n_embd: 32, n_layer: 2, n_head: 2, n_positions: 32, vocab_size: 64}"
+
+
 @pytest.mark.unit
-def test_muon_steps_the_blocks_matrices_and_adamw_the_embedding_head_and_gains():
-    _, model, groups = _model_and_groups()
+@pytest.mark.parametrize(
+    ("overrides", "blocks", "on_adamw"),
+    [
+        ([], "layers.", {"tok_embeddings.weight"}),
+        # GPT-2: its position table is 2-D too, and its blocks' matrices are Conv1D weights.
+        (["model.source=hf", f"model.hf_config={GPT2}"], "transformer.h.", {"transformer.wte.weight", "transformer.wpe.weight"}),
+    ],
+    ids=["builtin", "hf-gpt2"],
+)
+def test_muon_steps_the_blocks_matrices_and_adamw_the_embeddings_head_and_gains(overrides, blocks, on_adamw):
+    _, model, groups = _model_and_groups(*overrides)
     names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
     muon = {names[id(p)] for g in groups if g.get("muon") for p in g["params"]}
     adamw = {names[id(p)] for g in groups if not g.get("muon") for p in g["params"]}
-    assert muon == {n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("layers.")}
-    assert "tok_embeddings.weight" in adamw and all(n.endswith("norm.weight") or n == "tok_embeddings.weight" for n in adamw)
+    assert muon == {canonical_name(n) for n, p in model.named_parameters() if p.ndim == 2 and n.startswith(blocks)}
+    assert on_adamw <= adamw and all(p.ndim == 1 for n, p in model.named_parameters() if names[id(p)] in adamw - on_adamw)
     assert all(g["weight_decay"] == 0.1 for g in groups if g.get("muon"))  # the matrices' decay
 
 

@@ -27,15 +27,21 @@ from typing import Any
 
 import torch
 
-# Matrices that stay on AdamW: the token embedding and the output head (plain names; the
-# built-in model's, then Hugging Face's).
-ADAMW_MATRICES = ("tok_embeddings.weight", "output.weight", "*embed_tokens.weight", "*lm_head.weight")
+# Output heads, which stay on AdamW (plain names: the built-in model's, Hugging Face's);
+# every embedding table (nn.Embedding: tokens, GPT-2's positions) does too.
+HEADS = ("output.weight", "*lm_head.weight")
 MUON_MOMENTUM = 0.95  # torch's and Moonlight's
 
 
-def on_muon(name: str, param: torch.Tensor) -> bool:
-    """Whether Muon steps this (trainable) parameter: a 2-D matrix that is no embedding or head."""
-    return param.ndim == 2 and not any(fnmatch.fnmatchcase(name, p) for p in ADAMW_MATRICES)
+def embedding_tables(model: torch.nn.Module) -> set[int]:
+    """The ids of the model's embedding tables (any wrapper's modules included)."""
+    return {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)}
+
+
+def on_muon(name: str, param: torch.Tensor, tables: set[int]) -> bool:
+    """Whether Muon steps this (trainable) parameter: a 2-D matrix that is no embedding table
+    (`tables`: embedding_tables) and no output head."""
+    return param.ndim == 2 and id(param) not in tables and not any(fnmatch.fnmatchcase(name, p) for p in HEADS)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

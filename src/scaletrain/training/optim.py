@@ -15,7 +15,7 @@ from torch.utils import _foreach_utils
 from scaletrain.config import TrainConfig
 from scaletrain.errors import UserError
 from scaletrain.models.params import canonical_name
-from scaletrain.training.muon import MuonWithAdamW, on_muon
+from scaletrain.training.muon import MuonWithAdamW, embedding_tables, on_muon
 
 
 def decay_groups(train: TrainConfig) -> Callable[[nn.Module], list[dict[str, Any]]]:
@@ -29,10 +29,11 @@ def decay_groups(train: TrainConfig) -> Callable[[nn.Module], list[dict[str, Any
         # Plain names, whatever wraps the model (DDP's module., checkpointing, compile).
         named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         taken = _matched(train.param_groups, [n for n, _ in named])
-        muon = train.optimizer == "muon"
+        tables = embedding_tables(model) if train.optimizer == "muon" else None
         buckets: dict[tuple[int, bool, bool], list[nn.Parameter]] = {}
         for name, p in named:
-            buckets.setdefault((taken.get(name, -1), p.ndim >= 2, muon and on_muon(name, p)), []).append(p)
+            muon = tables is not None and on_muon(name, p, tables)
+            buckets.setdefault((taken.get(name, -1), p.ndim >= 2, muon), []).append(p)
         out = []
         for index in range(-1, len(train.param_groups)):
             entry = train.param_groups[index] if index >= 0 else None
