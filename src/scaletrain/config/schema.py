@@ -390,8 +390,9 @@ class Config(Section):
         if self.train.optimizer != "muon":
             return self
         experts = (m.moe is not None or m.preset in MOE_PRESETS) and m.source == "builtin"
+        where = said(names_where(lambda r: r.muon))
         off = [
-            (par.strategy != "ddp", f"parallel.strategy={par.strategy}", "parallel.strategy=ddp",
+            (not _can(par.strategy, "muon"), f"parallel.strategy={par.strategy}", f"parallel.strategy={where}",
              "its Newton-Schulz steps need each whole matrix: fsdp's and tensor parallel's shards need a gather per "
              "matrix and step, DeepSpeed its own Muon; not built yet"),
             (experts, "a mixture of experts", "a dense model",
@@ -403,7 +404,8 @@ class Config(Section):
         for bad, given, accepted, why in off:
             if bad:
                 raise ValueError(
-                    f"train.optimizer=muon runs on ddp, not with {given} ({why}); accepted: {accepted}, or train.optimizer=adamw"
+                    f"train.optimizer=muon runs on {where}, not with {given} ({why}); accepted: {accepted}, or "
+                    "train.optimizer=adamw"
                 )
         return self
 
