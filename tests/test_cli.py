@@ -307,15 +307,20 @@ def test_rank_0_crash_while_preparing_data_reaches_the_other_rank(tmp_path):
     assert "rank 0 (pid" in proc.stderr and "failed with exit code 1" in proc.stderr
 
 
+# RANK is read at the call, not at start-up: the launcher's ranks may be forked from its
+# agent (launch/forked.py), which ran this at its own start, before any rank existed.
 CRASH_RANK_0_PREPARING = """
 import os
-if os.environ.get("RANK") == "0":
-    import scaletrain.data.prepare as prepare
+import scaletrain.data.prepare as prepare
 
-    def crash(*args, **kwargs):
+prepare_dataset = prepare.prepare_dataset
+
+def crash(*args, **kwargs):
+    if os.environ.get("RANK") == "0":
         raise NotADirectoryError(20, "Not a directory", "injected")
+    return prepare_dataset(*args, **kwargs)
 
-    prepare.prepare_dataset = crash
+prepare.prepare_dataset = crash
 """
 
 

@@ -12,13 +12,15 @@ import math
 import os
 
 import pytest
+import torch
 
 from scaletrain import checkpoint
 from scaletrain.errors import UserError
+from scaletrain.launch import forked
 from scaletrain.launch.env import deepspeed_arch_list, use_build_environment
 from scaletrain.launch.torchrun import LaunchOptions, launch_command, read_hostfile
 
-from helpers import check, losses, run_info, scaletrain, train
+from helpers import base_overrides, check, losses, metric_rows, run_info, scaletrain, train
 
 
 @pytest.mark.unit
@@ -27,6 +29,38 @@ def test_single_node_torchrun_uses_a_private_rendezvous():
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node=4"]
     assert "--standalone" in cmd
     assert cmd[-5:] == ["-m", "scaletrain", "train", "a.yaml", "train.steps=3"]
+
+
+@pytest.mark.unit
+def test_forked_ranks_are_torchruns_own_function_entry_point(monkeypatch):
+    cmd = launch_command(LaunchOptions(nproc=2, train_args=("a.yaml", "train.steps=3")))
+    tail = ["--run-path", "--start-method=fork", "/r.py", "train", "a.yaml", "train.steps=3"]
+    assert forked.fork_command(cmd, "/r.py") == [*cmd[:-5], *tail]
+    monkeypatch.delenv(forked.START_ENV, raising=False)
+    assert forked.start_method() == ("exec" if torch.version.cuda or torch.version.hip else "fork")
+    monkeypatch.setenv(forked.START_ENV, "exec")
+    assert forked.start_method() == "exec"
+    monkeypatch.setenv(forked.START_ENV, "spawn")
+    with pytest.raises(UserError, match=r"SCALETRAIN_RANK_START='spawn' is not understood; accepted: fork or exec"):
+        forked.start_method()
+
+
+# A forked rank must be the rank a new process would be: the same numbers bit for bit, and
+# its own thread count. OMP_NUM_THREADS is unset here, as on a user's machine: torchrun sets
+# it to 1 for the ranks after the agent imported torch, whose OpenMP read the environment
+# then (the cores), so a forked rank that did not set it again would run with all cores.
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_forked_ranks_equal_new_processes_bit_for_bit(small_dataset, tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for start in ("fork", "exec"):
+        args = [*base_overrides(small_dataset, tmp_path / start, steps=4), "train.micro_batch=2", "train.log_every=1"]
+        check(train(args, nproc=2, env={forked.START_ENV: start}, one_thread=False))
+    fork, new = run_info(tmp_path / "fork"), run_info(tmp_path / "exec")
+    assert (fork["process_start"], new["process_start"]) == ("fork", "new")
+    assert fork["cpu_threads"] == new["cpu_threads"] == 1
+    rows = [[(r["loss"], r["grad_norm"]) for r in metric_rows(tmp_path / start)] for start in ("fork", "exec")]
+    assert len(rows[0]) == 4 and rows[0] == rows[1]
 
 
 @pytest.mark.unit

@@ -72,18 +72,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def _end_process(code: int) -> None:
     """Exit without the interpreter's teardown of torch's modules: 0.6 s or more of one core
-    per process after the work is done, paid by every rank, the agent and each CLI call.
-    Before that, what a normal exit does first, in its order: threading's own shutdown (the
-    callbacks registered with it, such as concurrent.futures telling its pool workers to
-    stop, then a join of every thread that is not a daemon), the atexit handlers (logging,
-    W&B, multiprocessing, torch's), the streams flushed. A bare join of the threads hung
-    forever where a ThreadPoolExecutor existed (torch.compile's): its workers leave only
-    once that callback has run."""
+    per process after the work is done, paid by every rank, the agent and each CLI call."""
+    finish_process()
+    os._exit(code)
+
+
+def finish_process() -> None:
+    """What a normal exit does before the teardown, in its order: threading's own shutdown
+    (the callbacks registered with it, such as concurrent.futures telling its pool workers
+    to stop, then a join of every thread that is not a daemon), the atexit handlers
+    (logging, W&B, multiprocessing, torch's), the streams flushed. A bare join of the
+    threads hung forever where a ThreadPoolExecutor existed (torch.compile's): its workers
+    leave only once that callback has run. Also the end of a forked rank (launch/forked.py)."""
     threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
 
 
 # The positional list each command collects its CONFIG.yaml files and key=value overrides in.

@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 
 from scaletrain.cli.cluster import check_cluster_args, write_cluster_file
+from scaletrain.cli.rank import forked_ranks
 from scaletrain.config import load_config, split_args
 from scaletrain.config.parallel import dims_for
 from scaletrain.errors import UserError
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         print(shlex.join(cmd))
         return 0
     if args.launcher == "torchrun":
-        return run_torchrun(cmd)
+        return run_torchrun(cmd, forked_ranks(command, words))
     exec_launcher(cmd)
     return 0  # not reached: exec replaced this process
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import EXIT_HUNG, EXIT_OOM, EXIT_PREEMPTED, EXIT_USAGE, UserError
-from scaletrain.launch import startup
+from scaletrain.launch import forked, startup
 from scaletrain.launch.env import ERROR_DIR_ENV, RELAUNCH_ENV
 
 # torchrun's default set plus SIGUSR1, the other signal the workers stop on (resilience/preempt.py).
@@ -228,65 +229,74 @@ MAX_OOM_RELAUNCHES = 16
 LINGER_S = 3.0  # how long the rendezvous host's agent outlives the others' shutdown
 
 
-def run_torchrun(cmd: list[str]) -> int:
+def run_torchrun(cmd: list[str], ranks: forked.ForkedRanks | None = None) -> int:
     """Run torchrun's elastic agent in this process; the exit code says how the ranks ended.
 
     In-process rather than exec'd, so that a bad input stays one line with exit code 2:
     torchrun itself folds every worker's exit code into 1 and adds a multi-line failure
     report of its own. Signals still reach the agent (it is this process), which forwards
-    them to the workers as torchrun does.
+    them to the workers as torchrun does. Where ranks are forked (launch/forked.py),
+    `ranks` says how, and imports first what they need.
     """
+    if cmd[1:3] != ["-m", "torch.distributed.run"]:
+        raise ValueError(f"not a torchrun command: {cmd[:3]}")
     with startup.heavy_imports():  # torch: the agent lives as long as the run
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run
 
-    if cmd[1:3] != ["-m", "torch.distributed.run"]:
-        raise ValueError(f"not a torchrun command: {cmd[:3]}")
-    # The agent's own log lines about failed workers: replaced by the summary below.
-    elastic = logging.getLogger("torch.distributed.elastic")
-    elastic.addHandler(logging.NullHandler())
-    elastic.propagate = False  # torch's own handler sits on the "torch" logger above
+        if ranks is not None and forked.start_method() == "fork":
+            cmd = forked.fork_command(cmd, ranks.script)
+            ranks.preload()
+    # The agent's own log lines about failed workers (and, with forked ranks, those of
+    # torch.multiprocessing stopping the others): replaced by the summary below.
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        agent_log = logging.getLogger(name)
+        agent_log.addHandler(logging.NullHandler())
+        agent_log.propagate = False  # torch's own handler sits on the "torch" logger above
     # torchrun shares its rendezvous TCPStore with the workers' process group by default,
     # and a restarted group then reads its peers' addresses from the failed attempt (gloo:
     # "connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712). A store of
     # their own per attempt makes --max-restarts work.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    with tempfile.TemporaryDirectory(prefix="scaletrain-errors-") as errors:
-        os.environ[ERROR_DIR_ENV] = errors
-        try:
-            _run_until_no_oom(lambda: run(parse_args(cmd[3:])))
-            return 0
-        except ChildFailedError as e:
-            if _preempted(errors) and all(f.exitcode in (EXIT_PREEMPTED, -signal.SIGTERM) for f in e.failures.values()):
-                return EXIT_PREEMPTED  # the workers were signalled directly and saved
-            # A rank that met bad input wrote its line and exited 2; ranks the agent stopped
-            # after that died of SIGTERM. Anything else crashed: its traceback is above.
-            messages = sorted({p.read_text().strip() for p in Path(errors).glob("rank*")})
-            for message in messages:
-                print(f"scaletrain: error: {message}", file=sys.stderr)
-            crashed = {r: f for r, f in e.failures.items() if f.exitcode not in (EXIT_USAGE, -signal.SIGTERM)}
-            if messages and not crashed:
-                return EXIT_USAGE
-            codes = {f.exitcode for f in crashed.values()}
-            if EXIT_HUNG in codes and codes <= {EXIT_HUNG, -signal.SIGKILL}:
-                return EXIT_HUNG  # the watchdog's rank 0 printed which ranks and where (resilience/watchdog.py)
-            for rank, failure in sorted((crashed or e.failures).items()):
-                how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-                print(
-                    f"scaletrain launch: rank {rank} (pid {failure.pid}) failed with {how}; its output is above", file=sys.stderr
-                )
-            return 1
-        except SignalException as e:
-            # The agent forwarded the signal and waited for the workers: on SIGTERM/SIGUSR1
-            # they stopped at one step boundary and saved (resilience/preempt.py).
-            if _preempted(errors):
-                return EXIT_PREEMPTED
-            print(f"scaletrain launch: stopped by {e.sigval.name}; the workers were stopped too", file=sys.stderr)
-            return 128 + int(e.sigval)
-        finally:
-            os.environ.pop(ERROR_DIR_ENV, None)
-            _linger_if_rendezvous_host(cmd)
+    # mkdtemp and a removal of our own, not a TemporaryDirectory: a forked rank would run
+    # its finalizer at exit (atexit) and remove the directory the others still write to.
+    errors = tempfile.mkdtemp(prefix="scaletrain-errors-")
+    os.environ[ERROR_DIR_ENV] = errors
+    sys.stdout.flush()  # a forked rank would print what is still buffered again
+    sys.stderr.flush()
+    try:
+        _run_until_no_oom(lambda: run(parse_args(cmd[3:])))
+        return 0
+    except ChildFailedError as e:
+        if _preempted(errors) and all(f.exitcode in (EXIT_PREEMPTED, -signal.SIGTERM) for f in e.failures.values()):
+            return EXIT_PREEMPTED  # the workers were signalled directly and saved
+        # A rank that met bad input wrote its line and exited 2; ranks the agent stopped
+        # after that died of SIGTERM. Anything else crashed: its traceback is above.
+        messages = sorted({p.read_text().strip() for p in Path(errors).glob("rank*")})
+        for message in messages:
+            print(f"scaletrain: error: {message}", file=sys.stderr)
+        crashed = {r: f for r, f in e.failures.items() if f.exitcode not in (EXIT_USAGE, -signal.SIGTERM)}
+        if messages and not crashed:
+            return EXIT_USAGE
+        codes = {f.exitcode for f in crashed.values()}
+        if EXIT_HUNG in codes and codes <= {EXIT_HUNG, -signal.SIGKILL}:
+            return EXIT_HUNG  # the watchdog's rank 0 printed which ranks and where (resilience/watchdog.py)
+        for rank, failure in sorted((crashed or e.failures).items()):
+            how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+            print(f"scaletrain launch: rank {rank} (pid {failure.pid}) failed with {how}; its output is above", file=sys.stderr)
+        return 1
+    except SignalException as e:
+        # The agent forwarded the signal and waited for the workers: on SIGTERM/SIGUSR1
+        # they stopped at one step boundary and saved (resilience/preempt.py).
+        if _preempted(errors):
+            return EXIT_PREEMPTED
+        print(f"scaletrain launch: stopped by {e.sigval.name}; the workers were stopped too", file=sys.stderr)
+        return 128 + int(e.sigval)
+    finally:
+        os.environ.pop(ERROR_DIR_ENV, None)
+        shutil.rmtree(errors, ignore_errors=True)
+        _linger_if_rendezvous_host(cmd)
 
 
 def _run_until_no_oom(agent: Callable[[], None]) -> None:

@@ -97,10 +97,26 @@ def _armed_now(attempt: int) -> tuple[str, int] | None:
 
 
 _ARMED = _armed_now(_attempt())
+_forked = False  # read again in a forked rank, once its environment (RANK) is set (launch/forked.py)
+
+
+def _after_fork() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _current() -> tuple[str, int] | None:
+    global _ARMED, _forked
+    if _forked:
+        _ARMED, _forked = _armed_now(_attempt()), False
+    return _ARMED
 
 
 def armed(point: str, step: int) -> bool:
-    return _ARMED is not None and (point, step) == _ARMED
+    return _current() is not None and (point, step) == _ARMED
 
 
 def fire_once(point: str, step: int) -> bool:
@@ -202,7 +218,7 @@ class Drills:
         return slowed(fn, self.slow) if self.slow else fn
 
     def after_step(self, step: int) -> None:
-        if _ARMED is None:
+        if _current() is None:
             return
         preempt_at(step, self.signal_received)
         if fire_once("perturb", step):

@@ -11,6 +11,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from scaletrain import checkpoint
 from scaletrain.checkpoint.resume import check_config
 from scaletrain.config import Config, load_config
@@ -18,6 +20,7 @@ from scaletrain.config.batch import global_batch
 from scaletrain.config.load import from_tree
 from scaletrain.config.parallel import ParallelDims
 from scaletrain.errors import UserError
+from scaletrain.launch import forked
 from scaletrain.launch.distributed import World, versions
 from scaletrain.models import ModelSpec
 from scaletrain.training.optim import lr_at, scaled_lr, wsd_decay_steps
@@ -172,6 +175,10 @@ def write_run_info(
         "device": world.device.type,
         "precision": cfg.precision,
         "hosts": hosts,  # by rank
+        # How rank 0 came to be (a new Python, or forked from the launcher's agent:
+        # launch/forked.py) and its intra-op threads: what a CPU run's speed depends on.
+        "process_start": forked.process_start(),
+        "cpu_threads": torch.get_num_threads(),
         "versions": versions(),
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "resumed_from": str(resume_from) if resume_from else None,
