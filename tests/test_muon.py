@@ -7,14 +7,20 @@ one-line refusals."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
 from scaletrain.config import load_config
+from scaletrain.config.parallel import dims_for
 from scaletrain.errors import UserError
 from scaletrain.models import model_spec
 from scaletrain.models.params import canonical_name
+from scaletrain.planning.memory import estimate
+from scaletrain.planning.planner import comm_bytes_per_step, setups_for
+from scaletrain.planning.setup import Setup
+from scaletrain.strategies import TABLE
 from scaletrain.training.muon import MUON_MOMENTUM
 from scaletrain.training.optim import build_adamw, build_optimizer, decay_groups
 
@@ -65,6 +71,26 @@ def test_muon_steps_the_blocks_matrices_and_adamw_the_embeddings_head_and_gains(
     assert muon == {canonical_name(n) for n, p in model.named_parameters() if p.ndim == 2 and n.startswith(blocks)}
     assert on_adamw <= adamw and all(p.ndim == 1 for n, p in model.named_parameters() if names[id(p)] in adamw - on_adamw)
     assert all(g["weight_decay"] == 0.1 for g in groups if g.get("muon"))  # the matrices' decay
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides", [[], ["model.source=hf", f"model.hf_config={GPT2}"]], ids=["builtin", "hf-gpt2"])
+def test_the_plan_counts_one_buffer_for_what_muon_steps_and_only_where_it_runs(overrides):
+    cfg, model, groups = _model_and_groups(*overrides)
+    spec = model_spec(cfg, 64)
+    stepped = sum(p.numel() for g in groups if g.get("muon") for p in g["params"])  # the optimizer's own split
+    assert spec.counts().muon == stepped > 0
+    setup = Setup.from_config(cfg, dims_for(cfg.parallel, 1))
+    assert setup.optimizer == "muon"
+    # Muon's momentum (fp32) in place of AdamW's two fp32 moments, for those elements only.
+    assert estimate(spec, replace(setup, optimizer="adamw")).optimizer - estimate(spec, setup).optimizer == 4 * stepped
+    planned = setups_for(cfg, 4, 1, True, spec)
+    assert {s.strategy for s in planned} == {name for name, row in TABLE.items() if row.muon}
+    assert all(s.tp == s.pp == s.cp == s.dp_replicate == 1 and s.offload_params == "none" for s in planned)
+    # fsdp gathers each matrix's fp32 update once per step: (n-1)/n of 4 bytes per element at world n.
+    fsdp = replace(setup, strategy="fsdp", dp=4)
+    extra = comm_bytes_per_step(spec, fsdp, 1) - comm_bytes_per_step(spec, replace(fsdp, optimizer="adamw"), 1)
+    assert extra == pytest.approx(3 / 4 * 4 * stepped, rel=1e-12)
 
 
 def _steps(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> None:
@@ -118,8 +144,9 @@ def test_the_composite_steps_as_torchs_two_optimizers_and_goes_on_so_after_a_loa
 @pytest.mark.parametrize(
     ("overrides", "said"),
     [
-        (["parallel.strategy=fsdp"], "not with parallel.strategy=fsdp (its Newton-Schulz steps need each whole matrix"),
-        (["parallel.strategy=zero2"], "not with parallel.strategy=zero2"),
+        (["parallel.strategy=zero2"], "not with parallel.strategy=zero2 (its Newton-Schulz steps need each whole matrix"),
+        (["parallel.strategy=fsdp", "parallel.tp=2"], "not with parallel.tp=2 (its matrices would gather the same way"),
+        (["parallel.strategy=fsdp", "parallel.dp_replicate=2"], "not with parallel.dp_replicate=2 (not checked yet)"),
         (["parallel.strategy=ddp", "model.preset=tiny-moe"], "not with a mixture of experts (its stacked experts are 3-D"),
     ],
 )
@@ -150,14 +177,19 @@ def one_process(small_dataset, tmp_path_factory):
 @pytest.mark.dist
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
-def test_ddp_at_world_2_equals_one_process_and_its_checkpoint_resumes_at_world_1(one_process, small_dataset, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_world_2_equals_one_process_and_its_checkpoint_resumes_at_world_1(one_process, small_dataset, tmp_path, strategy):
     w2 = tmp_path / "w2"
     args = [*base_overrides(small_dataset, w2, steps=STEPS), *MUON, "train.micro_batch=4", "checkpoint.every=4"]
-    check(train([*args, "parallel.strategy=ddp", *eval_overrides(small_dataset)], nproc=2))
+    check(train([*args, f"parallel.strategy={strategy}", *eval_overrides(small_dataset)], nproc=2))
     # The standing tolerances (helpers.py) for losses and grad norms: the same gradients up to
-    # summation order, and Newton-Schulz on each whole matrix (every rank holds them all under ddp).
+    # summation order, and Newton-Schulz on each whole matrix (every rank holds them all under
+    # ddp; fsdp's ranks gather each matrix's update, training/muon.py ShardedMuon). The
+    # orthogonalised half of a matrix is another matrix: its updates differ from the first
+    # step on, far beyond these tolerances.
     assert_same_training(w2, one_process, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL)
-    # N -> M: world 2's step 4 continued by one process, against one process straight through.
+    # N -> M: world 2's step 4 continued by one process (fsdp: its sharded momenta resharded
+    # by DCP), against one process straight through.
     moved = tmp_path / "moved"
     copy_until(w2, moved, 4)
     out = check(train([*base_overrides(small_dataset, moved, steps=STEPS), *MUON, "train.micro_batch=8",

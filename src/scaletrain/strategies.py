@@ -80,7 +80,8 @@ class Strategy:
     # train.float8: the blocks' Linear layers as torchao Float8Linear (engines/float8.py),
     # converted on the meta model before the engine wraps it.
     float8: bool = False
-    # train.optimizer=muon: Newton-Schulz needs each whole matrix, which this engine's ranks hold.
+    # train.optimizer=muon: Newton-Schulz needs each whole matrix, which this engine's ranks
+    # hold or gather (fsdp: one all-gather per matrix and step, training/muon.py).
     muon: bool = False
     no_float8_why: str = ""  # why a strategy without it has none, for the refusal
     teacher: bool = True  # model.teacher (engines/teacher.py holds it like the model)
@@ -177,6 +178,7 @@ TABLE: dict[str, Strategy] = {
             keeps_gathered=True,
             compile=True,
             float8=True,
+            muon=True,
             offload_params=("cpu",),
             partitions=3,
             buffers="fsdp_units",

@@ -393,10 +393,16 @@ class Config(Section):
         where = said(names_where(lambda r: r.muon))
         off = [
             (not _can(par.strategy, "muon"), f"parallel.strategy={par.strategy}", f"parallel.strategy={where}",
-             "its Newton-Schulz steps need each whole matrix: fsdp's and tensor parallel's shards need a gather per "
-             "matrix and step, DeepSpeed its own Muon; not built yet"),
+             "its Newton-Schulz steps need each whole matrix, which DeepSpeed's partitions would gather in a Muon "
+             "of DeepSpeed's own; not built yet"),
             (experts, "a mixture of experts", "a dense model",
              "its stacked experts are 3-D, a batch of matrices torch's Muon does not take; not built yet"),
+            (par.tp > 1, f"parallel.tp={par.tp}", "parallel.tp=1", "its matrices would gather the same way; not checked yet"),
+            (par.cp > 1, f"parallel.cp={par.cp}", "parallel.cp=1", "not checked yet"),
+            (par.dp_replicate > 1, f"parallel.dp_replicate={par.dp_replicate}", "parallel.dp_replicate=1",
+             "not checked yet"),
+            (par.offload_params != "none", f"parallel.offload_params={par.offload_params}", "parallel.offload_params=none",
+             "not checked yet"),
             (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1", "not checked yet"),
             (self.fault_tolerance.groups > 1, f"fault_tolerance.groups={self.fault_tolerance.groups}",
              "fault_tolerance.groups=1", "not checked yet"),

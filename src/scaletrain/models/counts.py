@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.models.params import embedding_tables, on_muon
+
 
 @dataclass(frozen=True)
 class ModelCounts:
@@ -23,6 +25,7 @@ class ModelCounts:
     block: int  # parameters of the largest repeated block
     numels: tuple[int, ...]  # each distinct parameter tensor's elements
     trainable: int = 0  # of total, those that train (model.trainable; all when it is empty)
+    muon: int = 0  # of trainable, those train.optimizer=muon steps with Muon (models/params.py on_muon)
 
     @property
     def largest(self) -> int:
@@ -35,6 +38,7 @@ def counts_of(spec: Any) -> ModelCounts:
     model = spec.build_meta(max_seq_len=1)
     distinct = {id(p): p for p in model.parameters()}  # parameters() already yields a tied weight once
     total = sum(p.numel() for p in distinct.values())
+    tables = embedding_tables(model)
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     embedding = sum(distinct[i].numel() for i in embedding_ids)
     # Every 2-D weight outside an embedding table multiplies activations: nn.Linear, and
@@ -56,6 +60,7 @@ def counts_of(spec: Any) -> ModelCounts:
         block=max(sum(p.numel() for p in b.parameters()) for b in spec.blocks(model).children()),
         numels=tuple(p.numel() for p in distinct.values()),
         trainable=sum(p.numel() for p in distinct.values() if p.requires_grad),
+        muon=sum(p.numel() for name, p in model.named_parameters() if p.requires_grad and on_muon(name, p, tables)),
     )
 
 

@@ -103,3 +103,20 @@ def freeze_all_but(model: nn.Module, patterns: tuple[str, ...]) -> None:
         )
     for p in model.parameters():
         p.requires_grad_(any(fnmatch.fnmatchcase(n, pat) for n in names[id(p)] for pat in patterns))
+
+
+# train.optimizer=muon (training/muon.py): the output heads stay on AdamW (plain names: the
+# built-in model's, Hugging Face's), and so does every embedding table (nn.Embedding:
+# tokens, GPT-2's positions); here because the planner counts them too (models/counts.py).
+MUON_EXCLUDED_HEADS = ("output.weight", "*lm_head.weight")
+
+
+def embedding_tables(model: nn.Module) -> set[int]:
+    """The ids of the model's embedding tables (any wrapper's modules included)."""
+    return {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+
+
+def on_muon(name: str, param: torch.Tensor, tables: set[int]) -> bool:
+    """Whether Muon steps this (trainable) parameter: a 2-D matrix that is no embedding table
+    (`tables`: embedding_tables) and no output head."""
+    return param.ndim == 2 and id(param) not in tables and not any(fnmatch.fnmatchcase(name, p) for p in MUON_EXCLUDED_HEADS)

@@ -30,6 +30,11 @@ from scaletrain.strategies import TABLE
 # buffer_count sub-group partitions, ZeRO-3's sub_group_size.
 NVME_PARAM_BUFFERS = 5 * 100_000_000
 NVME_OPTIMIZER_BUFFERS = 4
+# train.optimizer=muon: torch's Muon keeps one fp32 momentum buffer per element of the
+# matrices it steps, AdamW two moments (exp_avg, exp_avg_sq): 4 bytes fewer for each. Its
+# Newton-Schulz iterations work on one matrix at a time (a few bf16 copies of the largest
+# one, under a percent of a model's states), left out.
+MUON_SAVES = 4.0
 ZERO3_SUB_GROUP = 1_000_000_000
 
 
@@ -80,6 +85,8 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
     # optimizer state, no fp32 master.
     n_train = n_params * trainable_share(model)
     params, grads, optim = w * n_params, g * n_train, o * n_train
+    if s.optimizer == "muon":  # one momentum buffer for Muon's matrices in place of AdamW's two moments
+        optim -= MUON_SAVES * n_train * muon_share(model)
     # ZeRO's stages: what the shard group partitions (strategies.Strategy.partitions).
     optim /= shard if row.partitions >= 1 else 1
     grads /= shard if row.partitions >= 2 else 1
@@ -201,6 +208,12 @@ def trainable_share(model: ModelSpec) -> float:
     """The share of the parameters that train (1 unless model.trainable freezes some)."""
     c = model.counts()
     return c.trainable / c.total if c.trainable else 1.0
+
+
+def muon_share(model: ModelSpec) -> float:
+    """The share of the trained parameters Muon steps under train.optimizer=muon."""
+    c = model.counts()
+    return c.muon / (c.trainable or c.total)
 
 
 def model_state_bytes(model: ModelSpec, s: Setup) -> tuple[float, float]:

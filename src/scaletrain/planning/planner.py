@@ -32,7 +32,7 @@ from scaletrain.planning.experts import (
 )
 from scaletrain.planning.float8 import bf16_beside, check_device, compute_saving, gather_saving, plannable
 from scaletrain.planning.hardware import Device, fmt
-from scaletrain.planning.memory import estimate, kv_width, trainable_share
+from scaletrain.planning.memory import estimate, kv_width, muon_share, trainable_share
 from scaletrain.planning.pipeline import bubble, pp_comm_bytes_per_step, pp_options, rank_share, why_pp
 from scaletrain.planning.setup import Setup
 from scaletrain.strategies import TABLE
@@ -75,6 +75,7 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
     # A configured tp or pp keeps only the strategies that compose with it.
     options = [o for o in options if (dims.tp == 1 or TABLE[o.strategy].tp) and (dims.pp == 1 or TABLE[o.strategy].pp)]
     options = [o for o in options if not base.float8 or plannable(o)]  # train.float8: where it runs
+    options = [o for o in options if base.optimizer != "muon" or _muon_runs(o)]  # train.optimizer=muon: likewise
     if p.strategy == "auto":
         return options
     return [base, *(o for o in options if o != base)]
@@ -87,6 +88,13 @@ _PLAIN: dict[str, Any] = dict(offload_optimizer="none", offload_params="none", r
 _BY_COMPLEXITY = sorted(TABLE.values(), key=lambda r: r.complexity)
 # The strategy tensor and pipeline parallel layouts are planned on.
 _MODEL_PARALLEL = next(r for r in _BY_COMPLEXITY if r.tp and r.pp)
+
+
+def _muon_runs(s: Setup) -> bool:
+    """Where train.optimizer=muon runs (config/schema.py refuses the rest): its strategies,
+    without model parallelism, hybrid sharding or offloaded parameters."""
+    plain = s.tp == s.pp == s.cp == s.dp_replicate == 1 and s.offload_params == "none"
+    return TABLE[s.strategy].muon and plain
 
 
 def _data_parallel_options(base: Setup, world: int, nodes: int) -> list[Setup]:
@@ -225,6 +233,8 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
         return sharded_traffic(model, s, psi, trainable_share(model), gathers, param_bytes, grad_bytes)
     gathered = psi * param_bytes - gather_saving(model, s, param_bytes)  # train.float8: its weights at 1 byte
     total = (shard - 1) / shard * (gathered * gathers + train * grad_bytes)
+    if s.optimizer == "muon":  # each matrix's fp32 update gathered once per step (training/muon.py ShardedMuon)
+        total += (shard - 1) / shard * train * muon_share(model) * 4
     if s.dp_replicate > 1:  # hybrid: all-reduce the gradient shards across replicas
         r = s.dp_replicate
         total += 2 * (r - 1) / r * train / shard * grad_bytes

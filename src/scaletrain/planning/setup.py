@@ -42,6 +42,9 @@ class Setup:
     # train.float8: the blocks' Linear layers in float8 (planning/float8.py: their matmuls at the
     # float8 peak, FSDP's all-gathers of their weights at 1 byte).
     float8: bool = False
+    # train.optimizer: muon keeps one fp32 momentum per hidden matrix's element where AdamW
+    # keeps two moments (planning/memory.py); it runs where the strategy's row says `muon`.
+    optimizer: str = "adamw"
     # The planner chose the micro-batch (train.micro_batch=auto, or a smaller one than
     # configured at the same global batch): the label says which.
     searched: bool = False
@@ -118,4 +121,5 @@ class Setup:
             cp=dims.cp,
             teacher=teacher,
             float8=cfg.train.float8,
+            optimizer=cfg.train.optimizer,
         )

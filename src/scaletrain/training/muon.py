@@ -14,34 +14,72 @@ optimizers' own group dicts and whose state is one dict both of them use (keyed 
 parameter: each parameter is in one of them), so DCP saves and loads it as any optimizer
 and `load_state_dict` hands the loaded groups and state back to the two.
 
-Where it runs (config/schema.py): ddp, with the whole matrices on every rank. Not yet: fsdp
-and tensor parallel (each rank holds a shard, and Newton-Schulz needs the whole matrix:
-a gather per matrix and step), DeepSpeed (its own Muon), and a mixture of experts (its
-stacked experts are 3-D: a batch of matrices torch's Muon does not take).
+Where it runs (config/schema.py): ddp, with the whole matrices on every rank, and fsdp,
+whose ranks hold each matrix as a shard (a DTensor): Newton-Schulz needs the whole matrix,
+so `ShardedMuon` gathers each matrix's update once per step (one all-gather), runs torch's
+own iteration on it, and keeps its own rows: every rank computes the same whole-matrix
+result as one process, at the price of that gather (the planner counts it) and of every
+rank orthogonalising every matrix. Not yet: tensor parallel (its DTensors gather the same
+way; not checked), DeepSpeed (its own Muon), and a mixture of experts (its stacked experts
+are 3-D: a batch of matrices torch's Muon does not take).
 """
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-# Output heads, which stay on AdamW (plain names: the built-in model's, Hugging Face's);
-# every embedding table (nn.Embedding: tokens, GPT-2's positions) does too.
-HEADS = ("output.weight", "*lm_head.weight")
+# torch's own pieces of its Muon step (private: pinned torch; tests/test_muon.py checks the
+# sharded step against torch's on whole matrices).
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
 MUON_MOMENTUM = 0.95  # torch's and Moonlight's
 
 
-def embedding_tables(model: torch.nn.Module) -> set[int]:
-    """The ids of the model's embedding tables (any wrapper's modules included)."""
-    return {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)}
+class ShardedMuon(torch.optim.Muon):
+    """torch's Muon, whose Newton-Schulz step sees each whole matrix where a parameter is
+    held as shards (a DTensor: FSDP2). Without one it is torch's step unchanged.
+
+    torch's own step would run its iteration on the shards as DTensors, whose matmuls
+    redistribute the operands several times per iteration and sum partial products in
+    another order than one process does; here one all-gather per matrix and step, and the
+    same bf16 iteration as one process on the same matrix (docstring above)."""
+
+    def __init__(self, params: Any, **kwargs: Any):
+        super().__init__(params, **kwargs)
+        self.sharded = any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"])
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if not self.sharded:
+            return super().step(closure)
+        assert closure is None, "no closure: the engines step once per accumulation window"
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            buffers: list[torch.Tensor] = []
+            self._init_group(group, params, grads, buffers)  # torch's: the momentum buffers made where missing
+            lr, momentum = float(group["lr"]), group["momentum"]
+            for param, grad, buffer in zip(params, grads, buffers):
+                # torch's _single_tensor_muon, step for step, with the iteration on the whole matrix.
+                buffer.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+                update = _whole_matrix_iteration(update, group)
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+        return None
 
 
-def on_muon(name: str, param: torch.Tensor, tables: set[int]) -> bool:
-    """Whether Muon steps this (trainable) parameter: a 2-D matrix that is no embedding table
-    (`tables`: embedding_tables) and no output head."""
-    return param.ndim == 2 and id(param) not in tables and not any(fnmatch.fnmatchcase(name, p) for p in HEADS)
+def _whole_matrix_iteration(update: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """torch's Newton-Schulz iteration on the whole of `update`; a DTensor's is gathered once
+    and the result cut back to its placements on every rank alike (no second collective)."""
+    args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+    if not isinstance(update, DTensor):
+        return _zeropower_via_newtonschulz(update, *args)
+    whole = _zeropower_via_newtonschulz(update.full_tensor(), *args)
+    return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -52,7 +90,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         muon_groups, adamw_groups = [g for g in groups if g.get("muon")], [g for g in groups if not g.get("muon")]
         self.inner: list[torch.optim.Optimizer] = []
         if muon_groups:
-            self.inner.append(torch.optim.Muon(muon_groups, lr=lr, momentum=MUON_MOMENTUM, adjust_lr_fn="match_rms_adamw"))
+            self.inner.append(ShardedMuon(muon_groups, lr=lr, momentum=MUON_MOMENTUM, adjust_lr_fn="match_rms_adamw"))
         if adamw_groups:
             self.inner.append(adamw(adamw_groups))
         super().__init__([{"params": []}], {})  # a torch Optimizer's hooks and bookkeeping; its groups are set below

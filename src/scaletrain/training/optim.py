@@ -14,8 +14,8 @@ from torch.utils import _foreach_utils
 
 from scaletrain.config import TrainConfig
 from scaletrain.errors import UserError
-from scaletrain.models.params import canonical_name
-from scaletrain.training.muon import MuonWithAdamW, embedding_tables, on_muon
+from scaletrain.models.params import canonical_name, embedding_tables, on_muon
+from scaletrain.training.muon import MuonWithAdamW
 
 
 def decay_groups(train: TrainConfig) -> Callable[[nn.Module], list[dict[str, Any]]]:
