@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-# torch's own pieces of its Muon step (private: pinned torch; tests/test_muon.py checks the
-# sharded step against torch's on whole matrices).
+# torch's own pieces of its Muon step (private: pinned torch; tests/test_muon.py holds fsdp's
+# sharded step at world 2 to torch's own step in one process).
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 MUON_MOMENTUM = 0.95  # torch's and Moonlight's
