@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from forkserver import Client, Forked
 from scaletrain.checkpoint import TrainerState, read_model_weights
 from scaletrain.models import saved_spec
 from scaletrain.telemetry import read_metrics
@@ -43,6 +44,7 @@ SMALL_CORPUS = [str(STDLIB / "json" / "*.py"), str(STDLIB / "email" / "*.py"), s
 _TAG = "SCALETRAIN_TEST_TAG"
 _MARGIN_S = 10.0  # what a test keeps for itself after its last subprocess was killed
 _deadline = float("inf")
+_forks = Client()  # this pytest process's fork server (tests/forkserver.py)
 
 
 def set_deadline(seconds_from_now: float) -> None:
@@ -56,7 +58,7 @@ def set_deadline(seconds_from_now: float) -> None:
 class Launched:
     """A started process tree whose output goes to files."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str] | None = None, one_thread: bool = True):
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None, one_thread: bool = True, new_process: bool = False):
         self.cmd = cmd
         self.tag = uuid.uuid4().hex
         self._dir = tempfile.TemporaryDirectory(prefix="scaletrain-test-")
@@ -65,7 +67,13 @@ class Launched:
         self._out = open(Path(self._dir.name) / "stdout", "w+")  # noqa: SIM115
         self._err = open(Path(self._dir.name) / "stderr", "w+")  # noqa: SIM115
         full_env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if one_thread else {}), **(env or {}), _TAG: self.tag}
-        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err, text=True, env=full_env, start_new_session=True)
+        # A Python command forks from the server that has its imports done, unless the test
+        # asks for a new process or the fork could differ from one (forkserver.py).
+        self.proc: subprocess.Popen | Forked
+        if not new_process and _forks.eligible(cmd, full_env):
+            self.proc = _forks.start(cmd, full_env, self._out, self._err)
+        else:
+            self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err, text=True, env=full_env, start_new_session=True)
 
     def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
         limit = min(timeout, _deadline - time.monotonic() - _MARGIN_S)
@@ -81,7 +89,7 @@ class Launched:
         return subprocess.CompletedProcess(self.cmd, self.proc.returncode, self._read(self._out), self._read(self._err))
 
     def kill(self) -> None:
-        for pid in _tagged(self.tag):
+        for pid in {*_tagged(self.tag), *_in_session(self.proc.pid)}:
             with contextlib.suppress(ProcessLookupError):  # gone meanwhile
                 os.kill(pid, signal.SIGKILL)
         if self.proc.poll() is None:
@@ -114,11 +122,27 @@ def _tagged(tag: str) -> list[int]:
     return found
 
 
+def _in_session(sid: int) -> list[int]:
+    """The processes in session `sid` (the one each Launched process starts): a forked
+    command's descendants, whose /proc/PID/environ is the fork server's, without the tag."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            # pid (comm) state ppid pgrp session ...: comm may hold spaces, so after its ')'.
+            if int(stat.rsplit(")", 1)[1].split()[3]) == sid:
+                found.append(int(entry))
+    return found
+
+
 def run(
-    cmd: list[str], env: dict[str, str] | None = None, timeout: float = 300, one_thread: bool = True
+    cmd: list[str], env: dict[str, str] | None = None, timeout: float = 300, one_thread: bool = True, new_process: bool = False
 ) -> subprocess.CompletedProcess:
     """Run to completion (or to the timeout, then kill the whole tree and fail)."""
-    return Launched(cmd, env, one_thread).wait(timeout)
+    return Launched(cmd, env, one_thread, new_process).wait(timeout)
 
 
 def scaletrain(args: list[str], **kw: Any) -> subprocess.CompletedProcess:

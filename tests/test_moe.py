@@ -251,7 +251,7 @@ def test_ep_must_divide_the_experts_and_the_data_parallel_ranks():
 
 
 @pytest.mark.unit
-def test_tensor_or_pipeline_parallel_with_experts_is_one_line():
+def test_tensor_parallel_with_experts_is_one_line():
     with pytest.raises(Exception) as err:
         load_config([], ["model.preset=tiny-moe", "parallel.strategy=fsdp", "parallel.tp=2"])
     assert "mixture of experts" in str(err.value) and "accepted: parallel.tp=1" in str(err.value)
@@ -299,6 +299,52 @@ def test_experts_at_world_2_equal_one_process(one_process, small_dataset, tmp_pa
     intervals = [r for r in read_metrics(run / "metrics.jsonl", events=True) if r.get("event") == "interval"]
     assert intervals and all(sum(layer["load"]) == 2 * r["moe"]["tokens"] for r in intervals for layer in r["moe"]["layers"])
     assert sum(r["moe"]["tokens"] for r in intervals) == STEPS * 2 * 4 * 64  # ranks x micro-batch x seq_len
+
+
+@pytest.fixture(scope="module")
+def untied_one_process(small_dataset, tmp_path_factory):
+    """As one_process with untied embeddings, which a pipeline needs (its first stage holds
+    the embedding, its last the head)."""
+    run = tmp_path_factory.mktemp("moe-untied-ref") / "w1"
+    overrides = [*base_overrides(small_dataset, run, steps=STEPS), "model.preset=tiny-moe", "model.tie_embeddings=false"]
+    check(train([*overrides, "train.micro_batch=8", "checkpoint.every=4", *eval_overrides(small_dataset)]))
+    return run
+
+
+PIPELINES = {
+    # Two stages of two blocks, one per rank; the step's 8 sequences as 2 micro-batches of 4.
+    "pp2": (2, ["parallel.pp_schedule=1f1b", "train.micro_batch=4", "train.grad_accum=2"]),
+    # pp 2 x dp 2: four stages of one block, two on each rank (interleaved), and within each
+    # stage the experts split over its two data-parallel ranks (ep 2): 2 x 2 x 2 sequences.
+    "pp2-ep2": (4, ["parallel.pp_schedule=interleaved_1f1b", "parallel.ep=2", "train.micro_batch=2", "train.grad_accum=2"]),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", list(PIPELINES))
+def test_experts_in_a_pipeline_equal_one_process(untied_one_process, small_dataset, tmp_path, layout):
+    nproc, args = PIPELINES[layout]
+    run = tmp_path / layout
+    overrides = [*base_overrides(small_dataset, run, steps=STEPS), "model.preset=tiny-moe", "model.tie_embeddings=false"]
+    check(train([*overrides, "parallel.strategy=fsdp", "parallel.pp=2", *args, *eval_overrides(small_dataset)], nproc=nproc))
+    # The standing tolerances: summation order only. Each block's auxiliary loss reaches
+    # the last stage's loss beside the hidden states (models/llama.py), so its gradient
+    # reaches the routers of every stage: a stage's dropped would move the weights.
+    assert_same_training(run, untied_one_process, steps=STEPS)
+    # Every MoE layer's load is reported once, from the stage that holds it, with what one
+    # process counts: each stage's rows of the whole table, summed over the ranks. As
+    # test_moe_telemetry's expert-parallel comparison: the same routing up to a near tie
+    # decided the other way (1% of the slots), the auxiliary loss per forward to 1e-3.
+    intervals = [r for r in read_metrics(run / "metrics.jsonl", events=True) if r.get("event") == "interval"]
+    want = [r for r in read_metrics(untied_one_process / "metrics.jsonl", events=True) if r.get("event") == "interval"]
+    for got, ref in zip(intervals, want, strict=True):
+        assert got["moe"]["tokens"] == ref["moe"]["tokens"]
+        assert got["moe"]["aux"] == pytest.approx(ref["moe"]["aux"], rel=1e-3)
+        for a, b in zip(got["moe"]["layers"], ref["moe"]["layers"], strict=True):
+            assert max(abs(x - y) for x, y in zip(a["load"], b["load"])) <= 0.01 * sum(b["load"])
+            assert a["aux"] == pytest.approx(b["aux"], rel=1e-3)
 
 
 @pytest.mark.e2e

@@ -423,11 +423,11 @@ class Config(Section):
             _expert_parallel_problem(self, experts)
         if not experts:
             return self
-        if par.tp > 1 or par.pp > 1:
+        if par.tp > 1:
             raise ValueError(
                 f"a mixture of experts (model.preset={m.preset}{', model.moe' if m.moe is not None else ''}) trains on "
-                f"ddp, fsdp and zero1-3 without tp or pp (not built yet), not with parallel.tp={par.tp}, pp={par.pp}; "
-                "accepted: parallel.tp=1, parallel.pp=1"
+                f"ddp, fsdp and zero1-3, and pp on fsdp, without tp (not built yet), not with parallel.tp={par.tp}; "
+                "accepted: parallel.tp=1"
             )
         return self
 

@@ -44,6 +44,32 @@ class MergedStages(nn.Module):
                 elif child is not None:
                     setattr(self, name, child)
         self.layers = layers
+        # The stages themselves (a plain list: not registered again), whose forwards count
+        # a mixture of experts' routing (models/moe.py routing_stats and ExpertBias find them here).
+        self.stages = list(stages)
+
+
+def _stage_class() -> type:
+    """torch's PipelineStage, whose shape inference does not count as training. torch 2.13
+    infers the stages' shapes at the first step (and after a switch between eval and
+    training) by running each stage's forward with gradients on real tensors: a mixture of
+    experts would count that forward's routing as a training step's (telemetry, and the
+    load that moves model.moe.balance=bias). Earlier versions inferred on the meta device
+    under no_grad, which counts nothing, and have no such method to wrap."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            holders = [m for m in self.submod.modules() if "moe_counting" in vars(m)]
+            for m in holders:
+                setattr(m, "moe_counting", False)  # noqa: B010  # a Llama's, absent from the type nn.Module
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                for m in holders:
+                    setattr(m, "moe_counting", True)  # noqa: B010
+
+    return Stage
 
 
 class Pipeline:
@@ -66,7 +92,7 @@ class Pipeline:
         n_stages = len(ranges)  # each the blocks of one stage
         self._loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None  # this step's (run)
         self.has_first, self.has_last = 0 in ids, n_stages - 1 in ids
-        stages = [pipelining.PipelineStage(p, i, n_stages, device, group=group) for p, i in zip(parts, ids)]
+        stages = [_stage_class()(p, i, n_stages, device, group=group) for p, i in zip(parts, ids)]
         cls = getattr(pipelining.schedules, SCHEDULES[schedule][0])
         one = SCHEDULES[schedule][1] == 1
         # scale_grads: each micro-batch's loss is its mean, so the summed gradients are

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.models.context_parallel import ContextParallel
@@ -97,12 +98,13 @@ class TransformerBlock(nn.Module):
     its auxiliary loss and routing statistics: the block then returns (hidden states, aux,
     stats) and the model sums the blocks' terms."""
 
-    def __init__(self, shape: ModelShape, moe: bool = False):
+    def __init__(self, shape: ModelShape, moe_row: int | None = None):
         super().__init__()
+        moe = moe_row is not None
         self.attention_norm = RMSNorm(shape.dim, shape.norm_eps)
         self.attention = Attention(shape)
         self.ffn_norm = RMSNorm(shape.dim, shape.norm_eps)
-        self.feed_forward: nn.Module = MoE(shape) if moe else FeedForward(shape.dim, shape.ffn_dim)
+        self.feed_forward: nn.Module = MoE(shape, moe_row) if moe_row is not None else FeedForward(shape.dim, shape.ffn_dim)
         self.moe = moe
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None) -> Any:
@@ -134,7 +136,8 @@ class Llama(nn.Module):
         )
         # A pipeline stage keeps its blocks in a ModuleDict under their own indices (keep_stage).
         self.layers: nn.ModuleList | nn.ModuleDict = nn.ModuleList(
-            TransformerBlock(shape, moe=shape.experts > 0 and i >= shape.dense_layers) for i in range(shape.n_layers)
+            TransformerBlock(shape, i - shape.dense_layers if shape.experts > 0 and i >= shape.dense_layers else None)
+            for i in range(shape.n_layers)
         )
         self.norm: RMSNorm | None = RMSNorm(shape.dim, shape.norm_eps)
         self.output: nn.Linear | None = nn.Linear(shape.dim, shape.vocab_size, bias=False)
@@ -152,6 +155,11 @@ class Llama(nn.Module):
         # model.moe.balance=bias: the slots per expert [MoE layers, experts] of the training
         # forwards since the optimizer step; None unless ExpertBias set it (models/moe.py).
         self.moe_load: torch.Tensor | None = None
+        # A pipeline stage's rows of those tables (keep_stage): the MoE layers it holds.
+        self.moe_rows = range(shape.moe_layers)
+        # False while a forward is no training step's though it runs with gradients: torch's
+        # pipelining infers the stages' shapes that way (engines/pipeline.py).
+        self.moe_counting = True
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -164,10 +172,12 @@ class Llama(nn.Module):
         if self.shape.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> Any:
+    def forward(self, tokens: torch.Tensor, aux_before: torch.Tensor | None = None) -> Any:
         """tokens LongTensor[B, T] -> logits [B, T, vocab_size]. A pipeline stage (see
         `keep_stage`) without the embedding takes hidden states [B, T, dim] instead, and
-        one without the head returns them."""
+        one without the head returns them; in a mixture of experts, with the auxiliary
+        loss of the blocks so far beside them (`aux_before` from the stage before), so
+        the last stage's loss carries every stage's and its gradient reaches them all."""
         if tokens.shape[1] > self.max_seq_len:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len={self.max_seq_len} "
@@ -187,7 +197,7 @@ class Llama(nn.Module):
         elif doc is not None and position is not None:
             cos, sin, mask = cos[position], sin[position], document_mask(doc)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        aux: list[torch.Tensor] = []  # the mixture-of-experts layers' auxiliary losses
+        aux: list[torch.Tensor] = [] if aux_before is None else [aux_before]  # the MoE layers' auxiliary losses
         stats: list[torch.Tensor] = []  # and what each routed (models/moe.py)
         for layer in self.layers.children():  # a ModuleList, or a stage's ModuleDict
             h = layer(h, cos, sin, mask)
@@ -195,14 +205,18 @@ class Llama(nn.Module):
                 h, term, seen = h
                 aux.append(term)
                 stats.append(seen)
-        if stats and torch.is_grad_enabled():
+        if stats and torch.is_grad_enabled() and self.moe_counting:
             # Summed here, not in the layers: activation checkpointing runs a block's
             # forward again in backward, and only the first run returns to this loop.
             seen = torch.stack(stats).double()  # counts stay whole numbers past 2**24 per interval
+            if len(self.moe_rows) != self.shape.moe_layers:  # a stage's rows, in the whole model's table
+                seen = F.pad(seen, (0, 0, self.moe_rows.start, self.shape.moe_layers - self.moe_rows.stop))
             self.moe_stats = seen if self.moe_stats is None else self.moe_stats + seen
             if self.moe_load is not None:
                 self.moe_load += seen[:, :-EXTRA_STATS]
         if self.output is None or self.norm is None:
+            if self.shape.moe_layers:  # a stage without MoE layers passes the sum on (zero on the first)
+                return h, torch.stack(aux).sum() if aux else torch.zeros((), device=h.device)
             return h
         logits = self.output(self.norm(h))
         # A mixture of experts returns its auxiliary loss beside the logits: the spec's loss
@@ -243,6 +257,8 @@ def keep_stage(model: Llama, blocks: range, first: bool, last: bool) -> None:
     those of the whole model), the embedding on the first stage, norm and head on the last."""
     every = dict(model.layers.named_children())
     model.layers = nn.ModuleDict({str(i): every[str(i)] for i in blocks})
+    dense = model.shape.dense_layers
+    model.moe_rows = range(max(blocks.start - dense, 0), max(blocks.stop - dense, 0)) if model.shape.moe_layers else range(0)
     if not first:
         model.tok_embeddings = None
     if not last:

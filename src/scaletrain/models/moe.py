@@ -98,8 +98,9 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape, row: int = 0):
         super().__init__()
+        self.row = row  # its row in the model's [MoE layers, ...] tables: statistics, expert bias
         e, d, h = shape.experts, shape.dim, shape.expert_ffn_dim
         self.n_experts, self.top_k = e, shape.top_k
         self.capacity_factor, self.normalize = shape.capacity_factor, shape.normalize_top_k
@@ -264,22 +265,34 @@ def routing_stats(model: nn.Module) -> Callable[[], torch.Tensor | None]:
     them; None for a dense model, or once the model is gone. The module that holds them
     is found once, through any engine's wrappers (DDP, FSDP, DeepSpeed), and held by a
     weak reference: telemetry must not keep a released model (and its process group) alive."""
-    # The module's own attribute, not one reached through a wrapper's forwarding __getattr__
-    # (DeepSpeed's engine answers for its module, and a reset there would shadow the model's).
-    holder = next((m for m in model.modules() if "moe_stats" in vars(m)), None) if isinstance(model, nn.Module) else None
-    if holder is None:  # a model without them (Hugging Face's)
+    refs = [weakref.ref(holder) for holder in _holders(model)]
+    if not refs:  # a model without them (Hugging Face's)
         return lambda: None
-    ref = weakref.ref(holder)
 
     def take() -> torch.Tensor | None:
-        module = ref()
-        if module is None:
-            return None
-        stats = getattr(module, "moe_stats")  # noqa: B009  # set by Llama, absent from the type nn.Module
-        setattr(module, "moe_stats", None)  # noqa: B010
-        return stats
+        taken = []
+        for ref in refs:
+            module = ref()
+            if module is None:
+                return None
+            taken.append(getattr(module, "moe_stats"))  # noqa: B009  # set by Llama, absent from the type nn.Module
+            setattr(module, "moe_stats", None)  # noqa: B010
+        # Each of a pipeline rank's stages fills its own rows of the whole table (Llama.forward).
+        held = [stats for stats in taken if stats is not None]
+        return None if not held else held[0] if len(held) == 1 else torch.stack(held).sum(0)
 
     return take
+
+
+def _holders(model: Any) -> list[nn.Module]:
+    """The modules that count the routing statistics: the model (through any engine's
+    wrappers), or each stage a pipeline rank runs (engines/pipeline.py MergedStages.stages)."""
+    if not isinstance(model, nn.Module):
+        return []
+    # The module's own attribute, not one reached through a wrapper's forwarding __getattr__
+    # (DeepSpeed's engine answers for its module, and a reset there would shadow the model's).
+    stages = vars(model).get("stages", [model])
+    return [m for stage in stages for m in stage.modules() if "moe_stats" in vars(m)]
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -303,15 +316,19 @@ class ExpertBias:
     """
 
     def __init__(self, model: nn.Module, rate: float, device: torch.device, reduce: Callable[[torch.Tensor], None]):
-        layers = moe_layers(model)
-        holder = next(m for m in model.modules() if "moe_stats" in vars(m))
+        holders = _holders(model)
+        shape: ModelShape = getattr(holders[0], "shape")  # noqa: B009  # the whole model's: a stage holds some of its layers
         self.rate, self.reduce = rate, reduce
-        self.table = torch.zeros(len(layers), layers[0].n_experts, device=device)
-        for row, layer in zip(self.table, layers):
-            layer.expert_bias = row  # a view: the layer routes with the table's current values
-        setattr(holder, "moe_load", torch.zeros(self.table.shape, dtype=torch.float64, device=device))  # noqa: B010
+        self.table = torch.zeros(shape.moe_layers, shape.experts, device=device)
+        for layer in moe_layers(model):
+            layer.expert_bias = self.table[layer.row]  # a view: the layer routes with the table's current values
+        # One load for all of a rank's stages: each adds its own rows (Llama.forward), and
+        # `reduce` over every rank fills the rest from the other stages' ranks.
+        load = torch.zeros(self.table.shape, dtype=torch.float64, device=device)
+        for holder in holders:
+            setattr(holder, "moe_load", load)  # noqa: B010
         # Weak: the run's collaborators must not keep a released model alive (routing_stats says why).
-        self._holder = weakref.ref(holder)
+        self._holder = weakref.ref(holders[0])
 
     def after_step(self) -> None:
         holder = self._holder()

@@ -190,7 +190,7 @@ class LlamaSpec:
 
     def traced_block(self, seq_len: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         # The largest block: a mixture of experts where the model has one.
-        block = TransformerBlock(self.shape, moe=self.shape.moe_layers > 0)
+        block = TransformerBlock(self.shape, 0 if self.shape.moe_layers else None)
         return block, rope_tables(self.shape.head_dim, seq_len, self.shape.rope_theta)
 
     def traced_head(self) -> nn.Module:

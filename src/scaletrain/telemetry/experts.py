@@ -37,24 +37,31 @@ def expert_load(per_rank: list[Any], forwards: int) -> dict[str, Any] | None:
     if not seen:
         return None
     # float64, as the model sums them: slot counts stay whole numbers however long the interval.
-    total = np.stack([np.asarray(s, dtype=np.float64) for s in seen]).sum(0)
+    ranks = np.stack([np.asarray(s, dtype=np.float64) for s in seen])
+    total = ranks.sum(0)
     experts = total.shape[1] - EXTRA_STATS
+    # The ranks that ran each layer: all of them, or under a pipeline those of the stage
+    # that holds it (the others' rows are zeros: models/llama.py).
+    held = np.maximum((ranks[:, :, experts + STAT_TOKENS] > 0).sum(0), 1)
     # Each forward adds its micro-batch's terms: the mean per forward is what the objective
     # added, comparable across micro-batch sizes and world sizes.
-    per_forward = (lambda x: float(f"{x / (forwards * len(seen)):.6g}")) if forwards else (lambda x: None)
+    per_forward = (lambda x, n: x / (forwards * n)) if forwards else (lambda x, n: None)
+    short = lambda x: None if x is None else float(f"{x:.6g}")  # noqa: E731
     layers = []
-    for row in total.tolist():
+    for row, n in zip(total.tolist(), held.tolist()):
         load = [round(x) for x in row[:experts]]
         mean = sum(load) / experts
         layers.append(
             {
                 "load": load,
                 "imbalance": round(max(load) / mean, 4) if mean > 0 else None,
-                "aux": per_forward(row[experts + STAT_AUX]),
-                "balance": per_forward(row[experts + STAT_BALANCE]),
-                "z": per_forward(row[experts + STAT_Z]),
+                "aux": short(per_forward(row[experts + STAT_AUX], n)),
+                "balance": short(per_forward(row[experts + STAT_BALANCE], n)),
+                "z": short(per_forward(row[experts + STAT_Z], n)),
                 "dropped": round(row[experts + STAT_DROPPED]),
             }
         )
-    aux = per_forward(float(total[:, experts + STAT_AUX].sum()))
+    aux = (
+        short(sum(per_forward(a, n) for a, n in zip(total[:, experts + STAT_AUX].tolist(), held.tolist()))) if forwards else None
+    )
     return {"tokens": round(float(total[0, experts + STAT_TOKENS])), "aux": aux, "layers": layers}

@@ -436,8 +436,9 @@ def _resume(ckpt: Path, world: World, engine: Engine, layout: ParamLayout, dims:
 
 
 def _sum_over_ranks(world: World) -> Any:
-    """An in-place sum over every rank (each sees its own tokens; a mixture of experts has
-    no tp or pp, whose ranks would share them), or nothing at world 1."""
+    """An in-place sum over every rank, or nothing at world 1: each rank counts its own
+    tokens (a mixture of experts has no tp, whose ranks would share them), and a pipeline
+    stage's ranks only the rows of its own layers, zeros elsewhere (models/llama.py)."""
     if world.world_size == 1:
         return lambda tensor: None
     import torch.distributed as dist
