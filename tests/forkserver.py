@@ -6,7 +6,7 @@ torch._dynamo, the trainer and (for ZeRO) DeepSpeed before it does anything (doc
 "Wall time"), and the suite runs some 370 such commands beside the ranks `scaletrain launch`
 already forks (launch/forked.py). This server, one per pytest process, imports all of it once
 (`_preload`); helpers.Launched then asks it for each command it may start this way
-(`eligible`). The command's process is a fork of the server made what a new `python` would
+(`Client.start`). The command's process is a fork of the server made what a new `python` would
 be (`_become`): a session of its own (as `start_new_session`), the test's files as its
 stdout and stderr, /dev/null as stdin, the test's working directory and exactly the test's
 environment, Python's default signal handlers, argv and sys.path as `python -m`/`python
@@ -60,14 +60,12 @@ IMPORT_TIME = (
     "DS_",
     "NCCL_",
 )
-# ...except those that scaletrain (os.environ.setdefault in engines/deepspeed.py,
-# models/hf.py, launch/*) or torch (inductor's cache directory) set for themselves before
-# what reads them: a test that ran such code in its own process has them, and a command
-# gets them set the same way whether it was forked or not.
-SET_AT_RUN_TIME = frozenset(
-    {"DS_ACCELERATOR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TORCH_FR_BUFFER_SIZE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
-    | {"TORCHINDUCTOR_CACHE_DIR"}
-)
+# (What the imports set themselves is compared as they left it: Client._same_imports.)
+# Not those that scaletrain's launch (launch/distributed.py, torchrun.py) and torch's
+# inductor (its cache directory) set while a command runs, before what reads them: a test
+# that ran such code in its own process has them, and a command gets them set the same way
+# whether it was forked or not.
+SET_AT_RUN_TIME = frozenset({"TORCH_FR_BUFFER_SIZE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHINDUCTOR_CACHE_DIR"})
 _MAX_MESSAGE = 1 << 20
 
 
@@ -115,27 +113,36 @@ class Client:
     def __init__(self) -> None:
         self._server: subprocess.Popen | None = None
         self._path = ""
-        self._env: dict[str, str] = {}
+        self._env: dict[str, str] = {}  # the server's environment when it started
+        self._imported: dict[str, str] = {}  # and once its imports were done
 
-    def eligible(self, cmd: list[str], env: dict[str, str]) -> bool:
+    def start(self, cmd: list[str], env: dict[str, str], stdout: Any, stderr: Any) -> Forked | None:
+        """The command forked from the server, or None where it must be a new process."""
         if os.environ.get(ENABLE_ENV, "1") == "0" or len(cmd) < 2 or cmd[0] != sys.executable:
-            return False
+            return None
         if not ((cmd[1] == "-m" and len(cmd) > 2) or cmd[1].endswith(".py")):
-            return False
+            return None
         import torch
 
         if torch.version.cuda is not None or torch.version.hip is not None:
-            return False
-        return self._import_time(env) == self._import_time(self._env or env_for_server())
-
-    def start(self, cmd: list[str], env: dict[str, str], stdout: Any, stderr: Any) -> Forked:
+            return None
         if self._server is None or self._server.poll() is not None:
             self._start_server()
+        if not self._same_imports(env):
+            return None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.connect(self._path)
         request = {"argv": cmd[1:], "env": env, "cwd": os.getcwd()}
         socket.send_fds(sock, [json.dumps(request).encode()], [stdout.fileno(), stderr.fileno()])
         return Forked(sock, cmd)
+
+    def _same_imports(self, env: dict[str, str]) -> bool:
+        """Whether the imports would have read the same environment in a new process: each
+        variable among IMPORT_TIME as the server started with it, or as its imports set it
+        themselves (DeepSpeed's PYTORCH_NVML_BASED_CUDA_CHECK, say), which a new process's
+        would set the same way."""
+        keys = {k for e in (env, self._env, self._imported) for k in e if k.startswith(IMPORT_TIME)} - SET_AT_RUN_TIME
+        return all(env.get(k) in (self._env.get(k), self._imported.get(k)) for k in keys)
 
     def _start_server(self) -> None:
         self._env = env_for_server()
@@ -150,10 +157,7 @@ class Client:
             if self._server.poll() is not None:
                 raise RuntimeError(f"the tests' fork server failed to start: see {log.name}")
             select.select([], [], [], 0.05)
-
-    @staticmethod
-    def _import_time(env: dict[str, str]) -> dict[str, str]:
-        return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME) and k not in SET_AT_RUN_TIME}
+        self._imported = json.loads(Path(self._path + ".env").read_text())
 
 
 def env_for_server() -> dict[str, str]:
@@ -199,6 +203,7 @@ def _serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path + ".tmp")
     listener.listen(64)
+    Path(path + ".env").write_text(json.dumps(dict(os.environ)))  # as the imports left it
     os.rename(path + ".tmp", path)  # ready
     owners: dict[int, socket.socket] = {}  # pid -> the connection its status goes to
     open_conns: list[socket.socket] = []

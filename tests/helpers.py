@@ -69,11 +69,10 @@ class Launched:
         full_env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if one_thread else {}), **(env or {}), _TAG: self.tag}
         # A Python command forks from the server that has its imports done, unless the test
         # asks for a new process or the fork could differ from one (forkserver.py).
-        self.proc: subprocess.Popen | Forked
-        if not new_process and _forks.eligible(cmd, full_env):
-            self.proc = _forks.start(cmd, full_env, self._out, self._err)
-        else:
-            self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err, text=True, env=full_env, start_new_session=True)
+        forked = None if new_process else _forks.start(cmd, full_env, self._out, self._err)
+        self.proc: subprocess.Popen | Forked = forked or subprocess.Popen(
+            cmd, stdout=self._out, stderr=self._err, text=True, env=full_env, start_new_session=True
+        )
 
     def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
         limit = min(timeout, _deadline - time.monotonic() - _MARGIN_S)

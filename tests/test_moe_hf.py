@@ -146,7 +146,11 @@ def test_an_export_of_unnormalized_routing_is_refused_in_one_line(moe_run, tmp_p
 # Qwen2-MoE besides: a shared expert, top-k weights not renormalized (its default).
 QWEN2_MOE = {"model_type": "qwen2_moe", "num_experts": 4, "moe_intermediate_size": 24, "intermediate_size": 48,
              "shared_expert_intermediate_size": 32}  # fmt: skip
-HF_MOE = {"mixtral": {"model_type": "mixtral", "num_local_experts": 4, "intermediate_size": 48}, "qwen2_moe": QWEN2_MOE}
+# Qwen3-MoE: no shared expert, top-k weights renormalized, and per-head RMSNorm of q and k.
+QWEN3_MOE = {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 24, "intermediate_size": 48,
+             "norm_topk_prob": True, "head_dim": 8}  # fmt: skip
+HF_MOE = {"mixtral": {"model_type": "mixtral", "num_local_experts": 4, "intermediate_size": 48}, "qwen2_moe": QWEN2_MOE,
+          "qwen3_moe": QWEN3_MOE}  # fmt: skip
 COMMON = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "max_position_embeddings": 64, "num_experts_per_tok": 2, "output_router_logits": True,
           "router_aux_loss_coef": 0.02}  # fmt: skip
@@ -156,6 +160,7 @@ ENGINES = {
     "mixtral-fsdp": ("mixtral", ["parallel.strategy=fsdp", "parallel.activation_checkpointing=true"]),
     "mixtral-zero3": ("mixtral", ["parallel.strategy=zero3", Z3_PARTITION_ALL]),
     "qwen2_moe-fsdp": ("qwen2_moe", ["parallel.strategy=fsdp"]),
+    "qwen3_moe-zero3": ("qwen3_moe", ["parallel.strategy=zero3", Z3_PARTITION_ALL]),
 }
 HF_STEPS = 3
 
