@@ -242,11 +242,10 @@ def _serve(path: str) -> None:
 
 def _become(request: dict[str, Any], fds: list[int], server_fds: list[int]) -> None:
     """In the fork: be `python ARGV` started by subprocess.Popen(start_new_session=True), run it, exit."""
-    code = 1
     try:
         os.setsid()
         signal.set_wakeup_fd(-1)
-        for name in ("SIGCHLD", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGPIPE"):
+        for name in ("SIGCHLD", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
             signal.signal(getattr(signal, name), signal.SIG_DFL)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python starts
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -263,34 +262,32 @@ def _become(request: dict[str, Any], fds: list[int], server_fds: list[int]) -> N
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        argv = request["argv"]
-        import runpy
-
-        if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            sys.path[0] = os.getcwd()
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            sys.path[0] = str(Path(argv[0]).resolve().parent)
-            runpy.run_path(argv[0], run_name="__main__")
-        code = 0
-    except SystemExit as e:  # what the interpreter makes of it
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if not isinstance(e.code, int | None):
-            print(e.code, file=sys.stderr)
     except BaseException:
         import traceback
 
         traceback.print_exc()
-        code = 1
-    finally:
-        try:
-            from scaletrain.cli import finish_process
+        os._exit(1)
+    code = 1
+    try:  # whatever happens, the fork never returns to the server's loop
+        from scaletrain.cli import exit_as_interpreter
 
-            finish_process()
-        finally:
-            os._exit(code)
+        code = exit_as_interpreter(lambda: _run(request["argv"]))
+    finally:
+        os._exit(code)
+
+
+def _run(argv: list[str]) -> None:
+    """`python -m MODULE ARGS` or `python SCRIPT ARGS`, as the interpreter sets argv and sys.path for them."""
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = str(Path(argv[0]).resolve().parent)
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 if __name__ == "__main__":

@@ -251,10 +251,10 @@ def test_ep_must_divide_the_experts_and_the_data_parallel_ranks():
 
 
 @pytest.mark.unit
-def test_tensor_parallel_with_experts_is_one_line():
+def test_tensor_parallel_beside_expert_parallel_is_one_line():
     with pytest.raises(Exception) as err:
-        load_config([], ["model.preset=tiny-moe", "parallel.strategy=fsdp", "parallel.tp=2"])
-    assert "mixture of experts" in str(err.value) and "accepted: parallel.tp=1" in str(err.value)
+        load_config([], ["model.preset=tiny-moe", "parallel.strategy=fsdp", "parallel.tp=2", "parallel.ep=2"])
+    assert "mixture of experts" in str(err.value) and "accepted: parallel.ep=1 with tp" in str(err.value)
 
 
 STEPS = 8
@@ -278,6 +278,9 @@ LAYOUTS = {
     "zero3": ["parallel.strategy=zero3"],
     # Each rank holds 4 of the 8 experts; tokens travel by all-to-all.
     "fsdp-ep2": ["parallel.strategy=fsdp", "parallel.ep=2"],
+    # Attention split over tp 2 (sequence parallel), the experts whole on both ranks, which
+    # route the same tokens: one data-parallel rank, so 2 micro-batches of 4.
+    "fsdp-tp2": ["parallel.strategy=fsdp", "parallel.tp=2", "train.grad_accum=2"],
 }
 
 

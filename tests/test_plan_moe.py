@@ -75,6 +75,27 @@ def test_mixtral_counts_all_parameters_and_its_flops_count_the_active_ones():
 
 
 @pytest.mark.unit
+def test_tp_leaves_the_mixture_of_experts_whole_in_the_plan():
+    """models/llama_tp.py splits attention, not a mixture of experts: the states per rank
+    divide by tp all but the MoE layers' router and experts (Mixtral by hand above)."""
+    from scaletrain.planning.experts import whole_under_tp
+
+    spec = mixtral()
+    whole = L * (ROUTER + EXPERTS) / TOTAL
+    assert whole_under_tp(spec) == pytest.approx(whole, rel=1e-12) and 0.9 < whole < 1
+    assert whole_under_tp(planning_spec(load_config([], ["model.preset=7b"]))) == 0.0
+    base = Setup.from_config(config("parallel.strategy=fsdp"), dims_for(config("parallel.strategy=fsdp").parallel, 8))
+    one, two = estimate(spec, base), estimate(spec, replace(base, tp=2, dp=base.dp // 2))
+    assert two.params == pytest.approx(one.params * 2 * ((1 - whole) / 2 + whole), rel=1e-9)  # dp halves, tp
+    # And the built-in model's own modules say the same: the MoE feed-forwards' parameters.
+    tiny = planning_spec(load_config([], ["model.preset=tiny-moe", "model.moe.shared_experts=1"]))
+    with torch.device("meta"):
+        model = tiny.build_meta(64)
+    moe = sum(p.numel() for name, p in model.named_parameters() if ".feed_forward." in name)
+    assert whole_under_tp(tiny) == pytest.approx(moe / sum(p.numel() for p in model.parameters()), rel=1e-12)
+
+
+@pytest.mark.unit
 def test_ep_shrinks_fsdps_gathered_experts_and_leaves_the_sharded_states_alone():
     spec = mixtral()
     base = Setup("fsdp", 64, 1, 4096, "bf16")

@@ -15,6 +15,7 @@ import atexit
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from scaletrain import __version__
@@ -88,6 +89,26 @@ def finish_process() -> None:
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def exit_as_interpreter(body: Callable[[], int | None]) -> int:
+    """Run `body` as a process's main code and return its exit status as the interpreter
+    makes it (the returned code, a SystemExit's, 1 after an uncaught exception with its
+    traceback printed), after what a normal exit does (finish_process). For a process
+    that ends itself with os._exit: a forked rank (cli/rank.py), a test's forked command."""
+    try:
+        code = body() or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finish_process()
+    return code
 
 
 # The positional list each command collects its CONFIG.yaml files and key=value overrides in.

@@ -35,22 +35,11 @@ def run_rank(argv: list[str]) -> None:
     Ends the process itself unless the command succeeded: torchrun's function protocol
     reads a return value from every rank, and a failed rank's exit code is what the launcher
     reports (launch/torchrun.py)."""
-    from scaletrain.cli import finish_process, main
+    from scaletrain.cli import exit_as_interpreter, main
     from scaletrain.launch.forked import as_new_process
 
     as_new_process()
-    try:
-        code = main(argv)
-    except SystemExit as e:  # what the interpreter would make of it
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if not isinstance(e.code, int | None):
-            print(e.code, file=sys.stderr)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    finish_process()
+    code = exit_as_interpreter(lambda: main(argv))
     if code:
         os._exit(code)
 

@@ -423,11 +423,10 @@ class Config(Section):
             _expert_parallel_problem(self, experts)
         if not experts:
             return self
-        if par.tp > 1:
+        if par.tp > 1 and par.ep > 1:
             raise ValueError(
-                f"a mixture of experts (model.preset={m.preset}{', model.moe' if m.moe is not None else ''}) trains on "
-                f"ddp, fsdp and zero1-3, and pp on fsdp, without tp (not built yet), not with parallel.tp={par.tp}; "
-                "accepted: parallel.tp=1"
+                f"a mixture of experts with parallel.tp={par.tp} keeps its experts whole on every tp rank; parallel.ep="
+                f"{par.ep} beside it is not checked yet; accepted: parallel.ep=1 with tp, or parallel.tp=1 with ep"
             )
         return self
 

@@ -27,6 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -95,6 +96,24 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_p
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
+        if getattr(block, "moe", False):
+            # A mixture of experts stays whole on every tp rank and routes every token of the
+            # micro-batch, as one process does: its balance terms count whole sequences, which
+            # a rank's 1/tp of the sequence (sequence parallel) would not. Its output goes back
+            # to the residual's layout; that redistribution's backward gathers the whole
+            # gradient on every rank, so each rank's expert gradients are the whole ones
+            # (FSDP reduces them over the data-parallel ranks only, like every weight).
+            # Expert parallel splits the experts instead (engines/expert_parallel.py).
+            for key in ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2"):
+                del plan[key]
+            plan["feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(seq,),
+                desired_input_layouts=(Replicate(),),
+                output_layouts=(Replicate(), None, None),  # (output, aux, statistics)
+                desired_output_layouts=(seq, Replicate(), Replicate()),  # read only where output_layouts has one
+                use_local_input=True,  # the experts are plain tensors, not DTensors
+                use_local_output=True,
+            )
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()

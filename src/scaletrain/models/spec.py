@@ -145,7 +145,14 @@ class LlamaSpec:
             # The value is the cross entropy alone, what a loss row compares with a dense run's
             # and an eval's; the gradient carries the auxiliary terms' too: aux - aux.detach()
             # is exactly 0 (a finite x - x), and its gradient aux's. The terms are logged apart.
-            return loss_fn(logits, targets, self.loss_chunk_tokens, self.loss_compiled) + (aux - aux.detach())
+            loss = loss_fn(logits, targets, self.loss_chunk_tokens, self.loss_compiled)
+            extra = aux - aux.detach()
+            if type(loss) is not torch.Tensor:  # a DTensor (loss parallel, tp): the same term on every tp rank
+                from torch.distributed.tensor import DTensor
+
+                assert isinstance(loss, DTensor)
+                extra = DTensor.from_local(extra, loss.device_mesh, loss.placements, run_check=False)
+            return loss + extra
         return loss_fn(output, targets, self.loss_chunk_tokens, self.loss_compiled)
 
     def config(self) -> dict[str, Any]:

@@ -52,6 +52,17 @@ class Experts:
         return self.layers * self.per_layer
 
 
+def whole_under_tp(model: ModelSpec) -> float:
+    """The share of the parameters tensor parallel leaves whole on every tp rank: each MoE
+    layer's router, routed and shared experts (models/llama_tp.py keeps a mixture of
+    experts out of the split); 0 for a dense model."""
+    if not isinstance(model, LlamaSpec) or not model.shape.experts:
+        return 0.0
+    s = model.shape
+    per_layer = s.dim * s.experts + 3 * s.dim * s.expert_ffn_dim * (s.experts + s.shared_experts)
+    return s.moe_layers * per_layer / model.counts().total
+
+
 def experts_of(model: ModelSpec) -> Experts | None:
     """The routed experts of a mixture of experts; None for a dense model. Only the built-in
     decoder has them (config/schema.py refuses model.moe and parallel.ep elsewhere), and the

@@ -19,7 +19,7 @@ import torch
 
 from scaletrain.models.spec import ModelSpec
 from scaletrain.planning.activations import block_activations, head_activations
-from scaletrain.planning.experts import ungathered
+from scaletrain.planning.experts import ungathered, whole_under_tp
 from scaletrain.planning.float8 import buffer_saving, saved_saving
 from scaletrain.planning.pipeline import gathered_stage_bytes, in_flight, rank_share
 from scaletrain.planning.setup import Setup
@@ -124,14 +124,17 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
         else:
             cpu += params
         params = 0.0
-    # Tensor parallel splits every matrix (the norms, replicated, are negligible), so each
-    # rank's states are 1/tp of its data-parallel shard; so are the gathered units.
+    # Tensor parallel splits every matrix (the norms, replicated, are negligible) but a
+    # mixture of experts' (whole on every tp rank), so each rank's states are that share of
+    # its data-parallel shard; so are the gathered units.
+    whole = whole_under_tp(model) if s.tp > 1 else 0.0
+    split = (1 - whole) / s.tp + whole
     params, grads, optim, cpu, nvme, fp32_grad_partition = (
-        x / s.tp for x in (params, grads, optim, cpu, nvme, fp32_grad_partition)
+        x * split for x in (params, grads, optim, cpu, nvme, fp32_grad_partition)
     )
 
     act, loss, recompute = _activations(model, s)
-    buffers = engine_buffers(model, s) / s.tp
+    buffers = engine_buffers(model, s) * split
     # ZeRO-1/2's reduce buckets live inside backward only (engine_buffers says when): they
     # are not resident, and join only the phases from the first gradient to backward's end.
     buckets = buffers if row.buffers == "buckets" else 0.0

@@ -367,8 +367,10 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     if run.balance is not None:
         table = run.balance.table
         telemetry.recorder.bias = lambda: table  # each interval row's bias, read with the rest
-    # A mixture of experts' load per interval (a weak reference: _release still frees the model).
-    telemetry.watch_routing(routing_stats(run.engine.model))
+    # A mixture of experts' load per interval (a weak reference: _release still frees the model),
+    # counted by one rank of each tp group: all of them route the same tokens (llama_tp.py).
+    take = routing_stats(run.engine.model)
+    telemetry.watch_routing(take if dims.coordinates(world.rank)["tp"] == 0 else lambda: (take(), None)[1])
     # The engine (a DDP wrapper, say) must not outlive the process group (see train()),
     # whatever an exception's traceback still holds.
     stack.callback(_release, run)
@@ -437,8 +439,9 @@ def _resume(ckpt: Path, world: World, engine: Engine, layout: ParamLayout, dims:
 
 def _sum_over_ranks(world: World) -> Any:
     """An in-place sum over every rank, or nothing at world 1: each rank counts its own
-    tokens (a mixture of experts has no tp, whose ranks would share them), and a pipeline
-    stage's ranks only the rows of its own layers, zeros elsewhere (models/llama.py)."""
+    tokens (the ranks of a tp group the same ones: the sum is then tp x the load, whose
+    sign against its mean ExpertBias reads, unchanged), and a pipeline stage's ranks only
+    the rows of its own layers, zeros elsewhere (models/llama.py)."""
     if world.world_size == 1:
         return lambda tensor: None
     import torch.distributed as dist
