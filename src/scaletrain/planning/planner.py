@@ -61,7 +61,8 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
         return [base]
     options = _data_parallel_options(base, world, nodes)
     if model is not None and experts_of(model) is not None:
-        # A mixture of experts trains without tp or pp (config/schema.py): expert parallel instead.
+        # A mixture of experts: expert parallel, not tp or pp layouts (a configured tp or pp trains,
+        # docs/moe.md; proposing them is not built yet).
         options += ep_options(options, model)
     elif dims.tp == 1 and dims.pp == 1 and model is not None and distill is None:  # a teacher: data parallel only
         mp = replace(base, strategy=_MODEL_PARALLEL.name, **_PLAIN)
