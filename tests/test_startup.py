@@ -64,3 +64,35 @@ main()
     assert seen["enabled"] is True
     assert seen["frozen"] > 100_000
     assert seen["preloaded"] == [True, True]
+
+
+SCRIPT = """
+import json, os, signal, sys
+print(json.dumps({
+    "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "marker": os.environ.get("FORK_TEST_MARKER"),
+    "tag": "SCALETRAIN_TEST_TAG" in os.environ, "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler, "stdin": sys.stdin.read(),
+    "main": __name__, "session_leader": os.getsid(0) == os.getpid(),
+}))
+print("to stderr", file=sys.stderr)
+sys.exit(3)
+"""
+
+
+def test_a_command_forked_by_the_tests_server_sees_what_a_new_process_does(tmp_path, monkeypatch):
+    """tests/forkserver.py: the same argv, sys.path, working directory, environment,
+    signal handlers, stdin, output and exit status as the new process Popen would start."""
+    import helpers
+
+    script = tmp_path / "probe_me.py"
+    script.write_text(SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    cmd = [sys.executable, str(script), "a", "b c"]
+    forked = helpers.Launched(cmd, env={"FORK_TEST_MARKER": "x"})
+    assert type(forked.proc).__name__ == "Forked"  # the server took it (nothing here differs at import)
+    done = forked.wait(60)
+    new = helpers.run(cmd, env={"FORK_TEST_MARKER": "x"}, timeout=60, new_process=True)
+    assert (done.returncode, done.stderr) == (new.returncode, new.stderr) == (3, "to stderr\n")
+    seen, want = json.loads(done.stdout), json.loads(new.stdout)
+    assert seen == want and want["marker"] == "x" and want["argv"] == [str(script), "a", "b c"], (seen, want)
+    assert want["sigterm"] and want["sigint"] and want["session_leader"] and want["cwd"] == str(tmp_path)
