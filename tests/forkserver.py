@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -210,6 +211,7 @@ def _serve(path: str) -> None:
     while True:
         ready = select.select([sys.stdin, listener, wake_r, *open_conns], [], [])[0]
         if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # its socket, log and environment
             return  # pytest ended
         if listener in ready:
             open_conns.append(listener.accept()[0])

@@ -82,8 +82,12 @@ sys.exit(3)
 def test_a_command_forked_by_the_tests_server_sees_what_a_new_process_does(tmp_path, monkeypatch):
     """tests/forkserver.py: the same argv, sys.path, working directory, environment,
     signal handlers, stdin, output and exit status as the new process Popen would start."""
+    import forkserver
     import helpers
 
+    # A server of its own, started from this environment as it is now: what earlier tests
+    # in this process left in os.environ cannot make it decline the command.
+    monkeypatch.setattr(helpers, "_forks", forkserver.Client())
     script = tmp_path / "probe_me.py"
     script.write_text(SCRIPT)
     monkeypatch.chdir(tmp_path)
