@@ -71,7 +71,7 @@ class Launched:
         # asks for a new process or the fork could differ from one (forkserver.py).
         forked = None if new_process else _forks.start(cmd, full_env, self._out, self._err)
         self.proc: subprocess.Popen | Forked = forked or subprocess.Popen(
-            cmd, stdout=self._out, stderr=self._err, text=True, env=full_env, start_new_session=True
+            cmd, stdin=subprocess.DEVNULL, stdout=self._out, stderr=self._err, text=True, env=full_env, start_new_session=True
         )
 
     def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
