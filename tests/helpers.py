@@ -30,10 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from forkserver import Client, Forked
 from scaletrain.checkpoint import TrainerState, read_model_weights
 from scaletrain.models import saved_spec
 from scaletrain.telemetry import read_metrics
+
+from forkserver import Client, Forked
 
 TESTS = Path(__file__).resolve().parent
 PROBES = TESTS / "probes"
