@@ -19,7 +19,7 @@ from scaletrain.planning import make_plan, planning_spec
 from scaletrain.planning.experts import a2a_bytes_per_step, a2a_seconds, ep_sizes, moe_summary, off_node_share
 from scaletrain.planning.hardware import GiB, gpu
 from scaletrain.planning.memory import estimate
-from scaletrain.planning.planner import comm_bytes_per_step, evaluate
+from scaletrain.planning.planner import comm_bytes_per_step, evaluate, step_time, tp_collectives
 from scaletrain.planning.setup import Setup
 
 from helpers import check, run, torchrun
@@ -201,14 +201,19 @@ def test_auto_picks_ep_for_mixtral_on_8_nodes_of_8_x_80gib_and_says_why():
     without = [c for c in plan.candidates if c.setup.ep == 1 and c.fits]
     assert without and all(c.step_time > plan.chosen.step_time for c in without)
     assert "the fastest without expert parallel" in why
-    # ep among the divisors of the shard group and the experts, only where config/schema.py takes it;
-    # a mixture of experts gets no tp or pp layout (config/schema.py refuses them).
+    # ep among the divisors of the shard group and the experts, only where config/schema.py takes it.
     with_ep = [c.setup for c in plan.candidates if c.setup.ep > 1]
     assert {e.ep for e in with_ep} == {2, 4, 8}
     assert all(
         e.strategy == "fsdp" and e.dp_replicate == 1 and e.offload_params == e.offload_optimizer == "none" for e in with_ep
     )
-    assert all(c.setup.tp == c.setup.pp == 1 for c in plan.candidates)
+    # The layouts a mixture of experts trains with (docs/moe.md "Where it trains"): tp alone (its
+    # experts whole on every tp rank, never beside ep: config/schema.py), pp with and without ep
+    # inside each stage (over the stage's data-parallel ranks); no tp x pp, no cp.
+    kinds = {(c.setup.tp > 1, c.setup.pp > 1, c.setup.ep > 1) for c in plan.candidates}
+    assert kinds == {(False, False, False), (False, False, True), (True, False, False), (False, True, False), (False, True, True)}
+    assert all(c.setup.cp == 1 for c in plan.candidates)
+    assert {c.setup.ep for c in plan.candidates if c.setup.pp == 2} == {1, 2, 4, 8}  # the stage's 32 ranks, the 8 experts
     out = plan.as_dict()
     assert out["moe"] == {**moe_summary(mixtral(), 4096), "ep": 8}
     assert all("ep" in c and "ep_comm_bytes_per_step" in c for c in out["candidates"])
@@ -216,21 +221,83 @@ def test_auto_picks_ep_for_mixtral_on_8_nodes_of_8_x_80gib_and_says_why():
 
 
 @pytest.mark.unit
-def test_auto_picks_ep_for_qwen3_moe_on_2_nodes_of_8_x_80gib_in_bf16_and_not_in_fp32():
+def test_qwen3_moe_on_2_nodes_of_8_x_80gib_pipelines_across_the_nodes_and_says_why_not_ep():
     # Issue 40's question: Qwen3-30B-A3B (128 experts, top-8) at sequence 4096 on 2 x 8 GPUs of
-    # 80 GiB. In bf16 (what a run applies on such a GPU) the all-gathers of 29B expert weights
-    # over 16 ranks and the network cost more than the all-to-all inside each node: ep 8.
+    # 80 GiB, in bf16 (what a run applies on such a GPU). Without a pipeline, the all-gathers of
+    # 29B expert weights over 16 ranks and the network cost more than the all-to-all inside each
+    # node: ep 8 is the fastest. A pipeline of two stages, one per node, does better still: each
+    # stage gathered once per step over NVLink, only activations cross the network, and no
+    # all-to-all (which the planner counts as all exposed) to pay.
     qwen = lambda *extra: load_config([], ["model.preset=qwen3-moe-30b-a3b", "data.seq_len=4096", *extra])  # noqa: E731
     plan = make_plan(qwen("precision=bf16"), planning_spec(qwen("precision=bf16")), 16, 2, H100)
-    assert (plan.chosen.setup.strategy, plan.chosen.setup.ep) == ("fsdp", 8)
-    (why,) = [r for r in plan.reasons if r.startswith("ep=")]
-    assert why.startswith("ep=8: each rank holds 16 of each MoE layer's 128 experts") and "over NVLink inside a node" in why
-    assert "the fastest without expert parallel" in why or "needs" in why
+    s = plan.chosen.setup
+    assert (s.strategy, s.pp, s.ep, s.tp) == ("fsdp", 2, 1, 1)
+    flat = min((c for c in plan.candidates if c.fits and c.setup.pp == 1), key=lambda c: c.step_time)
+    with_ep = min((c for c in plan.candidates if c.fits and c.setup.ep > 1), key=lambda c: c.step_time)
+    assert flat is with_ep and (flat.setup.strategy, flat.setup.ep) == ("fsdp", 8)
+    assert plan.chosen.step_time < flat.step_time and plan.chosen.dp_bytes < flat.dp_bytes / 2
+    (why_pp,) = [r for r in plan.reasons if r.startswith("pp=2")]
+    assert f"against {flat.step_time:.3g} for {flat.setup.label}" in why_pp
+    (why,) = [r for r in plan.reasons if "expert parallel" in r]
+    assert why.startswith(f"expert parallel not chosen: the fastest layout with it, {flat.setup.label}, is estimated at")
+    assert "is all exposed" in why
     # In fp32 the step is compute-bound (67 TFLOP/s): the exposed all-to-all is what ep adds.
     fp32 = make_plan(qwen(), planning_spec(qwen()), 16, 2, H100)
     assert fp32.chosen.setup.ep == 1
     (why,) = [r for r in fp32.reasons if "expert parallel" in r]
     assert why.startswith("expert parallel not chosen: the fastest layout with it") and "is all exposed" in why
+
+
+@pytest.mark.unit
+def test_a_pipeline_rank_counts_the_moe_layers_of_its_stages():
+    """Under pp each rank holds its stages' MoE layers: its all-to-all, its experts' gathers
+    and the experts it leaves ungathered are those layers' (all 32 of Mixtral's blocks are
+    MoE: 16 on each of 2 ranks with 1f1b); DeepSeekMoE's first block is dense, so the rank
+    holding it has one MoE layer fewer (the planner sizes the fullest rank: counted both ways)."""
+    from scaletrain.planning.experts import moe_layers_held
+    from scaletrain.planning.memory import engine_buffers
+
+    spec = mixtral()
+    flat = Setup("fsdp", 32, 1, 4096, "bf16", grad_accum=16, ep=8)
+    piped = replace(flat, pp=2, pp_schedule="1f1b", reshard_after_forward=False)
+    assert moe_layers_held(spec, flat) == (32, 32) and moe_layers_held(spec, piped) == (16, 16)
+    assert a2a_bytes_per_step(spec, piped) == pytest.approx(a2a_bytes_per_step(spec, flat) / 2, rel=1e-12)
+    # The stage's 16 blocks gathered once per step, each with this rank's 1 of 8 experts only;
+    # the last stage holds the head and the final norm too (the larger of the two by parameters).
+    stage = V * D + D + 16 * BLOCK
+    assert engine_buffers(spec, piped) == (stage - 16 * EXPERTS * 7 // 8) * 2
+    assert engine_buffers(spec, replace(piped, ep=1)) == stage * 2
+    # Its gathers and gradient reduce-scatters: the dense part over the stage's 32 ranks, its
+    # experts over the 4 holding the same ones, once per step (a pipeline keeps the stage gathered).
+    per_param = 2 + 4
+    by_hand = 31 / 32 * (stage - 16 * EXPERTS) * per_param + 3 / 4 * 16 * EXPERTS / 8 * per_param
+    assert comm_bytes_per_step(spec, piped, 16) == pytest.approx(by_hand, rel=1e-12)
+    deepseek = planning_spec(load_config([], ["model.preset=deepseek-moe-16b", "data.seq_len=4096", "precision=bf16"]))
+    d = Setup("fsdp", 8, 1, 4096, "bf16", grad_accum=8, pp=2, pp_schedule="1f1b", ep=2, reshard_after_forward=False)
+    fewest, most = moe_layers_held(deepseek, d)
+    assert most - fewest == 1 and most <= 14
+
+
+@pytest.mark.unit
+def test_tp_runs_the_moe_layers_whole_on_every_tp_rank_in_the_plan():
+    """models/llama_tp.py gathers the sequence before a MoE layer and runs it whole on each tp
+    rank: the router's, shared and active experts' FLOPs are not divided by tp, and neither are
+    their states in the data-parallel traffic."""
+    from scaletrain.planning.experts import repeated_under_tp, whole_under_tp
+
+    spec = mixtral()
+    assert repeated_under_tp(spec) == 6 * L * (ROUTER + K * 3 * D * F)
+    assert repeated_under_tp(planning_spec(load_config([], ["model.preset=7b"]))) == 0
+    s = Setup("fsdp", 32, 1, 4096, "bf16", grad_accum=16, tp=2, sequence_parallel=True)
+    # Each tp rank: half the rest, all of the MoE layers' work (each micro-batch's 4096 tokens).
+    compute = 16 * 4096 * (spec.flops_per_token(4096) + repeated_under_tp(spec)) / 2 / (989e12 * 0.45)
+    assert compute == pytest.approx(16 * 4096 * (82_933_972_992 / 2 + 0.5 * 6 * L * (ROUTER + K * 3 * D * F)) / (989e12 * 0.45))
+    # step_time with no traffic: that compute plus the start-up of tp's collectives.
+    untimed = step_time(spec, s, config(), H100, 8, 0.0) - tp_collectives(spec, s) * H100.collective_latency
+    assert untimed == pytest.approx(compute, rel=1e-12)
+    whole = whole_under_tp(spec)
+    per_param = 16 * 2 * 2 + 4
+    assert comm_bytes_per_step(spec, s, 16) == pytest.approx(31 / 32 * TOTAL * ((1 - whole) / 2 + whole) * per_param, rel=1e-12)
 
 
 @pytest.mark.unit

@@ -33,6 +33,7 @@ from typing import Any
 
 from scaletrain.models.spec import LlamaSpec, ModelSpec
 from scaletrain.planning.hardware import Device
+from scaletrain.planning.pipeline import rank_share
 from scaletrain.planning.setup import Setup
 from scaletrain.strategies import TABLE
 
@@ -61,6 +62,42 @@ def whole_under_tp(model: ModelSpec) -> float:
     s = model.shape
     per_layer = s.dim * s.experts + 3 * s.dim * s.expert_ffn_dim * (s.experts + s.shared_experts)
     return s.moe_layers * per_layer / model.counts().total
+
+
+def tp_split(model: ModelSpec, s: Setup) -> float:
+    """The share of its data-parallel shard of the states one tp rank holds: 1/tp of what
+    tensor parallel splits, all of what it leaves whole (whole_under_tp)."""
+    if s.tp == 1:
+        return 1.0
+    whole = whole_under_tp(model)
+    return (1 - whole) / s.tp + whole
+
+
+def repeated_under_tp(model: ModelSpec) -> float:
+    """Training FLOPs per token that every tp rank computes for its whole tp group's tokens
+    (models/llama_tp.py gathers the sequence before a MoE layer and runs it whole on each
+    rank): each MoE layer's router, shared experts and the top_k routed experts a token
+    passes through, x6 (forward and backward), as ModelSpec.flops_per_token counts them; 0
+    for a dense model."""
+    if not isinstance(model, LlamaSpec) or not model.shape.experts:
+        return 0.0
+    s = model.shape
+    per_layer = s.dim * s.experts + 3 * s.dim * s.expert_ffn_dim * s.shared_experts
+    return 6.0 * (s.moe_layers * per_layer + model.active_expert_params())
+
+
+def moe_layers_held(model: ModelSpec, s: Setup) -> tuple[int, int]:
+    """(fewest, most) MoE layers on the rank the planner sizes: every one without a pipeline;
+    with one, the blocks of the rank holding the most parameters (pipeline.rank_share), as
+    many of which may be dense as the model has dense blocks. The fewest bound what ep saves
+    that rank (conservative for memory and gathers), the most what it sends by all-to-all."""
+    e = experts_of(model)
+    if e is None:
+        return 0, 0
+    if s.pp == 1:
+        return e.layers, e.layers
+    blocks = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[1]
+    return max(0, blocks - (model.n_blocks - e.layers)), min(e.layers, blocks)
 
 
 def experts_of(model: ModelSpec) -> Experts | None:
@@ -115,10 +152,12 @@ def ep_sizes(model: ModelSpec, shard: int) -> list[int]:
 
 def ep_options(options: list[Setup], model: ModelSpec) -> list[Setup]:
     """Each option a strategy with expert parallel can take with it (plain sharding: config/schema.py
-    refuses ep with hybrid sharding and parameter offload), at every ep size."""
+    refuses ep with hybrid sharding, parameter offload and tp), at every ep size: under a
+    pipeline over each stage's data-parallel ranks."""
     out = []
     for o in options:
-        if TABLE[o.strategy].ep and o.dp_replicate == 1 and o.offload_params == "none" and o.offload_optimizer == "none":
+        plain = o.dp_replicate == 1 and o.offload_params == "none" and o.offload_optimizer == "none" and o.tp == 1
+        if TABLE[o.strategy].ep and plain:
             out += [replace(o, ep=ep) for ep in ep_sizes(model, o.shard)]
     return out
 
@@ -130,7 +169,7 @@ def ungathered(model: ModelSpec, s: Setup) -> tuple[int, int]:
     if e is None or s.ep == 1:
         return 0, 0
     per_block = e.per_layer - e.per_layer // s.ep
-    return per_block, e.layers * per_block
+    return per_block, moe_layers_held(model, s)[0] * per_block
 
 
 def sharded_traffic(
@@ -142,7 +181,8 @@ def sharded_traffic(
     assert e is not None and s.ep > 1
     per_param = gathers * param_bytes + share * grad_bytes
     m = s.shard // s.ep
-    return (s.shard - 1) / s.shard * (psi - e.total) * per_param + (m - 1) / m * e.total / s.ep * per_param
+    held = moe_layers_held(model, s)[0] * e.per_layer  # this (pipeline) rank's MoE layers' experts
+    return (s.shard - 1) / s.shard * (psi - held) * per_param + (m - 1) / m * held / s.ep * per_param
 
 
 def a2a_bytes_per_step(model: ModelSpec, s: Setup) -> float:
@@ -155,7 +195,7 @@ def a2a_bytes_per_step(model: ModelSpec, s: Setup) -> float:
     act_bytes = 4 if s.precision == "fp32" else 2
     exchange = e.kept * e.top_k * s.micro_batch * s.seq_len * model.hidden_size * act_bytes
     exchanges = 6 if s.activation_checkpointing else 4
-    return e.layers * s.grad_accum * exchanges * exchange * (s.ep - 1) / s.ep
+    return moe_layers_held(model, s)[1] * s.grad_accum * exchanges * exchange * (s.ep - 1) / s.ep
 
 
 def a2a_collectives(model: ModelSpec, s: Setup) -> int:
@@ -164,7 +204,7 @@ def a2a_collectives(model: ModelSpec, s: Setup) -> int:
     e = experts_of(model)
     if e is None or s.ep == 1:
         return 0
-    return e.layers * s.grad_accum * (8 if s.activation_checkpointing else 5)
+    return moe_layers_held(model, s)[1] * s.grad_accum * (8 if s.activation_checkpointing else 5)
 
 
 def off_node_share(ep: int, per_node: int) -> float:

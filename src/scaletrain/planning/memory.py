@@ -19,7 +19,7 @@ import torch
 
 from scaletrain.models.spec import ModelSpec
 from scaletrain.planning.activations import block_activations, head_activations
-from scaletrain.planning.experts import ungathered, whole_under_tp
+from scaletrain.planning.experts import tp_split, ungathered
 from scaletrain.planning.float8 import buffer_saving, saved_saving
 from scaletrain.planning.pipeline import gathered_stage_bytes, in_flight, rank_share
 from scaletrain.planning.setup import Setup
@@ -127,8 +127,7 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
     # Tensor parallel splits every matrix (the norms, replicated, are negligible) but a
     # mixture of experts' (whole on every tp rank), so each rank's states are that share of
     # its data-parallel shard; so are the gathered units.
-    whole = whole_under_tp(model) if s.tp > 1 else 0.0
-    split = (1 - whole) / s.tp + whole
+    split = tp_split(model, s)
     params, grads, optim, cpu, nvme, fp32_grad_partition = (
         x * split for x in (params, grads, optim, cpu, nvme, fp32_grad_partition)
     )
@@ -291,12 +290,12 @@ def engine_buffers(model: ModelSpec, s: Setup) -> float:
     weight_bytes = _state_bytes_per_param(s.strategy, s.precision)[0]
     block_params = model.counts().block
     root_params = n_params - model.n_blocks * block_params
+    # Under expert parallel a block's gathered experts are this rank's E/ep only.
+    per_block, in_all = ungathered(model, s)
     if row.buffers == "fsdp_units" and s.pp > 1:
-        return gathered_stage_bytes(rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0], s.precision)
+        return gathered_stage_bytes(rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0] - in_all, s.precision)
     if row.buffers == "fsdp_units":
         gathered = 2 if s.precision != "fp32" else 4  # MixedPrecisionPolicy param dtype
-        # Under expert parallel a block's gathered experts are this rank's E/ep only.
-        per_block, in_all = ungathered(model, s)
         # train.float8 gathers its Linear layers' weights at 1 byte (planning/float8.py).
         if not s.reshard_after_forward:  # every unit stays gathered until its backward
             return float((n_params - in_all) * gathered - buffer_saving(model, s, gathered, all_units=True))

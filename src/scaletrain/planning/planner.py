@@ -28,7 +28,9 @@ from scaletrain.planning.experts import (
     experts_of,
     moe_note,
     moe_summary,
+    repeated_under_tp,
     sharded_traffic,
+    tp_split,
 )
 from scaletrain.planning.float8 import bf16_beside, check_device, compute_saving, gather_saving, plannable
 from scaletrain.planning.hardware import Device, fmt
@@ -60,16 +62,20 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
     if not all_strategies:
         return [base]
     options = _data_parallel_options(base, world, nodes)
-    if model is not None and experts_of(model) is not None:
-        # A mixture of experts: expert parallel, not tp or pp layouts (a configured tp or pp trains,
-        # docs/moe.md; proposing them is not built yet).
-        options += ep_options(options, model)
-    elif dims.tp == 1 and dims.pp == 1 and model is not None and distill is None:  # a teacher: data parallel only
+    moe = model is not None and experts_of(model) is not None
+    if dims.tp == 1 and dims.pp == 1 and model is not None and distill is None:  # a teacher: data parallel only
         mp = replace(base, strategy=_MODEL_PARALLEL.name, **_PLAIN)
         tps = _tp_sizes(model, world, nodes)
         options += [replace(mp, tp=tp, dp=mp.dp // tp, grad_accum=mp.grad_accum * tp, sequence_parallel=True) for tp in tps]
-        options += pp_options(mp, model, world, nodes, [1, *tps])
-        options += _cp_options(mp, model, world, nodes, [1, *tps])
+        # A mixture of experts trains with tp or pp, not both at once (the compositions its
+        # tests check: docs/moe.md), nor with cp (config/schema.py).
+        options += pp_options(mp, model, world, nodes, [1] if moe else [1, *tps])
+        if not moe:
+            options += _cp_options(mp, model, world, nodes, [1, *tps])
+    if moe:
+        # Expert parallel beside every layout that takes it: plain fsdp sharding, ep inside
+        # each pipeline stage; not with tp (config/schema.py refuses tp x ep).
+        options += ep_options(options, model)
     # Activation checkpointing trades ~1/3 more compute for memory: a fallback option.
     if not base.activation_checkpointing:
         options += [replace(o, activation_checkpointing=True) for o in options]
@@ -214,7 +220,7 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
     n = s.reduce_ranks
     if n == 1:
         return 0.0
-    psi = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0] / s.tp
+    psi = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0] * tp_split(model, s)
     # Gradients (and ZeRO-1/2's updated weights) exist for the trained parameters only.
     train = psi * trainable_share(model)
     ring = (n - 1) / n
@@ -256,7 +262,9 @@ def step_time(
     tokens = s.micro_batch * s.seq_len * s.grad_accum
     # A cp rank computes its 1/cp of each sequence's tokens, each attending over the whole sequence.
     split = s.tp * s.pp * s.cp
-    flops = tokens * model.flops_per_token(s.seq_len) * (8 / 6 if s.activation_checkpointing else 1) / split
+    # A mixture of experts' MoE layers run whole on every tp rank, over the tp group's tokens.
+    repeated = repeated_under_tp(model) * (s.tp - 1)
+    flops = tokens * (model.flops_per_token(s.seq_len) + repeated) * (8 / 6 if s.activation_checkpointing else 1) / split
     if s.teacher is not None:  # its forward only: a third of its training FLOPs
         flops += tokens * s.teacher.flops_per_token(s.seq_len) / 3
     peak = device.peak_flops_32 if s.precision == "fp32" else device.peak_flops_16
