@@ -72,7 +72,7 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
         options += pp_options(mp, model, world, nodes, [1] if moe else [1, *tps])
         if not moe:
             options += _cp_options(mp, model, world, nodes, [1, *tps])
-    if moe:
+    if moe and model is not None:
         # Expert parallel beside every layout that takes it: plain fsdp sharding, ep inside
         # each pipeline stage; not with tp (config/schema.py refuses tp x ep).
         options += ep_options(options, model)
