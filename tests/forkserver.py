@@ -247,10 +247,10 @@ def _become(request: dict[str, Any], fds: list[int], server_fds: list[int]) -> N
     try:
         os.setsid()
         signal.set_wakeup_fd(-1)
-        for name in ("SIGCHLD", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
-            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        for name in _RESET:
+            default = signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL  # as Python starts
+            signal.signal(getattr(signal, name), signal.SIG_IGN if name in _INHERITED_IGNORED else default)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python starts
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.stdout.flush()
         sys.stderr.flush()
         null = os.open(os.devnull, os.O_RDONLY)
@@ -291,6 +291,12 @@ def _run(argv: list[str]) -> None:
         sys.path[0] = str(Path(argv[0]).resolve().parent)
         runpy.run_path(argv[0], run_name="__main__")
 
+
+# What the server inherited as ignored (SIG_IGN), read before it changes any: a new process
+# inherits the same from the test process that started both (a background job's shell, for
+# one, ignores SIGINT), and Python leaves an ignored SIGINT ignored.
+_RESET = ("SIGINT", "SIGCHLD", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+_INHERITED_IGNORED = frozenset(name for name in _RESET if signal.getsignal(getattr(signal, name)) is signal.SIG_IGN)
 
 if __name__ == "__main__":
     _serve(sys.argv[1])

@@ -321,33 +321,65 @@ GRAD_NORM_RTOL = 5e-3
 WEIGHTS_RTOL = 2e-4
 
 
-def assert_same_training(run: Path, ref: Path, steps: int = 10, evals: bool = True, weights_rtol: float = WEIGHTS_RTOL) -> None:
+def assert_same_training(
+    run: Path,
+    ref: Path,
+    steps: int = 10,
+    evals: bool = True,
+    weights_rtol: float = WEIGHTS_RTOL,
+    gradient_free: dict[str, slice] | None = None,
+    loss_rtol: float = LOSS_RTOL,
+) -> None:
     if evals:
-        assert_same_evals(run, ref)
+        assert_same_evals(run, ref, loss_rtol)
     a, b = metric_rows(ref), metric_rows(run)
     assert len(a) == len(b) == steps
     losses_a, losses_b = [r["loss"] for r in a], [r["loss"] for r in b]
     norms_a, norms_b = [r["grad_norm"] for r in a], [r["grad_norm"] for r in b]
     np.testing.assert_allclose(norms_b[0], norms_a[0], rtol=RTOL_FIRST_STEP, err_msg="grad norm of step 1")
-    np.testing.assert_allclose(losses_b, losses_a, rtol=LOSS_RTOL, err_msg="loss per step")
+    np.testing.assert_allclose(losses_b, losses_a, rtol=loss_rtol, err_msg="loss per step")
     np.testing.assert_allclose(norms_b, norms_a, rtol=GRAD_NORM_RTOL, err_msg="grad norm per step")
     assert losses_a[-1] < losses_a[0]  # it trained, not just agreed
-    assert_weights_close(final_weights(run, steps), final_weights(ref, steps), weights_rtol)
+    assert_weights_close(final_weights(run, steps), final_weights(ref, steps), weights_rtol, gradient_free, steps)
 
 
-def assert_same_evals(run: Path, ref: Path) -> None:
+def assert_same_evals(run: Path, ref: Path, loss_rtol: float = LOSS_RTOL) -> None:
     want, got = eval_rows(ref), eval_rows(run)
     assert want, f"{ref} has no eval rows to compare with"
     assert [(r["step"], r["tokens"]) for r in got] == [(r["step"], r["tokens"]) for r in want]
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=LOSS_RTOL, err_msg="eval loss")
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=loss_rtol, err_msg="eval loss")
 
 
-def assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float = WEIGHTS_RTOL) -> None:
+# Elements whose gradient is zero by construction (e.g. an attention key's bias: it adds
+# q.b to every score of a query, which the softmax ignores) receive rounding noise only, and
+# Adam steps on noise as on anything (the first bullet above): each engine moves them up to
+# its per-step bound, lr x max(1, (1 - beta1) / sqrt(1 - beta2)) (Kingma & Ba, section 2.1;
+# 1 at the defaults 0.9 / 0.95), from where they started. Seen: an attention key bias 1.3e-5
+# in norm, half of it apart between two engines on an avx512 CPU, which no relative
+# tolerance of the tensor's other elements survives. No bug can show in them (nothing but
+# noise reaches them), so they are held to that bound, the rest of the tensor to rtol.
+GRADIENT_FREE_STEP = 3e-3  # base_overrides' peak train.lr, at the default betas
+
+
+def assert_weights_close(
+    got: dict[str, torch.Tensor],
+    want: dict[str, torch.Tensor],
+    rtol: float = WEIGHTS_RTOL,
+    gradient_free: dict[str, slice] | None = None,
+    steps: int = 0,
+) -> None:
     # Key equality: wrappers (activation checkpointing, FSDP, DeepSpeed) leave names plain.
     assert got.keys() == want.keys()
     for k in got:
         assert got[k].shape == want[k].shape, k
-        rel = ((got[k].double() - want[k].double()).norm() / want[k].double().norm()).item()
+        a, b = got[k].double().flatten(), want[k].double().flatten()
+        if gradient_free and k in gradient_free:
+            free = torch.zeros(a.numel(), dtype=torch.bool)
+            free[gradient_free[k]] = True
+            apart = (a[free] - b[free]).abs().max().item()
+            assert apart <= 2 * steps * GRADIENT_FREE_STEP, f"{k}: gradient-free elements {apart:.2e} apart"
+            a, b = a[~free], b[~free]
+        rel = ((a - b).norm() / b.norm()).item()
         assert rel <= rtol, f"{k}: relative difference {rel:.2e} (up to {rtol:.0e} allowed)"
 
 

@@ -250,13 +250,6 @@ def test_ep_must_divide_the_experts_and_the_data_parallel_ranks():
     assert (dims.dp_shard, dims.ep, dims.dp_size) == (4, 2, 4)
 
 
-@pytest.mark.unit
-def test_tensor_parallel_beside_expert_parallel_is_one_line():
-    with pytest.raises(Exception) as err:
-        load_config([], ["model.preset=tiny-moe", "parallel.strategy=fsdp", "parallel.tp=2", "parallel.ep=2"])
-    assert "mixture of experts" in str(err.value) and "accepted: parallel.ep=1 with tp" in str(err.value)
-
-
 STEPS = 8
 
 
@@ -296,9 +289,30 @@ def test_experts_at_world_2_equal_one_process(one_process, small_dataset, tmp_pa
     # as each token meets the same experts in the same order among their slots, on
     # whichever rank they sit.
     assert_same_training(run, one_process, steps=STEPS)
-    # Every engine reports the routing (found through its wrappers: DDP, FSDP, DeepSpeed's
-    # engine): each interval's loads count top_k slots per token of every rank, of training
-    # steps only (the evaluations' forwards route too, and are not counted).
+    _routing_counted_once(run)
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(400)
+def test_tensor_parallel_beside_expert_parallel_equals_one_process(one_process, small_dataset, tmp_path):
+    """tp 2 x dp 2 at world 4 (tp innermost), the experts split over the two data-parallel
+    ranks of each tp coordinate (ep 2): attention split over tp; both ranks of a tp group
+    route the group's whole micro-batch (models/llama_tp.py), each in its own ep group, to
+    the rank holding each expert: the same work twice, the gradients those of one process."""
+    run = tmp_path / "tp2-ep2"
+    overrides = [*base_overrides(small_dataset, run, steps=STEPS), "model.preset=tiny-moe", "train.micro_batch=4"]
+    layout = ["parallel.strategy=fsdp", "parallel.tp=2", "parallel.ep=2"]
+    check(train([*overrides, *layout, *eval_overrides(small_dataset)], nproc=4))
+    assert_same_training(run, one_process, steps=STEPS)
+    _routing_counted_once(run)  # from one rank of each tp group: 2 data-parallel ranks' tokens
+
+
+def _routing_counted_once(run) -> None:
+    """Every engine reports the routing (found through its wrappers: DDP, FSDP, DeepSpeed's
+    engine): each interval's loads count top_k slots per token of every data-parallel rank
+    (two, 4 sequences each), of training steps only (the evaluations' forwards route too,
+    and are not counted)."""
     intervals = [r for r in read_metrics(run / "metrics.jsonl", events=True) if r.get("event") == "interval"]
     assert intervals and all(sum(layer["load"]) == 2 * r["moe"]["tokens"] for r in intervals for layer in r["moe"]["layers"])
     assert sum(r["moe"]["tokens"] for r in intervals) == STEPS * 2 * 4 * 64  # ranks x micro-batch x seq_len

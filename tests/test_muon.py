@@ -164,6 +164,14 @@ STEPS = 8
 # world 2 after 8 steps: 8e-3 in the attention output projections.) Losses and grad norms keep
 # the standing tolerances.
 MUON_WEIGHTS_RTOL = STEPS * 2**-8
+# Losses (training and evaluation) feel those roundings too, from step 2 on: where AdamW's
+# updates differ by fp32 roundings (~6e-8, the standing 1e-5), Muon's differ by bf16 ones in a
+# random-signed fraction of their elements, far below 2^-8 of a step's loss decrease (0.3
+# here: 1.2e-3) but above the standing tolerance. Measured at world 2 and after the N -> M
+# resume, ddp and fsdp: <= 1.1e-5 on avx512 kernels, 4.2e-6 on avx2, 9.6e-6 on the portable
+# ones. Allowed 1e-4; the shard-orthogonalising plant (docs/testing.md) moves the eval loss
+# by 4.9e-3, 49 x that.
+MUON_LOSS_RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +195,7 @@ def test_world_2_equals_one_process_and_its_checkpoint_resumes_at_world_1(one_pr
     # ddp; fsdp's ranks gather each matrix's update, training/muon.py ShardedMuon). The
     # orthogonalised half of a matrix is another matrix: its updates differ from the first
     # step on, far beyond these tolerances.
-    assert_same_training(w2, one_process, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL)
+    assert_same_training(w2, one_process, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL, loss_rtol=MUON_LOSS_RTOL)
     # N -> M: world 2's step 4 continued by one process (fsdp: its sharded momenta resharded
     # by DCP), against one process straight through.
     moved = tmp_path / "moved"
@@ -195,7 +203,7 @@ def test_world_2_equals_one_process_and_its_checkpoint_resumes_at_world_1(one_pr
     out = check(train([*base_overrides(small_dataset, moved, steps=STEPS), *MUON, "train.micro_batch=8",
                        "checkpoint.every=4", *eval_overrides(small_dataset)])).stdout  # fmt: skip
     assert "resumed from step_4" in out
-    assert_same_training(moved, one_process, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL)
+    assert_same_training(moved, one_process, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL, loss_rtol=MUON_LOSS_RTOL)
 
 
 @pytest.mark.e2e

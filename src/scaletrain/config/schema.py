@@ -421,13 +421,6 @@ class Config(Section):
         experts = (m.moe is not None or m.preset in MOE_PRESETS) and m.source == "builtin"
         if par.ep > 1:
             _expert_parallel_problem(self, experts)
-        if not experts:
-            return self
-        if par.tp > 1 and par.ep > 1:
-            raise ValueError(
-                f"a mixture of experts with parallel.tp={par.tp} keeps its experts whole on every tp rank; parallel.ep="
-                f"{par.ep} beside it is not checked yet; accepted: parallel.ep=1 with tp, or parallel.tp=1 with ep"
-            )
         return self
 
     @model_validator(mode="after")

@@ -152,11 +152,11 @@ def ep_sizes(model: ModelSpec, shard: int) -> list[int]:
 
 def ep_options(options: list[Setup], model: ModelSpec) -> list[Setup]:
     """Each option a strategy with expert parallel can take with it (plain sharding: config/schema.py
-    refuses ep with hybrid sharding, parameter offload and tp), at every ep size: under a
-    pipeline over each stage's data-parallel ranks."""
+    refuses ep with hybrid sharding and parameter offload), at every ep size: under a
+    pipeline over each stage's data-parallel ranks, under tp over those of each tp coordinate."""
     out = []
     for o in options:
-        plain = o.dp_replicate == 1 and o.offload_params == "none" and o.offload_optimizer == "none" and o.tp == 1
+        plain = o.dp_replicate == 1 and o.offload_params == "none" and o.offload_optimizer == "none"
         if TABLE[o.strategy].ep and plain:
             out += [replace(o, ep=ep) for ep in ep_sizes(model, o.shard)]
     return out

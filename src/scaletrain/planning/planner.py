@@ -74,7 +74,7 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
             options += _cp_options(mp, model, world, nodes, [1, *tps])
     if moe and model is not None:
         # Expert parallel beside every layout that takes it: plain fsdp sharding, ep inside
-        # each pipeline stage; not with tp (config/schema.py refuses tp x ep).
+        # each pipeline stage, over the data-parallel ranks of each tp coordinate.
         options += ep_options(options, model)
     # Activation checkpointing trades ~1/3 more compute for memory: a fallback option.
     if not base.activation_checkpointing:
