@@ -86,11 +86,15 @@ def test_the_plan_counts_one_buffer_for_what_muon_steps_and_only_where_it_runs(o
     assert estimate(spec, replace(setup, optimizer="adamw")).optimizer - estimate(spec, setup).optimizer == 4 * stepped
     planned = setups_for(cfg, 4, 1, True, spec)
     assert {s.strategy for s in planned} == {name for name, row in TABLE.items() if row.muon}
-    assert all(s.tp == s.pp == s.cp == s.dp_replicate == 1 and s.offload_params == "none" for s in planned)
-    # fsdp gathers each matrix's fp32 update once per step: (n-1)/n of 4 bytes per element at world n.
-    fsdp = replace(setup, strategy="fsdp", dp=4)
-    extra = comm_bytes_per_step(spec, fsdp, 1) - comm_bytes_per_step(spec, replace(fsdp, optimizer="adamw"), 1)
-    assert extra == pytest.approx(3 / 4 * 4 * stepped, rel=1e-12)
+    assert all(s.pp == s.cp == s.dp_replicate == 1 and s.offload_params == "none" for s in planned)
+    # tp where the model splits (tiny: 2 kv heads; Hugging Face's GPT-2 has no tp plan here).
+    assert {s.tp for s in planned} == ({1, 2} if not overrides else {1})
+    # fsdp gathers each matrix's fp32 update once per step: (n-1)/n of 4 bytes per element at world n,
+    # its tp ranks' slices too (n = dp x tp).
+    for dp, tp in ((4, 1), (2, 2)):
+        fsdp = replace(setup, strategy="fsdp", dp=dp, tp=tp, sequence_parallel=tp > 1)
+        extra = comm_bytes_per_step(spec, fsdp, 1) - comm_bytes_per_step(spec, replace(fsdp, optimizer="adamw"), 1)
+        assert extra == pytest.approx(3 / 4 * 4 * stepped, rel=1e-12)
 
 
 def _steps(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> None:
@@ -141,13 +145,41 @@ def test_the_composite_steps_as_torchs_two_optimizers_and_goes_on_so_after_a_loa
 
 
 @pytest.mark.unit
+def test_a_stack_of_experts_steps_as_torchs_muon_steps_each_expert_alone():
+    """A mixture of experts' [experts, rows, columns] weights are on Muon, each expert's
+    matrix orthogonalised on its own with its own shape's learning rate: bit for bit what
+    torch's Muon does with every expert's matrix as a parameter of its own."""
+    cfg, model, groups = _model_and_groups("model.preset=tiny-moe")
+    names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
+    on_muon = {names[id(p)]: p for g in groups if g.get("muon") for p in g["params"]}
+    stacks = {n: p for n, p in on_muon.items() if p.ndim == 3}
+    assert sorted(stacks) == sorted(f"layers.{i}.feed_forward.experts.{w}" for i in range(4) for w in ("w1", "w2", "w3"))
+    assert "layers.0.feed_forward.router.weight" in on_muon  # a matrix like any other
+    composite = build_optimizer(groups, cfg.train, torch.device("cpu"))
+    # torch's Muon over each expert's matrix as a parameter (w1 [8, 128, 384]: 8 matrices of 128 x 384).
+    twins = {n: [torch.nn.Parameter(m.detach().clone()) for m in p] for n, p in stacks.items()}
+    muon = torch.optim.Muon([q for qs in twins.values() for q in qs], lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                            momentum=MUON_MOMENTUM, adjust_lr_fn="match_rms_adamw")  # fmt: skip
+    torch.manual_seed(1)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 0.01
+        for n, p in stacks.items():
+            for q, g in zip(twins[n], p.grad):
+                q.grad = g.clone()
+        composite.step()
+        muon.step()
+    for n, p in stacks.items():
+        assert all(torch.equal(m, q) for m, q in zip(p, twins[n])), n
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("overrides", "said"),
     [
         (["parallel.strategy=zero2"], "not with parallel.strategy=zero2 (its Newton-Schulz steps need each whole matrix"),
-        (["parallel.strategy=fsdp", "parallel.tp=2"], "not with parallel.tp=2 (its matrices would gather the same way"),
+        (["parallel.strategy=fsdp", "parallel.pp=2", "train.grad_accum=2"], "not with parallel.pp=2 (not checked yet)"),
         (["parallel.strategy=fsdp", "parallel.dp_replicate=2"], "not with parallel.dp_replicate=2 (not checked yet)"),
-        (["parallel.strategy=ddp", "model.preset=tiny-moe"], "not with a mixture of experts (its stacked experts are 3-D"),
     ],
 )
 def test_where_muon_is_not_built_is_one_line(overrides, said):
@@ -174,36 +206,74 @@ MUON_WEIGHTS_RTOL = STEPS * 2**-8
 MUON_LOSS_RTOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def one_process(small_dataset, tmp_path_factory):
-    run = tmp_path_factory.mktemp("muon") / "w1"
-    args = [*base_overrides(small_dataset, run, steps=STEPS), *MUON, "train.micro_batch=8", "checkpoint.every=4"]
+def _one_process(small_dataset, run, *model: str):
+    args = [*base_overrides(small_dataset, run, steps=STEPS), *MUON, *model, "train.micro_batch=8", "checkpoint.every=4"]
     check(train([*args, *eval_overrides(small_dataset)]))
     return run
+
+
+@pytest.fixture(scope="module")
+def one_process(small_dataset, tmp_path_factory):
+    return _one_process(small_dataset, tmp_path_factory.mktemp("muon") / "w1")
+
+
+@pytest.fixture(scope="module")
+def moe_one_process(small_dataset, tmp_path_factory):
+    """tiny-moe on Muon in one process: its stacked experts stepped matrix by matrix."""
+    return _one_process(small_dataset, tmp_path_factory.mktemp("muon-moe") / "w1", "model.preset=tiny-moe")
+
+
+# World 2, 8 sequences a step as one process: 2 ranks x 4, or (tp: one data-parallel rank) 2 x 4 accumulated.
+LAYOUTS = {
+    "ddp": ["parallel.strategy=ddp"],
+    "fsdp": ["parallel.strategy=fsdp"],
+    "fsdp-tp2": ["parallel.strategy=fsdp", "parallel.tp=2", "train.grad_accum=2"],
+    # tiny-moe: each rank holds 4 of the 8 experts of each layer (the stacks gathered whole for the step).
+    "moe-fsdp-ep2": ["model.preset=tiny-moe", "parallel.strategy=fsdp", "parallel.ep=2"],
+}
 
 
 @pytest.mark.dist
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_world_2_equals_one_process_and_its_checkpoint_resumes_at_world_1(one_process, small_dataset, tmp_path, strategy):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_world_2_equals_one_process_and_its_checkpoint_resumes_at_world_1(
+    one_process, moe_one_process, small_dataset, tmp_path, layout
+):
+    ref, model = (moe_one_process, ["model.preset=tiny-moe"]) if layout.startswith("moe-") else (one_process, [])
     w2 = tmp_path / "w2"
     args = [*base_overrides(small_dataset, w2, steps=STEPS), *MUON, "train.micro_batch=4", "checkpoint.every=4"]
-    check(train([*args, f"parallel.strategy={strategy}", *eval_overrides(small_dataset)], nproc=2))
-    # The standing tolerances (helpers.py) for losses and grad norms: the same gradients up to
-    # summation order, and Newton-Schulz on each whole matrix (every rank holds them all under
-    # ddp; fsdp's ranks gather each matrix's update, training/muon.py ShardedMuon). The
-    # orthogonalised half of a matrix is another matrix: its updates differ from the first
-    # step on, far beyond these tolerances.
-    assert_same_training(w2, one_process, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL, loss_rtol=MUON_LOSS_RTOL)
+    check(train([*args, *LAYOUTS[layout], *eval_overrides(small_dataset)], nproc=2))
+    # The standing tolerances (helpers.py) for grad norms, Muon's for losses and weights: the
+    # same gradients up to summation order, and Newton-Schulz on each whole matrix (every rank
+    # holds them all under ddp; fsdp's ranks gather each matrix's update, tp's and ep's
+    # included: training/muon.py ShardedMuon). The orthogonalised half of a matrix is another
+    # matrix: its updates differ from the first step on, far beyond these tolerances.
+    assert_same_training(w2, ref, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL, loss_rtol=MUON_LOSS_RTOL)
     # N -> M: world 2's step 4 continued by one process (fsdp: its sharded momenta resharded
     # by DCP), against one process straight through.
     moved = tmp_path / "moved"
     copy_until(w2, moved, 4)
-    out = check(train([*base_overrides(small_dataset, moved, steps=STEPS), *MUON, "train.micro_batch=8",
+    out = check(train([*base_overrides(small_dataset, moved, steps=STEPS), *MUON, *model, "train.micro_batch=8",
                        "checkpoint.every=4", *eval_overrides(small_dataset)])).stdout  # fmt: skip
     assert "resumed from step_4" in out
-    assert_same_training(moved, one_process, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL, loss_rtol=MUON_LOSS_RTOL)
+    assert_same_training(moved, ref, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL, loss_rtol=MUON_LOSS_RTOL)
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(400)
+def test_experts_fsdp_cuts_inside_are_gathered_whole(small_dataset, tmp_path):
+    """2 experts at ep 2 on 4 ranks: each rank holds 1 expert, which FSDP shards over the 2
+    ranks holding it along its rows (Shard(1), engines/expert_parallel.py): the stack is
+    gathered whole for the step (where at ep 2 on 2 ranks each rank's experts were whole and
+    stayed where they were), and the run equals one process."""
+    model = ["model.preset=tiny-moe", "model.moe.experts=2"]
+    ref = _one_process(small_dataset, tmp_path / "w1", *model)
+    run = tmp_path / "w4"
+    args = [*base_overrides(small_dataset, run, steps=STEPS), *MUON, *model, "train.micro_batch=2", "checkpoint.every=4"]
+    check(train([*args, "parallel.strategy=fsdp", "parallel.ep=2", *eval_overrides(small_dataset)], nproc=4))
+    assert_same_training(run, ref, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL, loss_rtol=MUON_LOSS_RTOL)
 
 
 @pytest.mark.e2e

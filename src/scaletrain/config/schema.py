@@ -386,18 +386,14 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _muon_where_built(self) -> Config:
-        par, m = self.parallel, self.model
+        par = self.parallel
         if self.train.optimizer != "muon":
             return self
-        experts = (m.moe is not None or m.preset in MOE_PRESETS) and m.source == "builtin"
         where = said(names_where(lambda r: r.muon))
         off = [
             (not _can(par.strategy, "muon"), f"parallel.strategy={par.strategy}", f"parallel.strategy={where}",
              "its Newton-Schulz steps need each whole matrix, which DeepSpeed's partitions would gather in a Muon "
              "of DeepSpeed's own; not built yet"),
-            (experts, "a mixture of experts", "a dense model",
-             "its stacked experts are 3-D, a batch of matrices torch's Muon does not take; not built yet"),
-            (par.tp > 1, f"parallel.tp={par.tp}", "parallel.tp=1", "its matrices would gather the same way; not checked yet"),
             (par.cp > 1, f"parallel.cp={par.cp}", "parallel.cp=1", "not checked yet"),
             (par.dp_replicate > 1, f"parallel.dp_replicate={par.dp_replicate}", "parallel.dp_replicate=1",
              "not checked yet"),

@@ -109,6 +109,9 @@ def freeze_all_but(model: nn.Module, patterns: tuple[str, ...]) -> None:
 # built-in model's, Hugging Face's), and so does every embedding table (nn.Embedding:
 # tokens, GPT-2's positions); here because the planner counts them too (models/counts.py).
 MUON_EXCLUDED_HEADS = ("output.weight", "*lm_head.weight")
+# A mixture of experts' stacked experts ([experts, rows, columns]) are a batch of matrices,
+# each orthogonalised on its own; other 3-D weights (a convolution's) are not matrices.
+MUON_STACKS = ("*.experts.*",)
 
 
 def embedding_tables(model: nn.Module) -> set[int]:
@@ -118,5 +121,7 @@ def embedding_tables(model: nn.Module) -> set[int]:
 
 def on_muon(name: str, param: torch.Tensor, tables: set[int]) -> bool:
     """Whether Muon steps this (trainable) parameter: a 2-D matrix that is no embedding table
-    (`tables`: embedding_tables) and no output head."""
+    (`tables`: embedding_tables) and no output head, or a stack of experts' matrices."""
+    if param.ndim == 3:
+        return any(fnmatch.fnmatchcase(name, p) for p in MUON_STACKS)
     return param.ndim == 2 and id(param) not in tables and not any(fnmatch.fnmatchcase(name, p) for p in MUON_EXCLUDED_HEADS)

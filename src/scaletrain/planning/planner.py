@@ -99,8 +99,8 @@ _MODEL_PARALLEL = next(r for r in _BY_COMPLEXITY if r.tp and r.pp)
 
 def _muon_runs(s: Setup) -> bool:
     """Where train.optimizer=muon runs (config/schema.py refuses the rest): its strategies,
-    without model parallelism, hybrid sharding or offloaded parameters."""
-    plain = s.tp == s.pp == s.cp == s.dp_replicate == 1 and s.offload_params == "none"
+    with tp and ep but no pipeline, cp, hybrid sharding or offloaded parameters."""
+    plain = s.pp == s.cp == s.dp_replicate == 1 and s.offload_params == "none"
     return TABLE[s.strategy].muon and plain
 
 
@@ -236,12 +236,22 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
     # reduce-scattered once. Under a pipeline a stage stays gathered for the step: one gather.
     gathers = 1 if s.pp > 1 else grad_accum * (1 if (row.keeps_gathered and not s.reshard_after_forward) else 2)
     shard = s.shard
+    # Muon: each matrix's fp32 update gathered whole once per step (training/muon.py ShardedMuon)
+    # over the data-parallel and the tp ranks; a mixture of experts' stacks only where FSDP cuts
+    # inside the experts (a rank's E/ep fewer than the shard/ep ranks holding them), else each
+    # rank orthogonalises its own experts where they are.
+    muon = 0.0
+    if s.optimizer == "muon":
+        gathered = muon_share(model)
+        e = experts_of(model)
+        if e is not None and e.experts // s.ep >= shard // s.ep:
+            gathered -= e.total / model.counts().total
+        whole, n = psi / tp_split(model, s) * trainable_share(model) * gathered, shard * s.tp
+        muon = (n - 1) / n * whole * 4
     if s.ep > 1:  # each rank's experts over the ranks holding the same ones (planning/experts.py)
-        return sharded_traffic(model, s, psi, trainable_share(model), gathers, param_bytes, grad_bytes)
+        return sharded_traffic(model, s, psi, trainable_share(model), gathers, param_bytes, grad_bytes) + muon
     gathered = psi * param_bytes - gather_saving(model, s, param_bytes)  # train.float8: its weights at 1 byte
-    total = (shard - 1) / shard * (gathered * gathers + train * grad_bytes)
-    if s.optimizer == "muon":  # each matrix's fp32 update gathered once per step (training/muon.py ShardedMuon)
-        total += (shard - 1) / shard * train * muon_share(model) * 4
+    total = (shard - 1) / shard * (gathered * gathers + train * grad_bytes) + muon
     if s.dp_replicate > 1:  # hybrid: all-reduce the gradient shards across replicas
         r = s.dp_replicate
         total += 2 * (r - 1) / r * train / shard * grad_bytes

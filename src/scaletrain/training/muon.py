@@ -19,9 +19,14 @@ whose ranks hold each matrix as a shard (a DTensor): Newton-Schulz needs the who
 so `ShardedMuon` gathers each matrix's update once per step (one all-gather), runs torch's
 own iteration on it, and keeps its own rows: every rank computes the same whole-matrix
 result as one process, at the price of that gather (the planner counts it) and of every
-rank orthogonalising every matrix. Not yet: tensor parallel (its DTensors gather the same
-way; not checked), DeepSpeed (its own Muon), and a mixture of experts (its stacked experts
-are 3-D: a batch of matrices torch's Muon does not take).
+rank orthogonalising every matrix. Tensor parallel's DTensors gather the same way (fsdp +
+tp). A mixture of experts' stacked experts ([experts, rows, columns], 3-D, which torch's
+Muon refuses) are a batch of matrices: each expert's matrix is orthogonalised on its own and
+its learning rate matched by its own shape, as torch's step would treat it alone. Where a
+rank's shard of a stack is whole experts (ep's split, FSDP's Shard(0) over the experts) it
+orthogonalises those, with no gather; where FSDP cuts inside the experts (Shard(1): fewer of
+a rank's experts than ranks to shard them over) the stack is gathered like any matrix. Not
+yet: DeepSpeed (its own Muon).
 """
 
 from __future__ import annotations
@@ -40,20 +45,27 @@ MUON_MOMENTUM = 0.95  # torch's and Moonlight's
 
 class ShardedMuon(torch.optim.Muon):
     """torch's Muon, whose Newton-Schulz step sees each whole matrix where a parameter is
-    held as shards (a DTensor: FSDP2). Without one it is torch's step unchanged.
+    held as shards (a DTensor: FSDP2), and each matrix of a 3-D stack on its own. Without
+    either it is torch's step unchanged.
 
     torch's own step would run its iteration on the shards as DTensors, whose matmuls
     redistribute the operands several times per iteration and sum partial products in
     another order than one process does; here one all-gather per matrix and step, and the
     same bf16 iteration as one process on the same matrix (docstring above)."""
 
-    def __init__(self, params: Any, **kwargs: Any):
-        super().__init__(params, **kwargs)
-        self.sharded = any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"])
+    def __init__(self, params: list[dict[str, Any]], **kwargs: Any):
+        # torch's __init__ refuses any parameter but a 2-D one (its own step's condition): the
+        # stacks join their groups after it, and this class's step takes them.
+        groups = [{**g, "params": [p for p in g["params"] if p.ndim == 2]} for g in params]
+        super().__init__(groups, **kwargs)
+        for group, given in zip(self.param_groups, params):
+            group["params"].extend(p for p in given["params"] if p.ndim == 3)
+        held = [p for g in self.param_groups for p in g["params"]]
+        self.own_step = any(isinstance(p, DTensor) or p.ndim == 3 for p in held)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        if not self.sharded:
+        if not self.own_step:
             return super().step(closure)
         assert closure is None, "no closure: the engines step once per accumulation window"
         for group in self.param_groups:
@@ -68,18 +80,33 @@ class ShardedMuon(torch.optim.Muon):
                 update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
                 update = _whole_matrix_iteration(update, group)
                 param.mul_(1 - lr * group["weight_decay"])
-                param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+                # A stack's learning rate matched by each matrix's shape (all alike), not the stack's first two sizes.
+                param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape[-2:]))
         return None
 
 
 def _whole_matrix_iteration(update: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-    """torch's Newton-Schulz iteration on the whole of `update`; a DTensor's is gathered once
-    and the result cut back to its placements on every rank alike (no second collective)."""
+    """torch's Newton-Schulz iteration on each whole matrix of `update`: a DTensor's is
+    gathered once and the result cut back to its placements on every rank alike (no second
+    collective), unless its shards are whole matrices already: a stack split along its
+    experts only (ep's and FSDP's Shard(0)), whose rank orthogonalises its own."""
     args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+    if isinstance(update, DTensor) and update.ndim == 3 and all(not p.is_shard() or p.dim == 0 for p in update.placements):  # type: ignore[attr-defined]
+        done = _each_matrix(update.to_local(), args)
+        return DTensor.from_local(done, update.device_mesh, update.placements, shape=update.shape, stride=update.stride())
+    whole = update.full_tensor() if isinstance(update, DTensor) else update
+    done = _each_matrix(whole, args)
     if not isinstance(update, DTensor):
+        return done
+    return distribute_tensor(done, update.device_mesh, update.placements, src_data_rank=None)
+
+
+def _each_matrix(update: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
+    if update.ndim == 2:
         return _zeropower_via_newtonschulz(update, *args)
-    whole = _zeropower_via_newtonschulz(update.full_tensor(), *args)
-    return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
+    # A stack of matrices (a mixture of experts' experts): each on its own; a rank's share of
+    # the stack may hold none (FSDP's uneven Shard(0) of fewer experts than ranks).
+    return torch.stack([_zeropower_via_newtonschulz(m, *args) for m in update]) if len(update) else update.clone()
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
