@@ -26,7 +26,7 @@ from helpers import one_line_error, scaletrain
 
 GiB = 1024**3
 CAPACITY = 80 * GiB
-PLOT_IDS = ("plot-loss", "plot-throughput", "plot-breakdown", "plot-memory")
+PLOT_IDS = ("plot-loss", "plot-lr", "plot-throughput", "plot-breakdown", "plot-memory")
 STEP_S = 1.0
 OTHER_S = 0.05
 

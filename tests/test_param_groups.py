@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.config import load_config
+from scaletrain.diagnose import diagnose, write_report
 from scaletrain.errors import UserError
+from scaletrain.telemetry import read_metrics
 
 from helpers import base_overrides, check, probe, train
 
@@ -31,12 +33,25 @@ def test_each_group_steps_at_its_multiple_of_the_schedule_on_every_engine(tmp_pa
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-def test_the_groups_are_said_at_the_start(small_dataset, tmp_path):
-    out = check(train([*base_overrides(small_dataset, tmp_path / "run", steps=1), GROUPS])).stdout
+def test_the_groups_are_said_at_the_start_their_rates_logged_and_plotted(small_dataset, tmp_path):
+    run = tmp_path / "run"
+    out = check(train([*base_overrides(small_dataset, run, steps=4), "train.log_every=2", GROUPS])).stdout
     # The two default groups, then each entry's (the embedding, a matrix; the norms, 1-D).
     said = [line for line in out.splitlines() if line.startswith("optimizer group")]
     assert len(said) == 4 and "lr x 0.5, weight_decay 0" in said[2] and "lr x 2, weight_decay 0" in said[3], said
     assert "lr x 1, weight_decay 0.1" in said[0] and "lr x 1, weight_decay 0" in said[1]
+    # Each interval row: every group's rate at its last step, the schedule's x the multiplier
+    # (warmup over 2 steps, then cosine: a different rate at steps 2 and 4).
+    lr = {r["step"]: r["lr"] for r in read_metrics(run / "metrics.jsonl")}
+    intervals = [r for r in read_metrics(run / "metrics.jsonl", events=True) if r.get("event") == "interval"]
+    assert [r["step"] for r in intervals] == [2, 4] and lr[2] != lr[4]
+    for r in intervals:
+        assert [(g["group"], g["lr_scale"]) for g in r["lr_groups"]] == [(0, 1.0), (1, 1.0), (2, 0.5), (3, 2.0)]
+        assert [g["lr"] for g in r["lr_groups"]] == pytest.approx([lr[r["step"]] * s for s in (1, 1, 0.5, 2)], rel=1e-6)
+    # diagnose's report plots them beside the schedule, labelled as the start printed them.
+    page = write_report(run, diagnose(run)).read_text()
+    plot = page[page.index('id="plot-lr"') :].split("</figure>")[0]
+    assert "<svg" in plot and "group 2 (lr x 0.5)" in plot and "group 3 (lr x 2)" in plot
 
 
 @pytest.mark.e2e

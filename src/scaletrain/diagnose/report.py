@@ -1,4 +1,4 @@
-"""report.html: the findings and four plots in one file that needs nothing at view time (a
+"""report.html: the findings and five plots in one file that needs nothing at view time (a
 fifth for a mixture of experts: the expert load per layer over the run, as a heat map).
 
 Plots are matplotlib SVG inlined into the page (glyphs as paths, so no font is loaded) and
@@ -135,6 +135,30 @@ def _loss(ax: Axes, run: Run) -> str | None:
 ROUTERS = "MoE routers' terms (moe.aux, right axis)"
 
 
+def _lr(ax: Axes, run: Run) -> str | None:
+    pts = [(r["step"], r["lr"]) for r in run.steps if isinstance(r.get("lr"), int | float)]
+    if not pts:
+        return "metrics.jsonl has no step rows with an lr"
+    ax.plot(*zip(*pts), lw=1.2, color="#1f77b4", label="the schedule (train.lr)")
+    # Each optimizer group's rate at the end of each interval, where the groups differ
+    # (train.param_groups' multipliers; Muon beside AdamW): the rows training/optim.py's
+    # group_lrs writes, numbered as the run's start printed the groups.
+    groups: dict[int, list[tuple[int, float]]] = {}
+    labels: dict[int, str] = {}
+    for e in run.intervals:
+        for g in e.get("lr_groups") or []:
+            groups.setdefault(g["group"], []).append((e["step"], g["lr"]))
+            kind = f"{g['optimizer']}, " if g.get("optimizer") else ""
+            labels[g["group"]] = f"group {g['group']} ({kind}lr x {g['lr_scale']:g})"
+    for i, line in sorted(groups.items()):
+        ax.plot(*zip(*line), marker="o", ms=3, lw=1.0, label=labels[i])
+    if groups:
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set(xlabel="step", ylabel="learning rate")
+    ax.set_ylim(bottom=0)
+    return None
+
+
 def _throughput(ax: Axes, run: Run) -> str | None:
     pts = [(e["step"], e["tokens_per_s"]) for e in run.intervals if isinstance(e.get("tokens_per_s"), int | float)]
     if not pts:
@@ -249,6 +273,7 @@ def _expert_load(ax: Axes, run: Run) -> str | None:
 
 PLOTS: tuple[tuple[str, str, Callable[[Axes, Run], str | None]], ...] = (
     ("plot-loss", "Loss per optimizer step, and per evaluation", _loss),
+    ("plot-lr", "Learning rate per optimizer step, and each optimizer group's per log interval where they differ", _lr),
     ("plot-throughput", "Throughput per log interval", _throughput),
     ("plot-breakdown", "Step time by phase per rank (mean over log intervals after the first)", _breakdown),
     ("plot-memory", "Peak memory per rank", _memory),

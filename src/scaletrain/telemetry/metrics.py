@@ -77,6 +77,9 @@ class StepRecorder:
         # A data mixture's realised shares over the interval (data/mix.py: MixShares.take),
         # None without one; every rank computes it from the position alone, so nothing is gathered.
         self.mix: Callable[[], dict[str, Any] | None] = lambda: None
+        # Each optimizer group's learning rate at the interval's last step (training/optim.py
+        # group_lrs), where the groups differ (train.param_groups, Muon beside AdamW); else None.
+        self.group_lrs: Callable[[], list[dict[str, Any]] | None] = lambda: None
 
     def record(self, local_loss: torch.Tensor, grad_norm: torch.Tensor, **fields: Any) -> None:
         """One step's row; a tensor among `fields` (a 0-d one: the loss scale, whether the
@@ -158,6 +161,9 @@ class StepRecorder:
         mix = self.mix()
         if mix is not None:
             interval["mix"] = mix
+        groups = self.group_lrs()
+        if groups is not None:
+            interval["lr_groups"] = groups
         return Flushed(rows, [interval, *self._stragglers(step, ranks)], ranks)
 
     def _rank_row(self, step: int, rank: int, n: int, wall: float, r: dict[str, Any]) -> dict[str, Any]:

@@ -125,6 +125,8 @@ class Sinks:
                 scalars.update(_moe_scalars(v))
             elif kind == "interval" and k == "mix" and isinstance(v, dict):
                 scalars.update(_mix_scalars(v))
+            elif kind == "interval" and k == "lr_groups" and isinstance(v, list):
+                scalars.update({f"lr/group_{g['group']}": g["lr"] for g in v})
             elif kind == "interval":
                 scalars[INTERVAL_TAGS.get(k, f"interval/{k}")] = v
             else:

@@ -84,6 +84,22 @@ def describe_groups(optimizer: torch.optim.Optimizer) -> list[str]:
     ]
 
 
+def group_lrs(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each optimizer group's learning rate as the last step set it (engines' set_lr: the
+    schedule's x the group's lr_scale), numbered as describe_groups prints them, for the
+    interval rows (metrics.jsonl) and diagnose's plot."""
+    muon = any(g.get("muon") for g in optimizer.param_groups)
+    return [
+        {
+            "group": i,
+            "optimizer": ("muon" if g.get("muon") else "adamw") if muon else None,
+            "lr_scale": g.get("lr_scale", 1.0),
+            "lr": float(g["lr"]),
+        }
+        for i, g in enumerate(optimizer.param_groups)
+    ]
+
+
 def build_adamw(groups: list[dict[str, Any]], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """torch's AdamW, fused where torch has the kernel for the parameters' device (CUDA and
     CPU among them): one kernel over all tensors instead of a dozen ops per tensor (on this

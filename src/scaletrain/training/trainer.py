@@ -61,7 +61,7 @@ from scaletrain.telemetry import MetricsLog, TrainProgress, print_banner, print_
 from scaletrain.telemetry.session import Telemetry
 from scaletrain.training import defaults
 from scaletrain.training.evaluation import Evaluation, eval_loss, open_eval_set
-from scaletrain.training.optim import decay_groups, describe_groups, lr_at, scaled_lr
+from scaletrain.training.optim import decay_groups, describe_groups, group_lrs, lr_at, scaled_lr
 from scaletrain.training.paths import make_dir
 from scaletrain.training.preflight import plan_run, runtime_target
 from scaletrain.training.rundir import RunPaths, branch_cooldown, check_resume, resume_point, write_run_info
@@ -301,6 +301,8 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     about, lines = engine.describe()  # e.g. a pipeline's stages
     if (cfg.train.param_groups or cfg.train.optimizer == "muon") and hasattr(engine, "optimizer"):  # what each group got
         lines = [*lines, *describe_groups(engine.optimizer)]
+        optimizer = engine.optimizer
+        telemetry.recorder.group_lrs = lambda: group_lrs(optimizer)  # and at what rate, each interval
     if main:
         for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON
             (paths.root / name).write_text(text)
