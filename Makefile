@@ -36,7 +36,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 setup-test: $(VENV)/.installed-test
 
 #
-# The ops build (four minutes of both cores) runs beside the rest: pip's download of the
+# The ops build (minutes of both cores, compiled without debug information: launch/env.py) runs beside the rest: pip's download of the
 # test extras and apt's chromium wait mostly on the network and disk. The extras are named
 # from pyproject.toml rather than installed as '.[test]', which would reinstall the package
 # itself while the build's worker processes import it; every one of them is a package the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch
 from scaletrain import checkpoint
 from scaletrain.errors import UserError
 from scaletrain.launch import forked
-from scaletrain.launch.env import deepspeed_arch_list, use_build_environment
+from scaletrain.launch.env import NO_DEBUG_CXX, deepspeed_arch_list, use_build_environment
 from scaletrain.launch.torchrun import LaunchOptions, launch_command, read_hostfile
 
 from helpers import base_overrides, check, losses, metric_rows, run_info, scaletrain, train
@@ -83,6 +84,22 @@ def test_deepspeed_reads_the_arch_list_the_build_environment_leaves(arches, expe
     use_build_environment()
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == expected == deepspeed_arch_list(arches)
     builder.compute_capability_args()  # no error
+
+
+@pytest.mark.unit
+def test_deepspeeds_cpu_ops_are_compiled_without_debug_information(tmp_path, monkeypatch):
+    """launch/env.py: with a CPU build of torch the ops' compiler is CXX without `-g` (a
+    quarter of each translation unit's time), the same command for every process."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "echo compiled:")  # a command with an argument, as `ccache g++` is
+    use_build_environment()  # this environment's torch is the CPU build (+cpu)
+    cxx = os.environ["CXX"]
+    assert cxx == str(tmp_path / NO_DEBUG_CXX) and "g++" in os.path.basename(cxx)  # torch's compiler check reads the name
+    out = subprocess.run([cxx, "-O3", "-g", "-I/a b", "-ggdb", "-c", "x.cpp"], capture_output=True, text=True, check=True)
+    assert out.stdout == "compiled: -O3 -I/a b -ggdb -c x.cpp\n"  # only `-g` left out, spaces kept
+    before = (tmp_path / NO_DEBUG_CXX).stat().st_mtime_ns
+    use_build_environment()  # a child process inherits CXX: the same command, not a wrapper of it
+    assert os.environ["CXX"] == cxx and (tmp_path / NO_DEBUG_CXX).stat().st_mtime_ns == before
 
 
 @pytest.mark.unit
