@@ -392,8 +392,9 @@ class Config(Section):
         where = said(names_where(lambda r: r.muon))
         off = [
             (not _can(par.strategy, "muon"), f"parallel.strategy={par.strategy}", f"parallel.strategy={where}",
-             "its Newton-Schulz steps need each whole matrix, which DeepSpeed's partitions would gather in a Muon "
-             "of DeepSpeed's own; not built yet"),
+             "DeepSpeed 0.19.8's own Muon is another step: Keller Jordan's learning-rate scaling, not the AdamW-matched "
+             "one a shared train.lr needs, a Gram Newton-Schulz, and groups its engine rebuilds without "
+             "train.param_groups' multipliers; not wired"),
             (par.cp > 1, f"parallel.cp={par.cp}", "parallel.cp=1", "not checked yet"),
             (par.dp_replicate > 1, f"parallel.dp_replicate={par.dp_replicate}", "parallel.dp_replicate=1",
              "not checked yet"),
