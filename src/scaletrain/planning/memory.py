@@ -19,7 +19,7 @@ import torch
 
 from scaletrain.models.spec import ModelSpec
 from scaletrain.planning.activations import block_activations, head_activations
-from scaletrain.planning.experts import tp_split, ungathered
+from scaletrain.planning.experts import experts_of, tp_split, ungathered
 from scaletrain.planning.float8 import buffer_saving, saved_saving
 from scaletrain.planning.pipeline import gathered_stage_bytes, in_flight, rank_share
 from scaletrain.planning.setup import Setup
@@ -216,6 +216,22 @@ def muon_share(model: ModelSpec) -> float:
     """The share of the trained parameters Muon steps under train.optimizer=muon."""
     c = model.counts()
     return c.muon / (c.trainable or c.total)
+
+
+def muon_gather_bytes(model: ModelSpec, s: Setup, psi: float) -> float:
+    """train.optimizer=muon under sharding: each matrix's fp32 update gathered whole once per
+    step (training/muon.py ShardedMuon) over the data-parallel and the tp ranks, of a rank
+    holding `psi` parameters; a mixture of experts' stacks only where FSDP cuts inside the
+    experts (a rank's E/ep fewer than the shard/ep ranks holding them), else each rank
+    orthogonalises its own experts where they are. 0 for AdamW."""
+    if s.optimizer != "muon":
+        return 0.0
+    gathered = muon_share(model)
+    e = experts_of(model)
+    if e is not None and e.experts // s.ep >= s.shard // s.ep:
+        gathered -= e.total / model.counts().total
+    whole, n = psi / tp_split(model, s) * trainable_share(model) * gathered, s.shard * s.tp
+    return (n - 1) / n * whole * 4
 
 
 def model_state_bytes(model: ModelSpec, s: Setup) -> tuple[float, float]:

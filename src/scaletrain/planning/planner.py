@@ -34,7 +34,7 @@ from scaletrain.planning.experts import (
 )
 from scaletrain.planning.float8 import bf16_beside, check_device, compute_saving, gather_saving, plannable
 from scaletrain.planning.hardware import Device, fmt
-from scaletrain.planning.memory import estimate, kv_width, muon_share, trainable_share
+from scaletrain.planning.memory import estimate, kv_width, muon_gather_bytes, trainable_share
 from scaletrain.planning.pipeline import bubble, pp_comm_bytes_per_step, pp_options, rank_share, why_pp
 from scaletrain.planning.setup import Setup
 from scaletrain.strategies import TABLE
@@ -236,18 +236,7 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
     # reduce-scattered once. Under a pipeline a stage stays gathered for the step: one gather.
     gathers = 1 if s.pp > 1 else grad_accum * (1 if (row.keeps_gathered and not s.reshard_after_forward) else 2)
     shard = s.shard
-    # Muon: each matrix's fp32 update gathered whole once per step (training/muon.py ShardedMuon)
-    # over the data-parallel and the tp ranks; a mixture of experts' stacks only where FSDP cuts
-    # inside the experts (a rank's E/ep fewer than the shard/ep ranks holding them), else each
-    # rank orthogonalises its own experts where they are.
-    muon = 0.0
-    if s.optimizer == "muon":
-        gathered = muon_share(model)
-        e = experts_of(model)
-        if e is not None and e.experts // s.ep >= shard // s.ep:
-            gathered -= e.total / model.counts().total
-        whole, n = psi / tp_split(model, s) * trainable_share(model) * gathered, shard * s.tp
-        muon = (n - 1) / n * whole * 4
+    muon = muon_gather_bytes(model, s, psi)
     if s.ep > 1:  # each rank's experts over the ranks holding the same ones (planning/experts.py)
         return sharded_traffic(model, s, psi, trainable_share(model), gathers, param_bytes, grad_bytes) + muon
     gathered = psi * param_bytes - gather_saving(model, s, param_bytes)  # train.float8: its weights at 1 byte
