@@ -71,3 +71,24 @@ def test_an_entry_without_a_pattern_or_with_a_bad_multiplier_is_refused():
         load_config([], ["train.param_groups=[{match: [], lr: 0.5}]"])
     with pytest.raises(UserError, match="param_groups"):
         load_config([], ['train.param_groups=[{match: ["*"], lr: 0}]'])
+
+
+@pytest.mark.unit
+def test_the_plan_says_the_groups_change_none_of_its_terms():
+    """A parameter keeps the same state at any learning rate or decay: the plan with entries
+    is the plan without them, and says so."""
+    from scaletrain.planning import make_plan, planning_spec
+    from scaletrain.planning.hardware import gpu
+
+    plans = []
+    for extra in ([], [GROUPS]):
+        cfg = load_config([], ["model.preset=1b", "data.seq_len=2048", "precision=bf16", *extra])
+        plans.append(make_plan(cfg, planning_spec(cfg), 8, 1, gpu("h100", "80GiB")))
+    plain, grouped = plans
+    assert [(c.setup, c.memory, c.step_time, c.comm_bytes) for c in grouped.candidates] == [
+        (c.setup, c.memory, c.step_time, c.comm_bytes) for c in plain.candidates
+    ]
+    (said,) = [n for n in grouped.notes if n.startswith("train.param_groups")]
+    assert said.startswith("train.param_groups: 2 entries of learning-rate multipliers") and not any(
+        n.startswith("train.param_groups") for n in plain.notes
+    )

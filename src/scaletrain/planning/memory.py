@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from scaletrain.config import TrainConfig
 from scaletrain.models.spec import ModelSpec
 from scaletrain.planning.activations import block_activations, head_activations
 from scaletrain.planning.experts import experts_of, tp_split, ungathered
@@ -216,6 +217,18 @@ def muon_share(model: ModelSpec) -> float:
     """The share of the trained parameters Muon steps under train.optimizer=muon."""
     c = model.counts()
     return c.muon / (c.trainable or c.total)
+
+
+def groups_note(train: TrainConfig) -> list[str]:
+    """train.param_groups as the plan takes them: a parameter keeps the same state at any
+    learning rate or decay, so its entries change no term of the plan (said, not silent)."""
+    n = len(train.param_groups)
+    if not n:
+        return []
+    return [
+        f"train.param_groups: {n} {'entry' if n == 1 else 'entries'} of learning-rate multipliers and weight decay, "
+        "which change no memory, traffic or step time: the plan is the same without them"
+    ]
 
 
 def muon_gather_bytes(model: ModelSpec, s: Setup, psi: float) -> float:

@@ -34,7 +34,7 @@ from scaletrain.planning.experts import (
 )
 from scaletrain.planning.float8 import bf16_beside, check_device, compute_saving, gather_saving, plannable
 from scaletrain.planning.hardware import Device, fmt
-from scaletrain.planning.memory import estimate, kv_width, muon_gather_bytes, trainable_share
+from scaletrain.planning.memory import estimate, groups_note, kv_width, muon_gather_bytes, trainable_share
 from scaletrain.planning.pipeline import bubble, pp_comm_bytes_per_step, pp_options, rank_share, why_pp
 from scaletrain.planning.setup import Setup
 from scaletrain.strategies import TABLE
@@ -340,7 +340,7 @@ def make_plan(
     plan.max_micro_batch = largest_micro_batch(model, chosen.setup, usable)
     plan.notes += _what_cp_buys(chosen, candidates, cfg.data.seq_len)
     plan.notes += _what_chunking_buys(model, chosen)
-    plan.notes += moe_note(model, cfg.data.seq_len)
+    plan.notes += moe_note(model, cfg.data.seq_len) + groups_note(cfg.train)
     plan.moe = moe_summary(model, cfg.data.seq_len)
     float8_notes, plan.float8 = bf16_beside(chosen, judge)
     plan.notes += float8_notes
