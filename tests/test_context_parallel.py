@@ -101,7 +101,7 @@ def test_cp2_at_world_4_is_one_process(small_dataset, straight, tmp_path, layout
 def test_what_does_not_combine_with_cp_is_one_line(small_dataset, tmp_path, capsys):
     base = ["train", f"run.dir={tmp_path / 'run'}", f"data.paths={small_dataset}", "run.device=cpu", "parallel.cp=2"]
     cases = {
-        ("parallel.strategy=zero3",): "parallel.cp=2 needs parallel.strategy=ddp or fsdp, not zero3 (DeepSpeed's engine",
+        ("parallel.strategy=auto",): "parallel.cp=2 needs parallel.strategy=ddp, fsdp, zero1, zero2 or zero3, not auto",
         (
             "parallel.strategy=fsdp",
             "data.seq_len=102",

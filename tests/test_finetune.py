@@ -165,7 +165,7 @@ def _run(sft, run, *extra: str) -> list[str]:
 @pytest.mark.dist
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
-def test_fine_tuning_is_one_process_at_world_2_on_fsdp_and_tp(sft, tmp_path):
+def test_fine_tuning_is_one_process_at_world_2_on_fsdp_tp_and_ulysses(sft, tmp_path):
     # Micro-batches hold different numbers of trained targets: only the mean over the
     # step's trained targets (trainer.per_trained_token) agrees across layouts; a mean per
     # micro-batch averaged over ranks and accumulation does not. Documents masked too.
@@ -180,7 +180,11 @@ def test_fine_tuning_is_one_process_at_world_2_on_fsdp_and_tp(sft, tmp_path):
     layouts = {
         "fsdp": ["train.micro_batch=1", "train.grad_accum=2", "parallel.strategy=fsdp"],
         "tp": [f"train.micro_batch={GLOBAL_BATCH}", "parallel.strategy=fsdp", "parallel.tp=2"],
-    }
+        # Each rank holds half of every sequence, so its own count of trained targets: the
+        # loss is still the mean over the step's (dp x cp ranks' counts summed).
+        "ulysses-zero3": [f"train.micro_batch={GLOBAL_BATCH}", "parallel.strategy=zero3", "parallel.cp=2",
+                          "parallel.cp_mode=ulysses"],
+    }  # fmt: skip
     for name, extra in layouts.items():
         check(train(_run(sft, tmp_path / name, *extra), nproc=2))
         assert_same_training(tmp_path / name, one, steps=STEPS)

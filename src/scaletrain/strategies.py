@@ -206,11 +206,9 @@ TABLE: dict[str, Strategy] = {
                 # ZeRO-3 (runtime/engine.py: "Native DeepSpeed MoE is not supported with ZeRO Stage 3").
                 no_ep_why="DeepSpeed's expert parallel needs its own MoE layer (one module per expert, its own "
                 "capacity-bound gate; refused under ZeRO-3), not scaletrain's",
-                # Its engine reduces gradients over its own data-parallel group, which would
-                # have to hold the cp ranks too; its sequence parallel is Ulysses (an
-                # all-to-all over heads, its own attention wrapper), another design.
-                no_cp_why="DeepSpeed's engine reduces gradients over its data-parallel group only; its sequence "
-                "parallel is Ulysses (all-to-all over heads), another design",
+                # parallel.cp: DeepSpeed's data-parallel group is every rank, so its
+                # reduction runs over dp x cp with nothing of DeepSpeed's own (engines/deepspeed.py).
+                cp=True,
                 # DeepSpeed holds the module's weights as its own 16-bit (ZeRO-3: partitioned)
                 # tensors and casts them itself; torchao's float8 weight casts have no place there.
                 no_float8_why="DeepSpeed holds and casts the weights itself (ZeRO-3 partitions them); torchao's float8 "

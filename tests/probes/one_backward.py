@@ -74,11 +74,19 @@ MOE_VARIANTS = {
 # with documents masked (DOCUMENTS: about one token in 8 is the eos 0 that model_spec
 # gives the mask without a tokenizer), so the mask must follow the chunks.
 DOCUMENTS = "data.document_mask=true"
+ULYSSES = "parallel.cp_mode=ulysses"
 CP_VARIANTS = {
     "fsdp_cp2": ["parallel.strategy=fsdp", "parallel.cp=2", "train.micro_batch=4"],
     "ddp_cp2_accum": ["parallel.strategy=ddp", "parallel.cp=2", "train.micro_batch=2", "train.grad_accum=2"],
     "fsdp_cp2_documents": ["parallel.strategy=fsdp", "parallel.cp=2", "train.micro_batch=4", DOCUMENTS],
-}
+    # DeepSpeed's data-parallel group is every rank: its reduction covers the cp ranks.
+    "zero2_cp2": ["parallel.strategy=zero2", "parallel.cp=2", "train.micro_batch=4"],
+    # Ulysses (parallel.cp_mode=ulysses: each sequence's 2 runs of 16, heads swapped by all-to-all).
+    "ddp_ulysses2_accum": ["parallel.strategy=ddp", "parallel.cp=2", ULYSSES, "train.micro_batch=2", "train.grad_accum=2"],
+    "fsdp_ulysses2_documents": ["parallel.strategy=fsdp", "parallel.cp=2", ULYSSES, "train.micro_batch=4", DOCUMENTS],
+    "zero3_ulysses2_accum": ["parallel.strategy=zero3", "parallel.cp=2", ULYSSES, "train.micro_batch=2",
+                             "train.grad_accum=2", Z3_PARTITION_ALL],
+}  # fmt: skip
 
 
 class FixedBatch:

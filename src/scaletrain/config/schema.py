@@ -207,8 +207,12 @@ class ParallelConfig(Section):
     # Expert parallel: a mixture of experts' experts split over ep data-parallel ranks (ep
     # divides the data-parallel shard size and model.moe.experts); engines/expert_parallel.py.
     ep: int = Field(1, ge=1)
-    # Context parallel: the sequence split over cp ranks (models/context_parallel.py); where it combines: Config.
+    # Context parallel: the sequence split over cp ranks; where it combines: Config. Two
+    # designs (docs/parallelism.md compares them): allgather, keys and values all-gathered
+    # before each attention (models/context_parallel.py); ulysses, heads and sequence
+    # swapped by all-to-all around it (models/ulysses.py).
     cp: int = Field(1, ge=1)
+    cp_mode: Literal["allgather", "ulysses"] = "allgather"
     # With tp > 1: the norms and the residual stream hold 1/tp of the sequence each (less
     # activation memory, the same communicated bytes). Off: they are replicated.
     sequence_parallel: bool = True
@@ -432,7 +436,12 @@ class Config(Section):
                 f"parallel.cp={par.cp} needs parallel.strategy={where}, not {par.strategy} ({why}); accepted: "
                 f"parallel.strategy={where}, or parallel.cp=1"
             )
-        if self.data.seq_len % (2 * par.cp):
+        if par.cp_mode == "ulysses" and self.data.seq_len % par.cp:
+            raise ValueError(
+                f"parallel.cp={par.cp} with cp_mode=ulysses cuts each sequence into cp equal runs; "
+                f"data.seq_len={self.data.seq_len} does not divide; accepted: data.seq_len a multiple of {par.cp}"
+            )
+        if par.cp_mode == "allgather" and self.data.seq_len % (2 * par.cp):
             raise ValueError(
                 f"parallel.cp={par.cp} cuts each sequence into 2 x cp = {2 * par.cp} equal chunks (rank i holds chunks i and "
                 f"{2 * par.cp - 1} - i: even causal work); data.seq_len={self.data.seq_len} does not divide; accepted: "
@@ -445,7 +454,9 @@ class Config(Section):
             (experts, "a mixture of experts", "a dense model", "not checked yet"),
             (par.dp_replicate > 1, f"parallel.dp_replicate={par.dp_replicate}", "parallel.dp_replicate=1", "not checked yet"),
             (self.train.compile, "train.compile=true", "train.compile=false", "not checked yet"),
-        ]
+            (par.cp_mode == "ulysses" and par.tp > 1, f"parallel.tp={par.tp} with cp_mode=ulysses", "parallel.tp=1",
+             "not checked yet"),
+        ]  # fmt: skip
         for bad, given, accepted, why in unchecked:
             if bad:
                 raise ValueError(

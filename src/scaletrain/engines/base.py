@@ -29,6 +29,7 @@ from torch import nn
 from scaletrain.models.context_parallel import ContextParallel
 from scaletrain.models.loss import trained
 from scaletrain.models.spec import LossFn
+from scaletrain.models.ulysses import Ulysses
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
 Mark = Callable[[str], None]  # called at the end of a phase (telemetry/clock.py)
@@ -130,8 +131,8 @@ class AccumulationWindow:
     # gradients; the loss then takes (model output, teacher output).
     teacher: Callable[[torch.Tensor], Any] | None = None
     # parallel.cp: the model takes the whole sample and computes this rank's chunks of it
-    # (models/context_parallel.py); the targets are cut to the same chunks here.
-    context: ContextParallel | None = None
+    # (models/context_parallel.py, models/ulysses.py); the targets are cut to the same chunks here.
+    context: ContextParallel | Ulysses | None = None
 
     def accumulate(self, boundary: bool) -> AbstractContextManager[Any]:
         raise NotImplementedError

@@ -1,7 +1,8 @@
-"""parallel.cp in an engine (ddp, fsdp): the model, and a teacher beside it, compute this
+"""parallel.cp in an engine (ddp, fsdp, zero1-3): the model, and a teacher beside it, compute this
 rank's chunks of each sequence (models/context_parallel.py); the engine's accumulation
 window cuts the targets alike (engines/base.py). The gradient reduction needs nothing more:
-DDP all-reduces over every rank (dp x cp), FSDP shards over dp_shard x cp (config/parallel.py)."""
+DDP all-reduces over every rank (dp x cp), FSDP shards over dp_shard x cp (config/parallel.py),
+DeepSpeed's data-parallel group is every rank (engines/deepspeed.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,18 @@ from scaletrain.launch.distributed import World
 from scaletrain.models.capabilities import ContextChunks, capability
 from scaletrain.models.context_parallel import ContextParallel
 from scaletrain.models.spec import ModelSpec
+from scaletrain.models.ulysses import Ulysses
 
 
-def split_context(world: World, dims: ParallelDims, *models: tuple[ModelSpec | None, Any]) -> ContextParallel | None:
-    """This rank's ContextParallel, given to each (spec, model) of `models` (a None pair
-    member: skipped, e.g. no teacher); None without cp."""
+def split_context(
+    world: World, dims: ParallelDims, *models: tuple[ModelSpec | None, Any], mode: str = "allgather"
+) -> ContextParallel | Ulysses | None:
+    """This rank's place in its cp group, of the design `mode` (parallel.cp_mode), given to
+    each (spec, model) of `models` (a None pair member: skipped, e.g. no teacher); None without cp."""
     if dims.cp == 1:
         return None
-    cp = ContextParallel(dims.cp_group(world.device), dims.coordinates(world.rank)["cp"], dims.cp)
+    design = Ulysses if mode == "ulysses" else ContextParallel
+    cp = design(dims.cp_group(world.device), dims.coordinates(world.rank)["cp"], dims.cp)
     for spec, model in models:
         if spec is not None and model is not None:
             capability(spec, ContextChunks, f"parallel.cp={dims.cp}", "parallel.cp=1").apply_cp(model, cp)

@@ -83,7 +83,7 @@ class DDPEngine(TorchEngineMixin):
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
         if teacher is not None:
             self.teacher = replicated_teacher(teacher, cfg.data.seq_len, world.device, cfg.train.seed, cfg.precision)
-        self.context = split_context(world, dims, (spec, model), (teacher, self.teacher))
+        self.context = split_context(world, dims, (spec, model), (teacher, self.teacher), mode=cfg.parallel.cp_mode)
 
     def save(self, path: Path, background: bool = False) -> Future[Any] | None:
         if self.powersgd is not None:

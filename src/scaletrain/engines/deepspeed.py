@@ -32,6 +32,7 @@ from scaletrain.config import Config
 from scaletrain.config.parallel import ParallelDims
 from scaletrain.engines.base import AccumulationWindow, ParamGroups, StepStats, set_lr
 from scaletrain.engines.block_wrappers import apply_activation_checkpointing, plain_name
+from scaletrain.engines.context import split_context
 from scaletrain.engines.deepspeed_config import build_deepspeed_config, to_json
 from scaletrain.engines.deepspeed_ops import clear_stale_locks
 from scaletrain.engines.teacher import frozen_meta, replicated_teacher, teacher_seed
@@ -56,7 +57,10 @@ class DeepSpeedEngine(AccumulationWindow):
         teacher: ModelSpec | None = None,
     ):
         self.name = cfg.parallel.strategy
-        self.dp_size = dims.dp_size
+        # DeepSpeed's data-parallel group is every rank: under parallel.cp its gradient
+        # average then runs over dp x cp, each cp rank's loss the mean of its own tokens
+        # (engines/context.py), and ZeRO partitions over the cp ranks too.
+        self.dp_size = dims.dp_size * dims.cp
         self.device = world.device
         self.precision = cfg.precision
         self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/frozen_base.py)
@@ -98,6 +102,8 @@ class DeepSpeedEngine(AccumulationWindow):
             frozen = frozen_meta(teacher, cfg.data.seq_len)
             teacher.materialize(frozen, world.device, teacher_seed(cfg.train.seed))
             self.teacher, *_ = deepspeed.initialize(model=frozen, config=_forward_only(self.ds_config))
+        teacher_module = getattr(self.teacher, "module", self.teacher)  # ZeRO-3's: inside its engine
+        self.context = split_context(world, dims, (spec, model), (teacher, teacher_module), mode=cfg.parallel.cp_mode)
 
     def accumulate(self, boundary: bool) -> Any:
         # We own the accumulation window, not DeepSpeed's micro-step counter: the flag makes

@@ -77,7 +77,10 @@ def build_deepspeed_config(cfg: Config, dp_size: int) -> dict[str, Any]:
     generated: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": t.grad_accum,
-        "train_batch_size": global_batch(t, dp_size),  # DeepSpeed checks it is micro x accum x dp
+        # DeepSpeed checks it is micro x accum x its data-parallel ranks: under parallel.cp
+        # those are all ranks, the cp ranks of a group reading the same samples (each its
+        # part of every sequence), so it counts each sample cp times.
+        "train_batch_size": global_batch(t, dp_size) * p.cp,
         # 0.0 is DeepSpeed's "no clipping" too, so the value is always written and comparable.
         "gradient_clipping": float(t.clip_grad),
         # DeepSpeed builds the optimizer itself: FusedAdam, or DeepSpeedCPUAdam when the

@@ -118,7 +118,7 @@ class FSDPEngine(TorchEngineMixin):
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
         if teacher is not None:
             self.teacher = sharded_teacher(teacher, world, dims, cfg)
-        self.context = split_context(world, dims, (spec, model), (teacher, self.teacher))
+        self.context = split_context(world, dims, (spec, model), (teacher, self.teacher), mode=cfg.parallel.cp_mode)
 
     def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn, mark: Mark = no_mark) -> torch.Tensor:
         if self.pipeline is not None:

@@ -76,8 +76,18 @@ class ContextParallel:
         return SplitAttention(self, chunk_length(seq_len, self.size), mask, self.global_order(len(held), held.device))
 
 
+class SequenceAttention:
+    """What attention layers take (models/documents.py `attend`) where the sequence is split
+    over ranks: called with this rank's q, k, v [B, heads, local T, hd], it returns this
+    rank's output. Two designs: SplitAttention here (keys and values all-gathered) and
+    models/ulysses.py's HeadAttention (heads and sequence swapped by all-to-all)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class SplitAttention:
+class SplitAttention(SequenceAttention):
     cp: ContextParallel
     chunk: int  # tokens per chunk
     mask: torch.Tensor | None  # under document masking: [B, 1, local T, T]

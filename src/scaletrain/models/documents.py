@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from scaletrain.models.context_parallel import SplitAttention
+from scaletrain.models.context_parallel import SequenceAttention
 
 
 def document_layout(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +55,8 @@ def document_mask(doc: torch.Tensor, flex: bool | None = None) -> Any:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool) -> torch.Tensor:
     """Attention of q, k, v [B, heads, T, hd]: causal without `mask`, else within documents,
-    or a context-parallel split's (models/context_parallel.py)."""
-    if isinstance(mask, SplitAttention):
+    or a context-parallel split's (models/context_parallel.py, models/ulysses.py)."""
+    if isinstance(mask, SequenceAttention):
         return mask(q, k, v, gqa)
     if mask is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

@@ -31,6 +31,7 @@ from scaletrain.models.llama import (
 from scaletrain.models.lora import LoraSpec, apply_lora, init_adapters, trainable_patterns
 from scaletrain.models.params import freeze_all_but
 from scaletrain.models.presets import ModelShape
+from scaletrain.models.ulysses import Ulysses, heads_problem
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]  # (model output, targets) -> mean loss
 
@@ -216,6 +217,16 @@ class LlamaSpec:
         llama_tp.apply_tp(model, mesh, sequence_parallel, loss_parallel)
 
     def apply_cp(self, model: nn.Module, cp: Any) -> None:
+        if isinstance(cp, Ulysses):
+            problem = heads_problem(self.shape.n_heads, self.shape.n_kv_heads, cp.size)
+            if problem:
+                accepted = [
+                    d for d in range(1, self.shape.n_heads + 1) if not heads_problem(self.shape.n_heads, self.shape.n_kv_heads, d)
+                ]
+                raise UserError(
+                    f"parallel.cp={cp.size} with cp_mode=ulysses splits the heads: {problem}; accepted: parallel.cp="
+                    f"{', '.join(map(str, accepted))}, or cp_mode=allgather"
+                )
         model.context_parallel = cp
 
     def check_ep(self, ep: int) -> None:

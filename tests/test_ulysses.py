@@ -1,0 +1,118 @@
+"""Ulysses context parallel (parallel.cp_mode=ulysses, models/ulysses.py) in runs: fsdp at
+cp 2 equals one process (loss and grad norm every step, eval rows, final weights), its
+trace holding the four all-to-alls per attention and their backward; zero3 at cp 2 x dp 2
+equals it; a cp 2 checkpoint resumes at cp 4 on world 4 (the key/value heads then
+repeated) as the straight run; what cannot split is one line. Gradients after one backward
+(ddp accumulating, fsdp with documents masked, zero3) are in test_gradients.py, fine-tuning
+masks on zero3 in test_finetune.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scaletrain.cli import main
+from scaletrain.errors import UserError
+from scaletrain.models import PRESETS
+
+from helpers import assert_same_training, base_overrides, check, eval_overrides, run_info, train, train_through
+
+STEPS, EVERY, SEQ = 8, 4, 256
+ULYSSES = ["parallel.cp_mode=ulysses"]
+
+
+def _args(small_dataset, run, *extra: str) -> list[str]:
+    return [
+        *base_overrides(small_dataset, run, steps=STEPS),
+        f"data.seq_len={SEQ}",
+        f"checkpoint.every={EVERY}",
+        f"train.log_every={EVERY}",
+        *eval_overrides(small_dataset, every=EVERY),
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def straight(small_dataset, tmp_path_factory):
+    """One process, fsdp, global batch 4 of 256 tokens, 8 steps, evaluated at 4 and 8."""
+    run = tmp_path_factory.mktemp("ulysses") / "straight"
+    check(train(_args(small_dataset, run, "train.micro_batch=4", "parallel.strategy=fsdp")))
+    return run
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
+def test_ulysses_cp2_on_fsdp_is_one_process(small_dataset, straight, tmp_path):
+    run = tmp_path / "cp2"
+    extra = ["train.micro_batch=4", "parallel.strategy=fsdp", "parallel.cp=2", *ULYSSES, "telemetry.profile_steps=[2,2]"]
+    check(train(_args(small_dataset, run, *extra), nproc=2))
+    assert run_info(run)["parallel"]["cp"] == 2
+    assert_same_training(run, straight, steps=STEPS)
+    # q, k, v to heads and the output back: four all-to-alls per attention, four more in
+    # its backward (each one's gradient is the inverse exchange); no key/value gathers.
+    names = [e.get("name", "") for e in json.loads((run / "profile" / "rank0.trace.json").read_text())["traceEvents"]]
+    assert names.count("_c10d_functional::all_to_all_single") == 2 * 4 * PRESETS["tiny"]["n_layers"]
+    assert names.count("_c10d_functional::all_gather_into_tensor") == 0
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(400)
+def test_ulysses_on_zero3_at_world_4_is_one_process(small_dataset, straight, tmp_path):
+    # cp 2 x dp 2: DeepSpeed's data-parallel group is all 4 ranks; ZeRO-3 partitions over
+    # them and averages the gradients of the two cp halves of two samples' pairs.
+    run = tmp_path / "zero3"
+    check(train(_args(small_dataset, run, "parallel.strategy=zero3", "parallel.cp=2", *ULYSSES, "train.micro_batch=2"), nproc=4))
+    assert_same_training(run, straight, steps=STEPS)
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(400)
+def test_ulysses_resumes_at_another_cp_size(small_dataset, straight, tmp_path):
+    # Steps 1-4 at cp 2 on world 2, then steps 5-8 at cp 4 on world 4, where the tiny
+    # model's 2 key/value heads are each repeated twice to split over 4 ranks (kv_repeat).
+    # Ulysses holds no state: the checkpoint is the model's and the optimizer's.
+    run = tmp_path / "run"
+    layout = ["parallel.strategy=fsdp", "train.micro_batch=4", *ULYSSES]
+    links = [
+        (_args(small_dataset, run, *layout, "parallel.cp=2"), 2, "fsdp at world 2 (cp 2)"),
+        (_args(small_dataset, run, *layout, "parallel.cp=4"), 4, "fsdp at world 4 (cp 4)"),
+    ]
+    train_through(run, links, every=EVERY)
+    assert_same_training(run, straight, steps=STEPS)
+
+
+@pytest.mark.e2e
+def test_what_ulysses_cannot_split_is_one_line(small_dataset, tmp_path, capsys):
+    base = ["train", f"run.dir={tmp_path / 'run'}", f"data.paths={small_dataset}", "run.device=cpu", "parallel.cp=2"]
+    base += [*ULYSSES, "parallel.strategy=fsdp"]
+    cases = {
+        ("data.seq_len=99",): "cuts each sequence into cp equal runs; data.seq_len=99 does not divide; accepted: data.seq_len a multiple of 2",
+        ("parallel.tp=2",): "parallel.cp=2 does not combine with parallel.tp=2 with cp_mode=ulysses",
+        ("parallel.cp_mode=ring",): "parallel.cp_mode",
+    }  # fmt: skip
+    for args, says in cases.items():
+        assert main([*base, *args]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("scaletrain: error:") and says in err[0], err
+
+
+@pytest.mark.unit
+def test_heads_that_do_not_split_are_refused_with_the_sizes_that_do():
+    from scaletrain.config import load_config
+    from scaletrain.models import model_spec
+    from scaletrain.models.ulysses import Ulysses, heads_problem, kv_repeat
+
+    # 4 query heads, 2 key/value heads (tiny): cp 2 splits both, cp 4 repeats each kv head twice.
+    assert (kv_repeat(2, 2), kv_repeat(2, 4), kv_repeat(8, 4), kv_repeat(6, 4)) == (1, 2, 1, 2)
+    assert heads_problem(4, 2, 2) is None and heads_problem(4, 2, 4) is None
+    assert "do not divide over cp=3" in str(heads_problem(4, 2, 3))
+    # Repeated key/value heads keep the groups: 6 kv heads of 12 at cp 4 become 12, 2 of 8 at cp 8 become 8.
+    assert heads_problem(12, 6, 4) is None and heads_problem(8, 2, 8) is None
+    cfg = load_config([], ["model.preset=tiny", "data.seq_len=64", "model.vocab_size=512"])
+    spec = model_spec(cfg, None)
+    with pytest.raises(UserError, match=r"parallel.cp=3 with cp_mode=ulysses splits the heads.*accepted: parallel.cp=1, 2, 4"):
+        spec.apply_cp(None, Ulysses(None, 0, 3))
