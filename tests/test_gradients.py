@@ -25,6 +25,7 @@ from one_backward import (  # noqa: E402
     DOCUMENTS,
     MODEL,
     MOE,
+    MOE_CP_VARIANTS,
     MOE_VARIANTS,
     PIPELINE_VARIANTS,
     SEQ,
@@ -56,10 +57,11 @@ def one_process(*extra: str) -> tuple[float, dict[str, torch.Tensor]]:
     model = build_model(resolve_shape(cfg.model), SEQ, seed=cfg.train.seed, document_eos=0 if documents else None)
     tokens = torch.from_numpy(FixedBatch(documents).tokens)
     out = model(tokens[:, :-1])
-    # A mixture of experts returns (logits, auxiliary loss); MOE sets the auxiliary weights to 0.
-    loss = loss_fn(out[0], tokens[:, 1:]) + out[1] if isinstance(out, tuple) else loss_fn(out, tokens[:, 1:])
-    loss.backward()
-    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+    # A mixture of experts returns (logits, auxiliary loss): the gradient is of their sum,
+    # the value the cross entropy alone, as the engines' (models/spec.py loss).
+    ce = loss_fn(out[0] if isinstance(out, tuple) else out, tokens[:, 1:])
+    (ce + out[1] if isinstance(out, tuple) else ce).backward()
+    return ce.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def engine_grads(request, tmp_path_factory):
     """All variants on 2 ranks under one ATEN_CPU_CAPABILITY (one launch: start-up dominates)."""
     out = tmp_path_factory.mktemp(f"grads-{request.param}")
     env = {} if request.param == "native" else {"ATEN_CPU_CAPABILITY": request.param}
-    probe("one_backward", [*VARIANTS, *PIPELINE_VARIANTS, *MOE_VARIANTS, *CP_VARIANTS], out, nproc=2, env=env)
+    probe("one_backward", [*VARIANTS, *PIPELINE_VARIANTS, *MOE_VARIANTS, *CP_VARIANTS, *MOE_CP_VARIANTS], out, nproc=2, env=env)
     return torch.load(out / "grads.pt", weights_only=True)
 
 
@@ -99,7 +101,7 @@ def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("variant", [*VARIANTS, *PIPELINE_VARIANTS, *MOE_VARIANTS, *CP_VARIANTS])
+@pytest.mark.parametrize("variant", [*VARIANTS, *PIPELINE_VARIANTS, *MOE_VARIANTS, *CP_VARIANTS, *MOE_CP_VARIANTS])
 def test_gradients_after_one_backward_equal_one_process(
     engine_grads, reference, untied_reference, moe_reference, documents_reference, variant
 ):
@@ -116,6 +118,10 @@ def test_gradients_after_one_backward_equal_one_process(
     # queries read it (the all-gather's backward): sums of the same terms regrouped.
     if variant in CP_VARIANTS and DOCUMENTS in CP_VARIANTS[variant]:
         ref_loss, ref_grads = documents_reference
+    # A mixture of experts under cp with its balance term: the routing counts of the
+    # whole sequences (summed over the cp group), each rank's mean scores of its part.
+    if variant in MOE_CP_VARIANTS:
+        ref_loss, ref_grads = one_process(*MOE_CP_VARIANTS[variant][0])
     got = engine_grads[variant]
     assert got["loss"] == pytest.approx(ref_loss, rel=RTOL)
     assert_grads_close(got["grads"], ref_grads)

@@ -1,7 +1,8 @@
 """Ulysses context parallel (parallel.cp_mode=ulysses, models/ulysses.py) in runs: fsdp at
 cp 2 equals one process (loss and grad norm every step, eval rows, final weights), its
 trace holding the four all-to-alls per attention and their backward; zero3 at cp 2 x dp 2
-equals it; a cp 2 checkpoint resumes at cp 4 on world 4 (the key/value heads then
+equals it, so does a mixture of experts (balance=bias) at cp 2; a cp 2 checkpoint resumes
+at cp 4 on world 4 (the key/value heads then
 repeated) as the straight run; what cannot split is one line. Gradients after one backward
 (ddp accumulating, fsdp with documents masked, zero3) are in test_gradients.py, fine-tuning
 masks on zero3 in test_finetune.py."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from scaletrain.cli import main
@@ -83,6 +85,24 @@ def test_ulysses_resumes_at_another_cp_size(small_dataset, straight, tmp_path):
     ]
     train_through(run, links, every=EVERY)
     assert_same_training(run, straight, steps=STEPS)
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
+def test_a_mixture_of_experts_under_ulysses_is_one_process(small_dataset, tmp_path):
+    # balance=bias: the load that moves the bias after each step is summed over every rank
+    # (each cp rank routes its part of the sequences), beside the sequence-wise term whose
+    # counts each rank takes over its cp group (models/moe.py _whole_sequences).
+    moe = ["model.preset=tiny-moe", "model.moe.balance=bias", "train.micro_batch=4", "parallel.strategy=fsdp"]
+    one, cp2 = tmp_path / "one", tmp_path / "cp2"
+    check(train(_args(small_dataset, one, *moe)))
+    check(train(_args(small_dataset, cp2, *moe, "parallel.cp=2", *ULYSSES), nproc=2))
+    assert_same_training(cp2, one, steps=STEPS)
+    bias = [json.loads((run / "checkpoints" / f"step_{STEPS}" / "trainer.json").read_text()) for run in (one, cp2)]
+    # Moved by +-rate per step on the sign of each expert's load: one flipped sign is 2 x 1e-3 apart.
+    np.testing.assert_allclose(bias[1]["expert_bias"], bias[0]["expert_bias"], atol=1e-6)
+    assert np.abs(bias[0]["expert_bias"]).max() > 0
 
 
 @pytest.mark.e2e

@@ -87,6 +87,16 @@ CP_VARIANTS = {
     "zero3_ulysses2_accum": ["parallel.strategy=zero3", "parallel.cp=2", ULYSSES, "train.micro_batch=2",
                              "train.grad_accum=2", Z3_PARTITION_ALL],
 }  # fmt: skip
+# A mixture of experts under cp, its balance and z-loss terms on (the preset's
+# sequence_aux, and aux per micro-batch): each rank counts the routing of the whole
+# sequences over its cp group; at one micro-batch per rank both equal one process.
+# name -> (model overrides, which the test's reference takes too; layout overrides)
+MOE_CP_VARIANTS = {
+    "moe_fsdp_ulysses2": (["model.preset=tiny-moe"], ["parallel.strategy=fsdp", "parallel.cp=2", ULYSSES,
+                                                      "train.micro_batch=4"]),
+    "moe_ddp_cp2_aux": (["model.preset=tiny-moe", "model.moe.balance=aux"], ["parallel.strategy=ddp", "parallel.cp=2",
+                                                                            "train.micro_batch=4"]),
+}  # fmt: skip
 
 
 class FixedBatch:
@@ -128,7 +138,9 @@ def main() -> None:
     world = init_distributed("cpu", "gloo")
     results = {}
     for variant in args.variants:
-        engine, spec, cfg = build([*MODEL, *(VARIANTS | PIPELINE_VARIANTS | MOE_VARIANTS | CP_VARIANTS)[variant]], world)
+        layouts = VARIANTS | PIPELINE_VARIANTS | MOE_VARIANTS | CP_VARIANTS
+        layouts |= {name: [*model, *layout] for name, (model, layout) in MOE_CP_VARIANTS.items()}
+        engine, spec, cfg = build([*MODEL, *layouts[variant]], world)
         dims = dims_for(cfg.parallel, world.world_size)
         data = FixedBatch(documents=cfg.data.document_mask)
         batches = RankBatches(data, cfg.train.micro_batch, cfg.train.grad_accum, dims.dp_rank(world.rank), dims.dp_size)

@@ -451,7 +451,9 @@ class Config(Section):
         unchecked = [
             (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1", "a pipeline passes whole sequences between stages"),
             (m.source != "builtin", f"model.source={m.source}", "the built-in model", "its attention takes the whole sequence"),
-            (experts, "a mixture of experts", "a dense model", "not checked yet"),
+            (experts and par.ep > 1, f"parallel.ep={par.ep}", "parallel.ep=1", "not checked yet"),
+            (experts and bool(m.moe and m.moe.capacity_factor), f"model.moe.capacity_factor={m.moe and m.moe.capacity_factor}",
+             "model.moe.capacity_factor=0 (dropless)", "a capacity counts each rank's part of the sequences, not the whole"),
             (par.dp_replicate > 1, f"parallel.dp_replicate={par.dp_replicate}", "parallel.dp_replicate=1", "not checked yet"),
             (self.train.compile, "train.compile=true", "train.compile=false", "not checked yet"),
             (par.cp_mode == "ulysses" and par.tp > 1, f"parallel.tp={par.tp} with cp_mode=ulysses", "parallel.tp=1",

@@ -118,6 +118,9 @@ class MoE(nn.Module):
         if shape.shared_experts:
             self.shared = FeedForward(d, h * shape.shared_experts)  # the dense SwiGLU, as wide as they are together
         self.ep_group: Any = None  # a ProcessGroup under expert parallelism (engines/expert_parallel.py)
+        # Under context parallel (parallel.cp) the cp group, whose ranks hold the other parts
+        # of this rank's sequences: the balance term counts their routing too (_balance).
+        self.sequence_group: Any = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, dim] -> (output [B, T, dim], this layer's weighted auxiliary loss (fp32
@@ -200,12 +203,34 @@ class MoE(nn.Module):
         the probabilities: over the micro-batch (aux), or per sequence and averaged."""
         e, k = self.n_experts, self.top_k
         if not self.per_sequence:
-            return e * (routed.to(torch.float32) / (b * t * k) * probs.mean(dim=0)).sum()
+            f = self._whole_sequences(routed.to(torch.float32))
+            return e * (f / (b * t * k * self._parts()) * probs.mean(dim=0)).sum()
         # Slots per (sequence, expert): a scatter of static size, nothing read back.
         slots = chosen.reshape(b, t * k)
         per_sequence = torch.zeros(b, e, device=probs.device).scatter_add_(1, slots, torch.ones(slots.shape, device=probs.device))
-        share = per_sequence / (t * k)
+        share = self._whole_sequences(per_sequence) / (t * k * self._parts())
         return e * (share * probs.reshape(b, t, e).mean(dim=1)).sum(dim=1).mean()
+
+    def _whole_sequences(self, counts: torch.Tensor) -> torch.Tensor:
+        """Routing counts over this rank's part of each sequence -> over the whole sequences
+        (context parallel: summed over the cp group; they carry no gradient). P_e stays
+        this rank's mean: the cp ranks' losses are averaged, and the mean of their P_e
+        over equal parts is the whole sequences' P_e, so the average of their terms is
+        the term of one process."""
+        if self.sequence_group is None:
+            return counts
+        import torch.distributed as dist
+
+        counts = counts.clone()
+        dist.all_reduce(counts, group=self.sequence_group)
+        return counts
+
+    def _parts(self) -> int:
+        if self.sequence_group is None:
+            return 1
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.sequence_group)
 
 
 def _expert_parallel(experts: GroupedExperts, slots: torch.Tensor, counts: torch.Tensor, group: Any) -> torch.Tensor:

@@ -29,6 +29,7 @@ from scaletrain.models.llama import (
     rope_tables,
 )
 from scaletrain.models.lora import LoraSpec, apply_lora, init_adapters, trainable_patterns
+from scaletrain.models.moe import MoE
 from scaletrain.models.params import freeze_all_but
 from scaletrain.models.presets import ModelShape
 from scaletrain.models.ulysses import Ulysses, heads_problem
@@ -228,6 +229,9 @@ class LlamaSpec:
                     f"{', '.join(map(str, accepted))}, or cp_mode=allgather"
                 )
         model.context_parallel = cp
+        for module in model.modules():
+            if isinstance(module, MoE):  # its balance term counts the whole sequences (models/moe.py)
+                module.sequence_group = cp.group
 
     def check_ep(self, ep: int) -> None:
         e = self.shape.experts
