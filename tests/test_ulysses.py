@@ -2,10 +2,10 @@
 cp 2 equals one process (loss and grad norm every step, eval rows, final weights), its
 trace holding the four all-to-alls per attention and their backward; zero3 at cp 2 x dp 2
 equals it, so does a mixture of experts (balance=bias) at cp 2; a cp 2 checkpoint resumes
-at cp 4 on world 4 (the key/value heads then
-repeated) as the straight run; what cannot split is one line. Gradients after one backward
-(ddp accumulating, fsdp with documents masked, zero3) are in test_gradients.py, fine-tuning
-masks on zero3 in test_finetune.py."""
+at cp 4 on world 4 (the key/value heads then repeated) as the straight run; what cannot
+split is one line. Gradients after one backward (ddp accumulating, fsdp with documents
+masked, zero3, MoE with its balance terms) are in test_gradients.py, fine-tuning masks on
+zero3 in test_finetune.py."""
 
 from __future__ import annotations
 
