@@ -66,6 +66,9 @@ class TrainConfig(Section):
     # The cross entropy this many positions at a time (models/loss.py): the fp32 logits
     # and their fp32 gradient never exist whole. 0: all at once (plain torch).
     loss_chunk_tokens: int = Field(0, ge=0)
+    # What the forward saves for backward held in host memory until the backward needs it
+    # (engines/offload.py; with activation checkpointing: the blocks' inputs).
+    activation_offload: bool = False
     # torch.compile each block (inductor; a C++ compiler on CPU). ddp and fsdp; compiled at
     # the first step (tens of seconds on a CPU), then reused by every block.
     compile: bool = False
@@ -376,6 +379,9 @@ class Config(Section):
                 f"train.loss_chunk_tokens={self.train.loss_chunk_tokens} does not combine with parallel.tp={par.tp}: under "
                 "tensor parallel the loss is already split over the vocabulary (loss parallel); accepted: 0"
             )
+        for bad, given in ((par.pp > 1, f"parallel.pp={par.pp}"), (self.train.compile, "train.compile=true")):
+            if bad and self.train.activation_offload:
+                raise ValueError(f"train.activation_offload does not combine with {given} (not checked yet); accepted: false")
         if par.pp == 1:
             return self
         if self.precision == "fp16":

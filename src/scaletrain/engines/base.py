@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from scaletrain.engines.offload import ActivationOffload
 from scaletrain.models.context_parallel import ContextParallel
 from scaletrain.models.loss import trained
 from scaletrain.models.spec import LossFn
@@ -133,6 +134,8 @@ class AccumulationWindow:
     # parallel.cp: the model takes the whole sample and computes this rank's chunks of it
     # (models/context_parallel.py, models/ulysses.py); the targets are cut to the same chunks here.
     context: ContextParallel | Ulysses | None = None
+    # train.activation_offload: the forward's saved tensors held on the host (engines/offload.py).
+    offload: ActivationOffload | None = None
 
     def accumulate(self, boundary: bool) -> AbstractContextManager[Any]:
         raise NotImplementedError
@@ -152,7 +155,7 @@ class AccumulationWindow:
         for i, (inputs, targets) in enumerate(micro_batches):
             inputs, targets = inputs.to(self.device, non_blocking=True), self._targets(targets)
             with self.accumulate(boundary=i == n - 1):
-                with self.autocast():
+                with self.autocast(), self.offload() if self.offload else nullcontext():
                     value = loss(self.model(inputs) if self.teacher is None else self._with_teacher(inputs), targets)
                 mark("forward")
                 # Mean over the window: every micro-batch holds the same number of tokens

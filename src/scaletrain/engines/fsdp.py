@@ -36,6 +36,7 @@ from scaletrain.engines.block_wrappers import apply_activation_checkpointing, co
 from scaletrain.engines.context import split_context
 from scaletrain.engines.expert_parallel import shard_experts, split_experts
 from scaletrain.engines.float8 import Float8, apply_float8
+from scaletrain.engines.offload import ActivationOffload
 from scaletrain.engines.pipeline import MergedStages, Pipeline
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
 from scaletrain.engines.teacher import frozen_meta, teacher_seed
@@ -119,6 +120,7 @@ class FSDPEngine(TorchEngineMixin):
         if teacher is not None:
             self.teacher = sharded_teacher(teacher, world, dims, cfg)
         self.context = split_context(world, dims, (spec, model), (teacher, self.teacher), mode=cfg.parallel.cp_mode)
+        self.offload = ActivationOffload(world.device) if cfg.train.activation_offload else None
 
     def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn, mark: Mark = no_mark) -> torch.Tensor:
         if self.pipeline is not None:

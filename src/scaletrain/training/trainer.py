@@ -218,9 +218,12 @@ def _record(run: Run, step: int, lr: float, loss: torch.Tensor, stats: Any, dt: 
     run.step, run.tokens_seen = step, run.tokens_seen + run.trained_tokens()
     run.watchdog.beat(step)
     scaler = {"loss_scale": stats.loss_scale, "skipped": stats.skipped} if stats.loss_scale is not None else {}
+    # train.activation_offload: what this rank's forwards of the step held on the host (engines/offload.py).
+    offload = getattr(run.engine, "offload", None)
+    moved = {"offloaded_bytes": offload.moved()[1]} if offload is not None else {}
     run.telemetry.record(
         loss, stats.grad_norm, step=step, lr=lr, tokens_per_s=run.tokens_per_step / dt, step_time_s=dt,
-        tokens=run.tokens_seen, **scaler, **run.groups.fields(),
+        tokens=run.tokens_seen, **scaler, **run.groups.fields(), **moved,
     )  # fmt: skip
 
 
