@@ -107,5 +107,5 @@ def test_what_offload_is_not_checked_with_is_one_line(small_dataset, tmp_path, c
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [
-            f"scaletrain: error: train.activation_offload does not combine with {given} (not checked yet); accepted: false"
+            f"scaletrain: error: config: train.activation_offload does not combine with {given} (not checked yet); accepted: false"
         ]
