@@ -1,9 +1,12 @@
 """train.activation_offload (engines/offload.py): the tensors a forward saves for backward
-held on the host. A backward through them gives the gradients of the plain one bit for
+held on the host; and train.tile_tokens (models/feed_forward.py), the feed-forward over
+tiles recomputed in backward. Offload: A backward through them gives the gradients of the plain one bit for
 bit; under activation checkpointing what moves is the blocks' inputs and what the head
 and loss save, nothing of the blocks' insides; parameters never move. Runs with it (zero2
 with checkpointing, fsdp without, world 2) equal the same runs without it bit for bit,
-and their rows say how many bytes each step held on the host."""
+and their rows say how many bytes each step held on the host. Tiles: the feed-forward's
+output and gradients as untiled, none of its hidden activations saved whole; zero3 and
+fsdp runs with tiles (with checkpointing and offload) equal the plain run."""
 
 from __future__ import annotations
 
@@ -13,9 +16,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from scaletrain.engines.offload import ActivationOffload
 from scaletrain.models import build_model, loss_fn
+from scaletrain.models.feed_forward import FeedForward
 from scaletrain.models.presets import ModelShape
 
-from helpers import base_overrides, check, metric_rows, train
+from helpers import assert_same_training, base_overrides, check, metric_rows, train
 
 B, T, DIM, LAYERS, VOCAB = 2, 128, 128, 3, 512
 
@@ -107,5 +111,70 @@ def test_what_offload_is_not_checked_with_is_one_line(small_dataset, tmp_path, c
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [
-            f"scaletrain: error: config: train.activation_offload does not combine with {given} (not checked yet); accepted: false"
+            f"scaletrain: error: config: train.activation_offload does not combine with {given} (not checked yet); accepted: train.activation_offload=false"
         ]
+
+
+@pytest.mark.unit
+def test_a_tiled_feed_forward_is_the_whole_one_and_saves_no_whole_hidden_activation():
+    torch.manual_seed(0)
+    ffn = FeedForward(DIM, 384)
+    x = torch.randn(B, T, DIM, requires_grad=True)
+    whole = ffn(x)
+    grads = torch.autograd.grad(whole.square().sum(), [x, *ffn.parameters()])
+    ffn.tile_tokens = 48  # 128 positions: tiles of 48, 48 and 32
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        tiled = ffn(x)
+    tiled_grads = torch.autograd.grad(tiled.square().sum(), [x, *ffn.parameters()])
+    # Each position's row goes through the same products; a matmul over fewer rows may
+    # block its inner sums otherwise: fp32 rounding of sums of 128-384 terms (~1e-6 relative
+    # of the terms, as test_gradients.py derives), the weights' gradients summed tile by tile.
+    torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-6)
+    for got, want in zip(tiled_grads, grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert not [s for s in saved if s[-1] == 384]  # the hidden activations: recomputed per tile, never held
+    assert saved.count((B, 48, DIM)) == 2 and saved.count((B, 32, DIM)) == 1  # what each tile's checkpoint keeps
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
+def test_runs_with_tiles_equal_the_plain_run(small_dataset, tmp_path):
+    plain = tmp_path / "plain"
+    common = ["data.seq_len=256", "train.micro_batch=2", "eval.every=0"]
+    check(train([*base_overrides(small_dataset, plain, steps=6), *common, "parallel.strategy=fsdp"], nproc=2))
+    # Offload beside the tiles shows what the forward saved: without checkpointing, less
+    # by the feed-forwards' hidden activations when they are tiled.
+    offload = "train.activation_offload=true"
+    layouts = {
+        "zero3-tiled": ["parallel.strategy=zero3", "train.tile_tokens=64", offload],
+        "zero3": ["parallel.strategy=zero3", offload],
+        "fsdp-checkpointed-tiled": ["parallel.strategy=fsdp", "train.tile_tokens=96",
+                                    "parallel.activation_checkpointing=true", offload],
+    }  # fmt: skip
+    for name, extra in layouts.items():
+        check(train([*base_overrides(small_dataset, tmp_path / name, steps=6), *common, *extra], nproc=2))
+        assert_same_training(tmp_path / name, plain, steps=6, evals=False)
+    held = {name: metric_rows(tmp_path / name)[0]["offloaded_bytes"] for name in layouts}
+    # Untiled, each block's feed-forward saves 4 tensors [2, 256, 384] (w1's and w3's outputs,
+    # silu's, their product) in fp32; 4 blocks, one micro-batch a step: at least 3 of them gone.
+    hidden = 3 * 2 * 256 * 384 * 4 * 4
+    assert held["zero3"] - held["zero3-tiled"] >= hidden
+
+
+@pytest.mark.e2e
+def test_tiles_elsewhere_than_the_built_in_dense_feed_forward_are_one_line(small_dataset, tmp_path, capsys):
+    from scaletrain.cli import main
+
+    base = ["train", f"run.dir={tmp_path / 'run'}", f"data.paths={small_dataset}", "run.device=cpu", "train.tile_tokens=64"]
+    for extra, says in (
+        (["model.preset=tiny-moe"], "not model.source=builtin with experts (not built yet); accepted: train.tile_tokens=0"),
+        (
+            ["parallel.strategy=fsdp", "parallel.pp=2", "train.grad_accum=2"],
+            "train.tile_tokens does not combine with parallel.pp=2",
+        ),
+    ):
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err

@@ -69,6 +69,9 @@ class TrainConfig(Section):
     # What the forward saves for backward held in host memory until the backward needs it
     # (engines/offload.py; with activation checkpointing: the blocks' inputs).
     activation_offload: bool = False
+    # The built-in dense feed-forward over tiles of this many positions, each recomputed in
+    # backward (models/feed_forward.py): its hidden activations never exist whole. 0: off.
+    tile_tokens: int = Field(0, ge=0)
     # torch.compile each block (inductor; a C++ compiler on CPU). ddp and fsdp; compiled at
     # the first step (tens of seconds on a CPU), then reused by every block.
     compile: bool = False
@@ -379,9 +382,20 @@ class Config(Section):
                 f"train.loss_chunk_tokens={self.train.loss_chunk_tokens} does not combine with parallel.tp={par.tp}: under "
                 "tensor parallel the loss is already split over the vocabulary (loss parallel); accepted: 0"
             )
-        for bad, given in ((par.pp > 1, f"parallel.pp={par.pp}"), (self.train.compile, "train.compile=true")):
-            if bad and self.train.activation_offload:
-                raise ValueError(f"train.activation_offload does not combine with {given} (not checked yet); accepted: false")
+        unchecked = [(par.pp > 1, f"parallel.pp={par.pp}"), (self.train.compile, "train.compile=true")]
+        for key, on, off in (
+            ("activation_offload", self.train.activation_offload, "false"),
+            ("tile_tokens", self.train.tile_tokens, "0"),
+        ):
+            for bad, given in unchecked if on else []:
+                if bad:
+                    raise ValueError(f"train.{key} does not combine with {given} (not checked yet); accepted: train.{key}={off}")
+        m = self.model
+        if self.train.tile_tokens and (m.source != "builtin" or m.moe is not None or m.preset in MOE_PRESETS):
+            raise ValueError(
+                f"train.tile_tokens tiles the built-in model's dense feed-forward, not model.source={m.source}"
+                f"{' with experts' if m.source == 'builtin' else ''} (not built yet); accepted: train.tile_tokens=0"
+            )
         if par.pp == 1:
             return self
         if self.precision == "fp16":

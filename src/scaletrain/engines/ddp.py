@@ -18,9 +18,8 @@ from scaletrain.config.parallel import ParallelDims
 from scaletrain.engines import compression
 from scaletrain.engines.base import ParamGroups
 from scaletrain.engines.block_wrappers import apply_activation_checkpointing, compile_blocks
-from scaletrain.engines.context import split_context
+from scaletrain.engines.context import long_sequences
 from scaletrain.engines.float8 import apply_float8
-from scaletrain.engines.offload import ActivationOffload
 from scaletrain.engines.precision import autocast_context, make_loss_scaler
 from scaletrain.engines.teacher import replicated_teacher
 from scaletrain.engines.torch_engine import TorchEngineMixin
@@ -84,8 +83,7 @@ class DDPEngine(TorchEngineMixin):
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
         if teacher is not None:
             self.teacher = replicated_teacher(teacher, cfg.data.seq_len, world.device, cfg.train.seed, cfg.precision)
-        self.context = split_context(world, dims, (spec, model), (teacher, self.teacher), mode=cfg.parallel.cp_mode)
-        self.offload = ActivationOffload(world.device) if cfg.train.activation_offload else None
+        self.context, self.offload = long_sequences(world, dims, cfg, (spec, model), (teacher, self.teacher))
 
     def save(self, path: Path, background: bool = False) -> Future[Any] | None:
         if self.powersgd is not None:

@@ -32,10 +32,9 @@ from scaletrain.config import Config
 from scaletrain.config.parallel import ParallelDims
 from scaletrain.engines.base import AccumulationWindow, ParamGroups, StepStats, set_lr
 from scaletrain.engines.block_wrappers import apply_activation_checkpointing, plain_name
-from scaletrain.engines.context import split_context
+from scaletrain.engines.context import long_sequences
 from scaletrain.engines.deepspeed_config import build_deepspeed_config, to_json
 from scaletrain.engines.deepspeed_ops import clear_stale_locks
-from scaletrain.engines.offload import ActivationOffload
 from scaletrain.engines.teacher import frozen_meta, replicated_teacher, teacher_seed
 from scaletrain.errors import UserError
 from scaletrain.launch.distributed import World, ensure_process_group, uses_cuda
@@ -104,8 +103,7 @@ class DeepSpeedEngine(AccumulationWindow):
             teacher.materialize(frozen, world.device, teacher_seed(cfg.train.seed))
             self.teacher, *_ = deepspeed.initialize(model=frozen, config=_forward_only(self.ds_config))
         teacher_module = getattr(self.teacher, "module", self.teacher)  # ZeRO-3's: inside its engine
-        self.context = split_context(world, dims, (spec, model), (teacher, teacher_module), mode=cfg.parallel.cp_mode)
-        self.offload = ActivationOffload(world.device) if cfg.train.activation_offload else None
+        self.context, self.offload = long_sequences(world, dims, cfg, (spec, model), (teacher, teacher_module))
 
     def accumulate(self, boundary: bool) -> Any:
         # We own the accumulation window, not DeepSpeed's micro-step counter: the flag makes

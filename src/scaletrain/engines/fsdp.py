@@ -33,10 +33,9 @@ from scaletrain.config.parallel import ParallelDims
 from scaletrain.config.stages import SCHEDULES, check_stages, split_blocks, stage_ids
 from scaletrain.engines.base import Mark, MicroBatch, ParamGroups, no_mark
 from scaletrain.engines.block_wrappers import apply_activation_checkpointing, compile_blocks
-from scaletrain.engines.context import split_context
+from scaletrain.engines.context import long_sequences
 from scaletrain.engines.expert_parallel import shard_experts, split_experts
 from scaletrain.engines.float8 import Float8, apply_float8
-from scaletrain.engines.offload import ActivationOffload
 from scaletrain.engines.pipeline import MergedStages, Pipeline
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
 from scaletrain.engines.teacher import frozen_meta, teacher_seed
@@ -119,8 +118,7 @@ class FSDPEngine(TorchEngineMixin):
         self.scaler = make_loss_scaler(cfg.precision, world.device, cfg.train)
         if teacher is not None:
             self.teacher = sharded_teacher(teacher, world, dims, cfg)
-        self.context = split_context(world, dims, (spec, model), (teacher, self.teacher), mode=cfg.parallel.cp_mode)
-        self.offload = ActivationOffload(world.device) if cfg.train.activation_offload else None
+        self.context, self.offload = long_sequences(world, dims, cfg, (spec, model), (teacher, self.teacher))
 
     def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn, mark: Mark = no_mark) -> torch.Tensor:
         if self.pipeline is not None:

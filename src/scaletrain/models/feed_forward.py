@@ -1,5 +1,12 @@
 """The dense SwiGLU feed-forward (Shazeer 2020) of the built-in Llama block, and of a
-mixture of experts' shared experts (models/moe.py)."""
+mixture of experts' shared experts (models/moe.py).
+
+train.tile_tokens (`tile`): in training, the feed-forward runs over tiles of that many
+positions, each tile under its own non-reentrant checkpoint, so that its three hidden
+activations (ffn_dim wide, the widest tensors of a block) exist for one tile at a time in
+the forward and again, recomputed tile by tile, in the backward (Arctic long-sequence
+training's tiled MLP). Each position's output is the same function of its own input.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,23 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
         self.w3 = nn.Linear(dim, hidden, bias=False)  # up
         self.w2 = nn.Linear(hidden, dim, bias=False)  # down
+        self.tile_tokens = 0  # train.tile_tokens (set by `tile`); 0: whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_tokens and torch.is_grad_enabled() and x.shape[-2] > self.tile_tokens:
+            from torch.utils.checkpoint import checkpoint
+
+            tiles = x.split(self.tile_tokens, dim=-2)  # positions: [B, T, dim]
+            return torch.cat([checkpoint(self._swiglu, part, use_reentrant=False) for part in tiles], dim=-2)
+        return self._swiglu(x)
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def tile(model: nn.Module, tokens: int) -> int:
+    """Set train.tile_tokens on every FeedForward of `model`; how many there are."""
+    found = [m for m in model.modules() if isinstance(m, FeedForward)]
+    for module in found:
+        module.tile_tokens = tokens
+    return len(found)
