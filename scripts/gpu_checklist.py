@@ -156,6 +156,16 @@ MORE_CHECKS = [
             ("scaletrain", "train", *SMALL, MOE_V3, f"model.moe.experts_impl={impl}", "parallel.strategy=fsdp",
              "precision=bf16", "train.log_every=5"), "trains", CUDA, 10)
       for impl in ("grouped", "loop")),
+    # Long sequences (issue 42): the 1b preset at 32k tokens, micro-batch 1, activation checkpointing; then
+    # the same with the blocks' inputs held in pinned host memory (train.activation_offload) and the
+    # feed-forward in tiles of 4096 (train.tile_tokens). Both train; their rows hold the peak memory,
+    # tokens/s and (offload) the bytes each step held on the host: what offload and tiles save and cost.
+    *(Check(f"long-1b-32k-{name}", 5, f"the 1b preset at 32k tokens with activation checkpointing{what}",
+            ("scaletrain", "train", *BIG_CUDA, "data.seq_len=32768", "parallel.strategy=fsdp", f"{AC}=true",
+             "train.micro_batch=1", "train.log_every=5", *flags), "trains", CUDA, 10)
+      for name, what, flags in (("AC", "", ()),
+                                ("AC-offload-tiles", ", offload and tiles",
+                                 ("train.activation_offload=true", "train.tile_tokens=4096")))),
 ]
 
 # A table, one check or one generated family of checks per entry, laid out by hand, in the order they run.

@@ -48,13 +48,18 @@ GPU_S = {
     # issue 40's pair, not yet run: moe-small-bf16's 12 s for 4 steps of 8 experts, guessed up for 10 steps
     # of 64 (the loop: 64 matmuls and a host read per layer and forward)
     "moe-v3-grouped-bf16": 25, "moe-v3-loop-bf16": 40,
+    # issue 42's pair, not yet run: 10 steps of 32k tokens of the 1b preset (~6 GFLOPs/token with attention:
+    # ~2 PFLOPs a step, ~4 s at 40% of an H100's bf16) after ~20 s of start-up, the offload's copies beside
+    "long-1b-32k-AC": 60, "long-1b-32k-AC-offload-tiles": 75,
     # 6: when time is left (fp16: 10 steps)
     "zero1-bf16": 47, "fsdp-offload-bf16": 8, "1b-eager-mb{mb}-AC": 65,
     "small-ddp-fp32": 10, "small-fsdp-bf16": 11, "small-zero3-bf16": 17,
     "ddp-fp16": 10, "fsdp-fp16": 9, "zero2-fp16": 12, "zero3-fp16": 12, "zero3-offload-fp16": 42,
 }
 # Checks no GPU run has timed yet (added since): their figures above are estimates.
-ESTIMATED: frozenset[str] = frozenset({"moe-v3-grouped-bf16", "moe-v3-loop-bf16"})
+ESTIMATED: frozenset[str] = frozenset(
+    {"moe-v3-grouped-bf16", "moe-v3-loop-bf16", "long-1b-32k-AC", "long-1b-32k-AC-offload-tiles"}
+)
 # The CPU stand-ins, measured (docs/gpu.md's transcript: 2 cores, torch 2.13.0+cpu, 10 steps each).
 CPU_S = {"nvidia-smi": 0, "scaletrain CLI": 1, "python/torch/deepspeed": 2,
          "ddp-cpu": 4, "fsdp-cpu": 4, "zero2-cpu": 5, "tiny-ddp-cpu": 3, "tiny-zero2-cpu": 5}
