@@ -164,7 +164,7 @@ MORE_CHECKS = [
             ("scaletrain", "train", *BIG_CUDA, "data.seq_len=32768", "parallel.strategy=fsdp", f"{AC}=true",
              "train.micro_batch=1", "train.log_every=5", *flags), "trains", CUDA, 10)
       for name, what, flags in (("AC", "", ()),
-                                ("AC-offload-tiles", ", offload and tiles",
+                                ("AC-host-tiles", ", offload and tiles",
                                  ("train.activation_offload=true", "train.tile_tokens=4096")))),
 ]
 

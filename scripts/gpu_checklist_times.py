@@ -50,7 +50,7 @@ GPU_S = {
     "moe-v3-grouped-bf16": 25, "moe-v3-loop-bf16": 40,
     # issue 42's pair, not yet run: 10 steps of 32k tokens of the 1b preset (~6 GFLOPs/token with attention:
     # ~2 PFLOPs a step, ~4 s at 40% of an H100's bf16) after ~20 s of start-up, the offload's copies beside
-    "long-1b-32k-AC": 60, "long-1b-32k-AC-offload-tiles": 75,
+    "long-1b-32k-AC": 60, "long-1b-32k-AC-host-tiles": 75,
     # 6: when time is left (fp16: 10 steps)
     "zero1-bf16": 47, "fsdp-offload-bf16": 8, "1b-eager-mb{mb}-AC": 65,
     "small-ddp-fp32": 10, "small-fsdp-bf16": 11, "small-zero3-bf16": 17,
@@ -58,7 +58,7 @@ GPU_S = {
 }
 # Checks no GPU run has timed yet (added since): their figures above are estimates.
 ESTIMATED: frozenset[str] = frozenset(
-    {"moe-v3-grouped-bf16", "moe-v3-loop-bf16", "long-1b-32k-AC", "long-1b-32k-AC-offload-tiles"}
+    {"moe-v3-grouped-bf16", "moe-v3-loop-bf16", "long-1b-32k-AC", "long-1b-32k-AC-host-tiles"}
 )
 # The CPU stand-ins, measured (docs/gpu.md's transcript: 2 cores, torch 2.13.0+cpu, 10 steps each).
 CPU_S = {"nvidia-smi": 0, "scaletrain CLI": 1, "python/torch/deepspeed": 2,

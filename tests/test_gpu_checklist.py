@@ -40,7 +40,16 @@ MB = ("plan 1b AC=false", "plan 1b AC=true", "MFU 1b")  # part 3: the micro-batc
 RUNS_1B = ("1b-eager-mb{mb}{ac_tag}", "1b-compiled-mb{mb}{ac_tag}", "1b-float8-compiled-mb{mb}{ac_tag}")  # part 3
 PLANNER = ("1b-fsdp-bf16-AC-mb4", "1b-fsdp-bf16-mb2", "1b-zero3-bf16-AC-mb4", "small-zero2-bf16")  # part 4
 # part 5: issues 27, 28, 29, 26, 40
-MORE = ("moe-small-bf16", "document-mask-bf16", "cp-attention-kernels", "oom-1b-mb64", "moe-v3-grouped-bf16", "moe-v3-loop-bf16")
+MORE = (
+    "moe-small-bf16",
+    "document-mask-bf16",
+    "cp-attention-kernels",
+    "oom-1b-mb64",
+    "moe-v3-grouped-bf16",
+    "moe-v3-loop-bf16",
+    "long-1b-32k-AC",
+    "long-1b-32k-AC-host-tiles",
+)
 LEFT = ("zero1-bf16", "fsdp-offload-bf16", "1b-eager-mb{mb}-AC", "small-ddp-fp32", "small-fsdp-bf16", "small-zero3-bf16")
 FP16 = tuple(f"{e}-fp16" for e in FIVE)  # part 6's end
 CPU_CHECKS = ("scaletrain CLI", "python/torch/deepspeed", "ddp-cpu", "fsdp-cpu", "zero2-cpu", "tiny-ddp-cpu", "tiny-zero2-cpu")
@@ -106,7 +115,7 @@ def test_the_list_runs_in_the_issues_order(checklist):
         6: [*LEFT, *FP16],
     }
     assert [c.part for c in checklist.CHECKS] == sorted(c.part for c in checklist.CHECKS)
-    assert checklist.CHECKS[-17:-11] == checklist.MORE_CHECKS and {c.part for c in checklist.MORE_CHECKS} == {5}
+    assert checklist.CHECKS[-19:-11] == checklist.MORE_CHECKS and {c.part for c in checklist.MORE_CHECKS} == {5}
     checks = {c.name: c for c in checklist.CHECKS}
     assert len(checks) == len(checklist.CHECKS), "check names are unique"
     # Every check has an expected time: GPU mode's table holds exactly the checks GPU mode runs, CPU_S the CPU mode's.
@@ -117,7 +126,7 @@ def test_the_list_runs_in_the_issues_order(checklist):
         **dict.fromkeys(("ddp-cpu", "fsdp-cpu", "zero2-cpu"), 10),
         **dict.fromkeys((*RUNS_1B, "1b-eager-mb{mb}-AC"), 20),
         "moe-small-bf16": 4, "document-mask-bf16": 3, "oom-1b-mb64": 3, "moe-v3-grouped-bf16": 10, "moe-v3-loop-bf16": 10,
-        **dict.fromkeys(FP16, 10),
+        "long-1b-32k-AC": 10, "long-1b-32k-AC-host-tiles": 10, **dict.fromkeys(FP16, 10),
     }  # fmt: skip
     assert {n for n, c in checks.items() if c.retry_oom} == {*RUNS_1B, "1b-eager-mb{mb}-AC"}
     assert {c.judge for c in checklist.CHECKS} == set(checklist.JUDGES)  # every judge used, none missing
@@ -201,7 +210,7 @@ def test_list_prints_every_command_its_expected_time_and_where_the_budget_cuts(c
         "precision=bf16 telemetry.host_syncs=true train.log_every=2 train.steps=4 checkpoint.every=0 train.resume=never "
         f"run.dir={runs}/moe-small-bf16",
         f"       $ {sys.executable} {SCRIPT.parent / 'cp_kernels.py'}",
-        "[6] fsdp-offload-bf16 (needs cuda): fsdp-offload trains in bf16 on CUDA; judge: trains; ~8 s, measured, 808 s "
+        "[6] fsdp-offload-bf16 (needs cuda): fsdp-offload trains in bf16 on CUDA; judge: trains; ~8 s, measured, 944 s "
         "in all: skipped under --budget 540\n"
         f"       $ {ST} train model.preset=small run.device=cuda train.log_every=1 parallel.strategy=fsdp "
         f"parallel.offload_params=cpu precision=bf16 train.steps=3 checkpoint.every=0 train.resume=never "
@@ -248,7 +257,7 @@ def test_list_prints_every_command_its_expected_time_and_where_the_budget_cuts(c
         "MFU_MAX_MB; activation checkpointing (a recompute of each block) only where nothing fits without; "
         "judge: micro_batch; ~0 s, measured, 186 s in all",  # 45.5 + 0.5 = 46 of 55 fit: not skipped
     ]
-    assert out.rstrip().endswith("GPU mode: 666 s expected for every check; 46 s of them run under --budget 60")
+    assert out.rstrip().endswith("GPU mode: 706 s expected for every check; 46 s of them run under --budget 60")
     assert (
         f"       $ {ST} train model.preset=small run.device=cuda train.log_every=1 parallel.strategy=fsdp precision=bf16 "
         f"train.steps=3 checkpoint.every=0 train.resume=never run.dir={work}/runs/fsdp-bf16 data.dir=/scratch\n"
@@ -438,12 +447,13 @@ def test_gpu_mode_with_faked_processes(checklist, fake_gpu, capsys, tmp_path):
     run_dirs = [Path(dict(w.split("=", 1) for w in argv if "=" in w)["run.dir"]).name for argv, _ in commands if "train" in argv]
     assert run_dirs == [
         *(f"{e}-bf16" for e in FIVE), "1b-eager-mb8", "1b-eager-mb4", *filled(RUNS_1B[1:]),
-        "moe-small-bf16", "document-mask-bf16", "oom-1b-mb64", "moe-v3-grouped-bf16", "moe-v3-loop-bf16", "zero1-bf16", "fsdp-offload-bf16", "1b-eager-mb8-AC", *FP16,
+        "moe-small-bf16", "document-mask-bf16", "oom-1b-mb64", "moe-v3-grouped-bf16", "moe-v3-loop-bf16", "long-1b-32k-AC",
+        "long-1b-32k-AC-host-tiles", "zero1-bf16", "fsdp-offload-bf16", "1b-eager-mb8-AC", *FP16,
     ]  # fmt: skip
     assert sum(1 for argv, _ in commands if "plan" in argv) == 2 + 4 + 3
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# scaletrain GPU checklist: NVIDIA H100 80GB HBM3 (GPU mode)")
-    assert "Wall time of the checklist: 35 s.\n" in summary  # the faked clock: 35 commands of a second
+    assert "Wall time of the checklist: 37 s.\n" in summary  # the faked clock: 37 commands of a second
     assert "| 2 | zero2-bf16 | PASS | loss 11.700 -> 11.500, 40,000 tok/s, MFU 42.0%, peak 60.00 GiB (1 s) |" in summary
     assert "| small-zero3-bf16 | zero3 | 1.86 GiB | 1.77 GiB | +5.3% | 1.49 GiB | +25.0% |" in summary
     assert "| 1b-compiled-mb8 | 40,000 | 42.0% | 400.0 | 60.00 GiB | 989 TFLOP/s (table) | PASS |" in summary
@@ -458,7 +468,7 @@ def test_gpu_mode_with_faked_processes(checklist, fake_gpu, capsys, tmp_path):
     assert "| 1b-eager-mb8-AC | - | 100.0 (25%) | 250.0 (62%) | 50.0 (12%) | - | - | 400.0 |" in summary
     assert "| ddp-fp16 | ddp | none (one process, no DDP wrapper) | 11.700 | 10.800 |" in summary
     assert "| fsdp-bf16 | fsdp | nccl (group of one) |" in summary
-    assert printed.rstrip().endswith(f"summary: {out}/summary.md (GPU mode, 35 s, 1 failed)\nFAIL: 1 check(s) failed")
+    assert printed.rstrip().endswith(f"summary: {out}/summary.md (GPU mode, 37 s, 1 failed)\nFAIL: 1 check(s) failed")
 
 
 @pytest.mark.unit
@@ -581,7 +591,7 @@ def test_results_and_summary_are_on_disk_before_the_next_command_starts(checklis
     assert checklist.main([str(out), "--work", str(work), "--budget", "3000"]) == 1
     got = results(out)
     names, cmds = list(got), [r["cmd"] for r in got.values()]
-    assert len(seen) == len(commands) == 35
+    assert len(seen) == len(commands) == 37
     for cmd, in_results, in_summary, summary, members in seen:
         before = names[: cmds.index(cmd)]  # every result before this command's check
         assert in_results == before and in_summary == before, cmd
