@@ -190,6 +190,25 @@ def test_fine_tuning_is_one_process_at_world_2_on_fsdp_tp_and_ulysses(sft, tmp_p
         assert_same_training(tmp_path / name, one, steps=STEPS)
 
 
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
+def test_a_hugging_face_llama_with_lora_fine_tunes_under_ulysses_on_zero3_as_one_process(sft, tmp_path):
+    # transformers' attention interface runs the all-to-alls (models/ulysses.py hf_attention);
+    # a pre-hook gives the model this rank's positions at their global position ids. 4 query
+    # heads and 2 key/value heads over cp 2; LoRA's adapters in the attention's projections;
+    # the loss over the responses' targets only, each rank holding its half of every record.
+    hf = "model.hf_config={model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+    hf += "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 64}"
+    common = [*(o for o in base_overrides(sft, tmp_path, steps=STEPS) if not o.startswith(("model.preset", "run.dir"))),
+              "model.source=hf", hf, "model.lora={r: 4, alpha: 8}", "train.lr=1e-2", f"train.micro_batch={GLOBAL_BATCH}",
+              "eval.every=3", f"eval.data={sft}", "eval.batches=2"]  # fmt: skip
+    one, cp2 = tmp_path / "one", tmp_path / "cp2"
+    check(train([*common, f"run.dir={one}", "parallel.strategy=zero3"]))
+    check(train([*common, f"run.dir={cp2}", "parallel.strategy=zero3", "parallel.cp=2", "parallel.cp_mode=ulysses"], nproc=2))
+    assert_same_training(cp2, one, steps=STEPS)
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_lora_a_frozen_base_and_a_local_hugging_face_model_fine_tune(sft, small_dataset, tmp_path):

@@ -470,7 +470,8 @@ class Config(Section):
         experts = m.moe is not None or m.preset in MOE_PRESETS
         unchecked = [
             (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1", "a pipeline passes whole sequences between stages"),
-            (m.source != "builtin", f"model.source={m.source}", "the built-in model", "its attention takes the whole sequence"),
+            (m.source != "builtin" and not (m.source == "hf" and par.cp_mode == "ulysses"), f"model.source={m.source}",
+             "the built-in model, or a Hugging Face one with cp_mode=ulysses", "its attention takes the whole sequence"),
             (experts and par.ep > 1, f"parallel.ep={par.ep}", "parallel.ep=1", "not checked yet"),
             (experts and bool(m.moe and m.moe.capacity_factor), f"model.moe.capacity_factor={m.moe and m.moe.capacity_factor}",
              "model.moe.capacity_factor=0 (dropless)", "a capacity counts each rank's part of the sequences, not the whole"),

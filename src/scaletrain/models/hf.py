@@ -25,6 +25,7 @@ rule) so values do not depend on the engine or the sharding. Non-persistent buff
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -167,7 +168,10 @@ class HFSpec:
         tf = transformers_module()
         # fp32 parameters: the engines keep fp32 masters and cast for compute themselves.
         # sdpa: torch's fused attention, on every device.
-        return tf.AutoModelForCausalLM.from_config(conf, dtype=torch.float32, attn_implementation="sdpa")
+        # A copy of the config: transformers keeps the one it is given as the model's own,
+        # and a later build (the trainer's layout, a traced block) would set its attention
+        # back on a model already built (cp_mode=ulysses sets its own, apply_cp).
+        return tf.AutoModelForCausalLM.from_config(copy.deepcopy(conf), dtype=torch.float32, attn_implementation="sdpa")
 
     def build_meta(self, max_seq_len: int) -> nn.Module:
         if self.max_positions is not None and max_seq_len > self.max_positions:
@@ -269,10 +273,37 @@ class HFSpec:
             )
 
     def apply_cp(self, model: nn.Module, cp: Any) -> None:
-        raise UserError(
-            f"parallel.cp={cp.size} is not offered for Hugging Face models: their attention takes the whole sequence "
-            "and cannot attend with one rank's chunks at their offsets; accepted: parallel.cp=1, or the built-in model"
-        )
+        from scaletrain.models.ulysses import HF_ATTENTION, Ulysses, heads_problem, hf_attention
+
+        c, key = self._conf, f"parallel.cp={cp.size}"
+        if not isinstance(cp, Ulysses):
+            raise UserError(
+                f"{key} with cp_mode=allgather is not offered for Hugging Face models: their attention takes the whole "
+                "sequence and cannot attend with one rank's chunks at their offsets; accepted: parallel.cp_mode=ulysses"
+            )
+        problems = [
+            heads_problem(c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads, cp.size),
+            "its sliding-window attention is not split"
+            if getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True)
+            else None,
+            "its attention logits' soft cap is not split" if getattr(c, "attn_logit_softcapping", None) else None,
+            "its routers' balance term is per rank" if getattr(c, "output_router_logits", False) else None,
+        ]
+        for problem in filter(None, problems):
+            raise UserError(f"{key} with cp_mode=ulysses and model_type {c.model_type}: {problem}; accepted: parallel.cp=1")
+        transformers_module().AttentionInterface.register(HF_ATTENTION, hf_attention(cp))
+        for module in model.modules():  # the model's config (and a LoRA wrapper's view of it)
+            if getattr(module, "config", None) is not None and hasattr(module.config, "_attn_implementation"):
+                module.config._attn_implementation = HF_ATTENTION
+
+        def local_positions(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            # The whole sample in, this rank's positions through the model, rotated at their global positions.
+            tokens = args[0] if args else kwargs.pop("input_ids")
+            held = cp.positions(tokens.shape[1], tokens.device)
+            kwargs |= {"input_ids": tokens[:, held], "position_ids": held.expand(tokens.shape[0], -1)}
+            return args[1:], kwargs
+
+        model.register_forward_pre_hook(local_positions, with_kwargs=True)
 
     def check_pp(self, pp: int) -> None:
         if pp > 1:

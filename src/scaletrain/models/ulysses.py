@@ -105,3 +105,28 @@ class HeadAttention(SequenceAttention):
         q, k, v = self.sp.to_heads(q), self.sp.to_heads(k), self.sp.to_heads(v)
         out = attend(q, k, v, self.mask, gqa=q.shape[1] != k.shape[1])
         return self.sp.to_positions(out)
+
+
+HF_ATTENTION = "scaletrain_ulysses"  # its name in transformers' AttentionInterface
+
+
+def hf_attention(sp: Ulysses) -> Any:
+    """An attention function for transformers' AttentionInterface: q [B, H, T/cp, hd] and
+    k, v [B, Hkv, T/cp, hd] of this rank's positions (rotated at their global positions) ->
+    (the output [B, T/cp, H, hd], no weights), causal over the whole sequence with the
+    model's own scaling. transformers builds no mask for a name its mask interface lacks,
+    so none is given; every layer is causal over all positions."""
+    import torch.nn.functional as F
+
+    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                  dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+        repeat = kv_repeat(key.shape[1], sp.size)
+        if repeat > 1:
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        q, k, v = sp.to_heads(query), sp.to_heads(key), sp.to_heads(value)
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        return sp.to_positions(out).transpose(1, 2).contiguous(), None
+
+    return attention
