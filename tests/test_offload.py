@@ -1,10 +1,12 @@
 """train.activation_offload (engines/offload.py): the tensors a forward saves for backward
 held on the host; and train.tile_tokens (models/feed_forward.py), the feed-forward over
-tiles recomputed in backward. Offload: A backward through them gives the gradients of the plain one bit for
+tiles recomputed in backward. Offload (with copy=True, each tensor copied and back, as a
+GPU's would be): A backward through them gives the gradients of the plain one bit for
 bit; under activation checkpointing what moves is the blocks' inputs and what the head
 and loss save, nothing of the blocks' insides; parameters never move. Runs with it (zero2
-with checkpointing, fsdp without, world 2) equal the same runs without it bit for bit,
-and their rows say how many bytes each step held on the host. Tiles: the feed-forward's
+with checkpointing, fsdp without, world 2) equal the same runs without it bit for bit
+(on a CPU nothing moves: the host is the device), and their rows say how many bytes
+each step would hold on a GPU's host. Tiles: the feed-forward's
 output and gradients as untiled, none of its hidden activations saved whole; zero3 and
 fsdp runs with tiles (with checkpointing and offload) equal the plain run."""
 
@@ -43,7 +45,7 @@ def _backward(checkpointed: bool, offload: ActivationOffload | None) -> dict[str
 
 class Recording(ActivationOffload):
     def __init__(self) -> None:
-        super().__init__(torch.device("cpu"))
+        super().__init__(torch.device("cpu"), copy=True)  # each tensor copied and back, as to a GPU's host
         self.shapes: list[tuple[int, ...]] = []
 
     def _pack(self, tensor: torch.Tensor) -> object:
@@ -178,3 +180,34 @@ def test_tiles_elsewhere_than_the_built_in_dense_feed_forward_are_one_line(small
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
+
+
+@pytest.mark.unit
+def test_the_head_and_loss_in_tiles_are_the_whole_loss_and_hold_no_whole_logits():
+    from scaletrain.models.feed_forward import tile
+    from scaletrain.models.loss import IGNORE_INDEX, HeadTiles
+
+    model = build_model(_shape(2), T, seed=0)
+    tokens = torch.randint(0, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(2))
+    targets = tokens[:, 1:].clone()
+    targets[:, : T // 3] = IGNORE_INDEX  # a fine-tuning prompt: not trained, not counted
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor], list[tuple[int, ...]]]:
+        model.zero_grad()
+        saved: list[tuple[int, ...]] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            loss = loss_fn(model(tokens[:, :-1]), targets)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, saved
+
+    whole, grads, saved = run()
+    assert tile(model, 48) == 2  # two blocks' feed-forwards, and the model's head
+    assert isinstance(model(tokens[:, :-1]), HeadTiles)
+    tiled, tiled_grads, tiled_saved = run()
+    # The same sums of the same rows, the head's weight gradient summed over tiles: fp32
+    # rounding of sums of up to 256 positions' terms (as test_gradients.py derives).
+    torch.testing.assert_close(tiled, whole, rtol=1e-6, atol=0)
+    for name in grads:
+        torch.testing.assert_close(tiled_grads[name], grads[name], rtol=1e-5, atol=1e-5 * grads[name].abs().max().item())
+    assert any(s[-1:] == (VOCAB,) and s[0] == B * T for s in saved)  # whole: the logits kept for backward
+    assert not any(s[-1:] == (VOCAB,) for s in tiled_saved)  # tiled: no logits held, each tile recomputed

@@ -41,6 +41,11 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
     pl.add_argument("--emit-deepspeed", metavar="PATH", help="write the chosen plan as DeepSpeed JSON for HF Trainer")
     pl.add_argument("--measure", action="store_true", help="run 3 real steps and compare measured with predicted peaks")
     pl.add_argument(
+        "--longest-sequence",
+        action="store_true",
+        help="the longest sequence each layout fits (cp designs, tiles, activation offload), with its memory and step time",
+    )
+    pl.add_argument(
         "--mtbf-hours",
         type=float,
         metavar="H",
@@ -74,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
 
             preload(cfg)
         return measure(cfg, args.json)
+    if args.longest_sequence:
+        with startup.heavy_imports():
+            from scaletrain.cli.plan_longest import show_longest
+
+        return show_longest(cfg, args)
     with startup.heavy_imports():
         from scaletrain.cli.plan_output import show_plan  # the planner (torch: the model is traced on the meta device)
 

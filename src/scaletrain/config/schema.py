@@ -31,6 +31,7 @@ from scaletrain.config.model import (  # noqa: F401  # re-exported: the schema's
     TeacherConfig,
     compiled_experts_problem,
 )
+from scaletrain.config.sequences import long_sequence_problem
 from scaletrain.config.stages import SCHEDULES, schedule_problem
 from scaletrain.strategies import STRATEGIES, TABLE, names_where, said
 
@@ -369,7 +370,9 @@ class Config(Section):
     @model_validator(mode="after")
     def _where_checked_beside_their_keys(self) -> Config:
         # Replica groups (config/ft.py), train.float8 (config/float8.py), experts compiled (config/model.py).
+        # And context parallel, tiles and activation offload (config/sequences.py).
         problem = fault_tolerance_problem(self) or float8_problem(self) or compiled_experts_problem(self)
+        problem = problem or long_sequence_problem(self)
         if problem:
             raise ValueError(problem)
         return self
@@ -381,20 +384,6 @@ class Config(Section):
             raise ValueError(
                 f"train.loss_chunk_tokens={self.train.loss_chunk_tokens} does not combine with parallel.tp={par.tp}: under "
                 "tensor parallel the loss is already split over the vocabulary (loss parallel); accepted: 0"
-            )
-        unchecked = [(par.pp > 1, f"parallel.pp={par.pp}"), (self.train.compile, "train.compile=true")]
-        for key, on, off in (
-            ("activation_offload", self.train.activation_offload, "false"),
-            ("tile_tokens", self.train.tile_tokens, "0"),
-        ):
-            for bad, given in unchecked if on else []:
-                if bad:
-                    raise ValueError(f"train.{key} does not combine with {given} (not checked yet); accepted: train.{key}={off}")
-        m = self.model
-        if self.train.tile_tokens and (m.source != "builtin" or m.moe is not None or m.preset in MOE_PRESETS):
-            raise ValueError(
-                f"train.tile_tokens tiles the built-in model's dense feed-forward, not model.source={m.source}"
-                f"{' with experts' if m.source == 'builtin' else ''} (not built yet); accepted: train.tile_tokens=0"
             )
         if par.pp == 1:
             return self
@@ -442,49 +431,6 @@ class Config(Section):
         experts = (m.moe is not None or m.preset in MOE_PRESETS) and m.source == "builtin"
         if par.ep > 1:
             _expert_parallel_problem(self, experts)
-        return self
-
-    @model_validator(mode="after")
-    def _context_parallel_where_checked(self) -> Config:
-        par, m = self.parallel, self.model
-        if par.cp == 1:
-            return self
-        if not _can(par.strategy, "cp"):
-            where = said(names_where(lambda r: r.cp))
-            why = TABLE[par.strategy].no_cp_why if par.strategy in TABLE else "auto chooses cp itself: leave parallel.cp at 1"
-            raise ValueError(
-                f"parallel.cp={par.cp} needs parallel.strategy={where}, not {par.strategy} ({why}); accepted: "
-                f"parallel.strategy={where}, or parallel.cp=1"
-            )
-        if par.cp_mode == "ulysses" and self.data.seq_len % par.cp:
-            raise ValueError(
-                f"parallel.cp={par.cp} with cp_mode=ulysses cuts each sequence into cp equal runs; "
-                f"data.seq_len={self.data.seq_len} does not divide; accepted: data.seq_len a multiple of {par.cp}"
-            )
-        if par.cp_mode == "allgather" and self.data.seq_len % (2 * par.cp):
-            raise ValueError(
-                f"parallel.cp={par.cp} cuts each sequence into 2 x cp = {2 * par.cp} equal chunks (rank i holds chunks i and "
-                f"{2 * par.cp - 1} - i: even causal work); data.seq_len={self.data.seq_len} does not divide; accepted: "
-                f"data.seq_len a multiple of {2 * par.cp}"
-            )
-        experts = m.moe is not None or m.preset in MOE_PRESETS
-        unchecked = [
-            (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1", "a pipeline passes whole sequences between stages"),
-            (m.source != "builtin" and not (m.source == "hf" and par.cp_mode == "ulysses"), f"model.source={m.source}",
-             "the built-in model, or a Hugging Face one with cp_mode=ulysses", "its attention takes the whole sequence"),
-            (experts and par.ep > 1, f"parallel.ep={par.ep}", "parallel.ep=1", "not checked yet"),
-            (experts and bool(m.moe and m.moe.capacity_factor), f"model.moe.capacity_factor={m.moe and m.moe.capacity_factor}",
-             "model.moe.capacity_factor=0 (dropless)", "a capacity counts each rank's part of the sequences, not the whole"),
-            (par.dp_replicate > 1, f"parallel.dp_replicate={par.dp_replicate}", "parallel.dp_replicate=1", "not checked yet"),
-            (self.train.compile, "train.compile=true", "train.compile=false", "not checked yet"),
-            (par.cp_mode == "ulysses" and par.tp > 1, f"parallel.tp={par.tp} with cp_mode=ulysses", "parallel.tp=1",
-             "not checked yet"),
-        ]  # fmt: skip
-        for bad, given, accepted, why in unchecked:
-            if bad:
-                raise ValueError(
-                    f"parallel.cp={par.cp} does not combine with {given} ({why}); accepted: {accepted}, or parallel.cp=1"
-                )
         return self
 
     @model_validator(mode="after")

@@ -36,8 +36,11 @@ class FeedForward(nn.Module):
 
 
 def tile(model: nn.Module, tokens: int) -> int:
-    """Set train.tile_tokens on every FeedForward of `model`; how many there are."""
-    found = [m for m in model.modules() if isinstance(m, FeedForward)]
+    """Set train.tile_tokens on every FeedForward of `model`, and on the built-in model
+    itself, whose head and loss then run tile by tile (models/loss.py HeadTiles); how many
+    feed-forwards there are."""
+    # The built-in model (models/llama.py, which imports this module) holds the attribute too.
+    found = [m for m in model.modules() if isinstance(m, FeedForward) or hasattr(m, "tile_tokens")]
     for module in found:
         module.tile_tokens = tokens
-    return len(found)
+    return sum(isinstance(m, FeedForward) for m in found)

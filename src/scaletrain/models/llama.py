@@ -17,7 +17,7 @@ from torch import nn
 from scaletrain.models.context_parallel import ContextParallel
 from scaletrain.models.documents import attend, document_layout, document_mask
 from scaletrain.models.feed_forward import FeedForward
-from scaletrain.models.loss import cross_entropy
+from scaletrain.models.loss import HeadTiles, cross_entropy, tiled_cross_entropy
 from scaletrain.models.moe import EXTRA_STATS, MoE
 from scaletrain.models.params import base_name, canonical_name, copy_full, is_adapter, name_generator
 from scaletrain.models.presets import ModelShape
@@ -160,6 +160,9 @@ class Llama(nn.Module):
         # False while a forward is no training step's though it runs with gradients: torch's
         # pipelining infers the stages' shapes that way (engines/pipeline.py).
         self.moe_counting = True
+        # train.tile_tokens (models/feed_forward.py `tile`): in training, the head and the loss
+        # tile by tile (models/loss.py HeadTiles); 0: the logits whole.
+        self.tile_tokens = 0
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -218,10 +221,16 @@ class Llama(nn.Module):
             if self.shape.moe_layers:  # a stage without MoE layers passes the sum on (zero on the first)
                 return h, torch.stack(aux).sum() if aux else torch.zeros((), device=h.device)
             return h
-        logits = self.output(self.norm(h))
+        if self.tile_tokens and not aux:
+            return HeadTiles(h, self._head, self.tile_tokens)  # the loss runs the head tile by tile (models/loss.py)
+        logits = self._head(h)
         # A mixture of experts returns its auxiliary loss beside the logits: the spec's loss
         # adds it, so it is scaled like the loss (accumulation, fp16 loss scaling) everywhere.
         return (logits, torch.stack(aux).sum()) if aux else logits
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        assert self.output is not None and self.norm is not None
+        return self.output(self.norm(h))
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -287,6 +296,9 @@ def build_model(
     return model
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0, compiled: bool = False) -> torch.Tensor:
-    """Mean next-token cross entropy in fp32, whole or `chunk_tokens` positions at a time (models/loss.py)."""
+def loss_fn(logits: Any, targets: torch.Tensor, chunk_tokens: int = 0, compiled: bool = False) -> torch.Tensor:
+    """Mean next-token cross entropy in fp32, whole or `chunk_tokens` positions at a time, or
+    the head and the loss tile by tile (HeadTiles: train.tile_tokens) (models/loss.py)."""
+    if isinstance(logits, HeadTiles):
+        return tiled_cross_entropy(logits, targets)
     return cross_entropy(logits, targets, chunk_tokens, compiled)

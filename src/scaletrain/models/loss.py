@@ -25,10 +25,13 @@ differ in the last bits (the reduction's order, the exponential's implementation
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from scaletrain.models.inductor import portable_cpu_code
@@ -40,7 +43,50 @@ IGNORE_INDEX = -100
 
 def logits_of(output: Any) -> torch.Tensor:
     """The logits of a model's output: the built-in model returns them, a Hugging Face one an object holding them."""
+    if isinstance(output, HeadTiles):
+        return output.head(output.hidden)  # whole: what only a caller that needs them all asks for
     return output if isinstance(output, torch.Tensor) else output.logits
+
+
+@dataclass(frozen=True)
+class HeadTiles:
+    """train.tile_tokens on the built-in model: the last block's output and the head (final
+    norm and output projection) instead of the logits; the loss runs the head and the cross
+    entropy `tokens` positions at a time, each tile under its own checkpoint, so that no more
+    than one tile's logits (and their fp32 gradient) exist, in the forward or, recomputed,
+    in the backward (Arctic long-sequence training's tiled logits and loss)."""
+
+    hidden: torch.Tensor  # [B, T, dim]
+    head: Callable[[torch.Tensor], torch.Tensor]
+    tokens: int
+
+
+def tiled_cross_entropy(out: HeadTiles, targets: torch.Tensor) -> torch.Tensor:
+    """cross_entropy's mean over the trained positions, the head run tile by tile."""
+    return _TILES(out, targets)
+
+
+class _TiledLoss(nn.Module):
+    """The tiles' loop as a module of its own (no parameters, in no model): module-tracking
+    tools (torch's MemTracker, `plan --measure`) then see the head's repeated calls inside
+    a parent, as they see a block's feed-forward tiles."""
+
+    def forward(self, out: HeadTiles, targets: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        hidden, labels = out.hidden.reshape(-1, out.hidden.shape[-1]), targets.reshape(-1)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, labels.shape[0], out.tokens):
+            end = start + out.tokens
+            total = total + checkpoint(_tile_loss, out.head, hidden[start:end], labels[start:end], use_reentrant=False)
+        return total / trained(labels).clamp(min=1)
+
+
+_TILES = _TiledLoss()
+
+
+def _tile_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), labels, reduction="sum")
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0, compiled: bool = False) -> torch.Tensor:

@@ -124,5 +124,10 @@ def this_cpu(memory: float | None = None) -> Device:
     return Device("CPU (measured)", total, peak, peak, 2e9, 1e9, 10e9, assumed_mfu=0.8, collective_latency=2e-3)
 
 
+def is_host(device: Device) -> bool:
+    """Whether `device` is this machine's CPU (this_cpu), whose memory is the host's."""
+    return device.name.startswith("CPU")
+
+
 def fmt(nbytes: float) -> str:
     return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB / 10 else f"{nbytes / 2**20:.1f} MiB"

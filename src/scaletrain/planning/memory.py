@@ -133,7 +133,8 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
         x * split for x in (params, grads, optim, cpu, nvme, fp32_grad_partition)
     )
 
-    act, loss, recompute = _activations(model, s)
+    act, loss, recompute, held = _activations(model, s)
+    cpu += held  # train.activation_offload: what the forward saved, but the block in flight
     buffers = engine_buffers(model, s) * split
     # ZeRO-1/2's reduce buckets live inside backward only (engine_buffers says when): they
     # are not resident, and join only the phases from the first gradient to backward's end.
@@ -260,8 +261,23 @@ def model_state_bytes(model: ModelSpec, s: Setup) -> tuple[float, float]:
     return m.params + m.grads + m.optimizer + step_grad, m.cpu
 
 
-def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float]:
-    """(saved activations at backward start, loss-side bytes, one block recomputed under AC)."""
+def offloaded_activations(model: ModelSpec, s: Setup) -> float:
+    """train.activation_offload: bytes one micro-batch's forward moves to the host."""
+    return _activations(model, s)[3]
+
+
+def ffn_hidden_bytes(model: ModelSpec, s: Setup, tokens: int) -> float:
+    """The built-in dense feed-forward's saved hidden activations for `tokens` positions:
+    w1's and w3's outputs, silu's and the product, ffn_dim wide (models/feed_forward.py)."""
+    shape = getattr(model, "shape", None)
+    if shape is None or shape.experts:
+        return 0.0
+    return 4.0 * tokens * shape.ffn_dim / s.tp * (4.0 if s.precision == "fp32" else 2.0)
+
+
+def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float, float]:
+    """(saved activations at backward start, loss-side bytes, one block recomputed under AC
+    or one feed-forward tile recomputed without it, the bytes held on the host)."""
     low = torch.float16 if s.precision == "fp16" else torch.bfloat16
     r = regime(s.strategy, s.precision)
     # Under cp a rank holds seq_len / cp tokens of each sequence: traced at that length,
@@ -277,25 +293,42 @@ def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float]:
         # matmuls). An estimate (Megatron's accounting, arXiv 2205.05198), not a trace.
         saved += 4 * block.block_input * (1 - 1 / s.tp)
     block_input = block.block_input / (s.tp if s.sequence_parallel else 1)
+    tile = 0.0
+    if s.tile_tokens and s.tile_tokens < s.local_seq_len:
+        # train.tile_tokens: the feed-forward's hidden activations are recomputed per tile
+        # in backward (its tiles' inputs are views of the norm's output, already saved).
+        tokens = s.micro_batch * s.local_seq_len
+        saved -= ffn_hidden_bytes(model, s, tokens)
+        tile = ffn_hidden_bytes(model, s, s.micro_batch * s.tile_tokens)
     # A pipeline rank runs its own blocks, for several micro-batches in flight.
     blocks = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[1] * in_flight(s)
-    if s.activation_checkpointing:
-        act = blocks * block_input  # each block keeps only its input
-        recompute = float(saved)
-    else:
-        act = blocks * saved
+    kept = block_input if s.activation_checkpointing else saved  # each checkpointed block keeps only its input
+    act = blocks * kept
+    recompute = float(saved) + tile if s.activation_checkpointing else tile
+    # train.activation_offload (on a GPU): what the blocks keep goes to the host, but the
+    # block whose copy is in flight; the head's and the loss's stay (needed first).
+    held = act - kept if s.activation_offload else 0.0
+    act -= held
     # Backward through the loss: the fp32 gradient of the logits and one fp32 temporary
     # of the same size (softmax gradient) exist together, before any block runs backward.
     # With tp the logits stay split over the vocabulary (loss parallel). The chunked loss
     # (models/loss.py) writes the gradient in the logits' dtype, with fp32 temporaries of
     # one chunk (the traced saved bytes already hold its logits and log-sum-exps).
     chunk = model.loss_chunk_tokens
-    if chunk:
+    if tile:
+        # train.tile_tokens: the head and the loss run tile by tile under checkpoints
+        # (models/loss.py HeadTiles): the last block's output is kept, and one tile's logits
+        # exist at a time, with its fp32 copy, log-softmax and their gradient.
+        act_bytes = 4.0 if s.precision == "fp32" else low.itemsize
+        tokens = s.micro_batch * s.local_seq_len
+        rows = s.micro_batch * min(s.tile_tokens, s.local_seq_len)
+        loss = tokens * model.hidden_size * act_bytes + rows * model.vocab_size * (act_bytes + 3 * 4.0)
+    elif chunk:
         tokens = s.micro_batch * s.local_seq_len
         loss = head.saved + head.logits + 2 * head.logits_fp32 * min(chunk, tokens) / tokens
     else:
         loss = (head.saved + 2 * head.logits_fp32) / s.tp
-    return float(act), float(loss), recompute
+    return float(act), float(loss), recompute, float(held)
 
 
 def kv_width(model: ModelSpec) -> int:
@@ -305,8 +338,10 @@ def kv_width(model: ModelSpec) -> int:
 
 
 def gathered_kv_bytes(model: ModelSpec, s: Setup, low: torch.dtype) -> float:
-    """Under cp: the other ranks' keys and values one block's attention keeps for backward."""
-    if s.cp == 1:
+    """Under cp: the other ranks' keys and values one block's attention keeps for backward.
+    Ulysses keeps none: its attention saves q, k, v of 1/cp of the heads for all positions,
+    the bytes of all heads for this rank's positions, which the trace at T/cp counts."""
+    if s.cp == 1 or s.cp_mode == "ulysses":
         return 0.0
     act_bytes = 4.0 if s.precision == "fp32" else low.itemsize
     return 2.0 * s.micro_batch * (s.seq_len - s.local_seq_len) * kv_width(model) / s.tp * act_bytes

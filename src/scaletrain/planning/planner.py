@@ -20,6 +20,7 @@ from scaletrain.models.capabilities import TensorParallel
 from scaletrain.models.factory import distill_spec
 from scaletrain.models.spec import ModelSpec, with_fields
 from scaletrain.planning.candidate import Candidate, Plan
+from scaletrain.planning.context import cp_comm_bytes_per_step, cp_options, offload_seconds, tile_seconds, what_cp_buys, why_cp
 from scaletrain.planning.expert_choice import why_ep
 from scaletrain.planning.experts import (
     a2a_bytes_per_step,
@@ -33,17 +34,14 @@ from scaletrain.planning.experts import (
     tp_split,
 )
 from scaletrain.planning.float8 import bf16_beside, check_device, compute_saving, gather_saving, plannable
-from scaletrain.planning.hardware import Device, fmt
-from scaletrain.planning.memory import estimate, groups_note, kv_width, muon_gather_bytes, trainable_share
+from scaletrain.planning.hardware import Device, fmt, is_host
+from scaletrain.planning.memory import estimate, groups_note, muon_gather_bytes, trainable_share
 from scaletrain.planning.pipeline import bubble, pp_comm_bytes_per_step, pp_options, rank_share, why_pp
 from scaletrain.planning.setup import Setup
 from scaletrain.strategies import TABLE
 
 OVERLAP = 0.8  # share of the compute time that can hide gradient / parameter traffic
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeedCPUAdam, order of magnitude per node
-# From here on (Llama 3's long-context stage trains 32k-token sequences) the plan says what
-# context parallel would save when activations are a large part of the peak.
-LONG_SEQUENCE = 16384
 # The chunk the plan suggests for a large loss: 4096 positions x a 128k vocabulary is 2 GiB
 # of fp32 temporaries, small beside what it replaces, and few enough chunks to stay fast.
 LOSS_CHUNK = 4096
@@ -71,7 +69,7 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
         # tests check: docs/moe.md), nor with cp (config/schema.py).
         options += pp_options(mp, model, world, nodes, [1] if moe else [1, *tps])
         if not moe:
-            options += _cp_options(mp, model, world, nodes, [1, *tps])
+            options += cp_options(mp, model, world, nodes, [1, *tps])
     if moe and model is not None:
         # Expert parallel beside every layout that takes it: plain fsdp sharding, ep inside
         # each pipeline stage, over the data-parallel ranks of each tp coordinate.
@@ -123,23 +121,6 @@ def _data_parallel_options(base: Setup, world: int, nodes: int) -> list[Setup]:
     return options
 
 
-def _cp_options(mp: Setup, model: ModelSpec, world: int, nodes: int, tps: list[int]) -> list[Setup]:
-    """Long sequences (LONG_SEQUENCE and more) of the built-in model: fsdp with cp 2, 4 or 8
-    (x each tp), cp x tp inside a node (each block's key/value gathers need NVLink); the
-    global batch kept as for tp (dp / (cp x tp) ranks, each accumulating cp x tp times more)."""
-    if mp.seq_len < LONG_SEQUENCE or getattr(model, "shape", None) is None or experts_of(model) is not None:
-        return []
-    per_node = world // nodes
-    out = []
-    for cp in (2, 4, 8):
-        for tp in tps:
-            split = cp * tp
-            if mp.seq_len % (2 * cp) or split > per_node or per_node % split or mp.dp % split:
-                continue
-            out.append(replace(mp, cp=cp, tp=tp, dp=mp.dp // split, grad_accum=mp.grad_accum * split, sequence_parallel=True))
-    return out
-
-
 def _tp_sizes(model: ModelSpec, world: int, nodes: int) -> list[int]:
     """The tp sizes that fit inside a node and split the model evenly. Their layouts keep
     the global batch: with dp / tp data-parallel ranks, each accumulates tp times more
@@ -162,6 +143,8 @@ def _tp_sizes(model: ModelSpec, world: int, nodes: int) -> list[int]:
 def evaluate(
     model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: int, usable: float, cpu_per_node: float | None
 ) -> Candidate:
+    if s.activation_offload and is_host(device):
+        s = replace(s, activation_offload=False)  # a CPU's host memory is its device memory: nothing moves
     mem = estimate(model, s)
     comm = comm_bytes_per_step(model, s, s.grad_accum)
     tp_comm = tp_comm_bytes_per_step(model, s, s.grad_accum)
@@ -176,19 +159,6 @@ def evaluate(
     elif cpu_per_node is not None and mem.cpu * (s.reduce_ranks // nodes) > cpu_per_node:
         why_not = f"offload needs {fmt(mem.cpu * (s.reduce_ranks // nodes))} host memory per node > {fmt(cpu_per_node)}"
     return Candidate(s, mem, comm, time, not why_not, why_not, tp_comm, pp_comm, ep_comm_bytes=ep_comm, cp_comm_bytes=cp_comm)
-
-
-def cp_comm_bytes_per_step(model: ModelSpec, s: Setup) -> float:
-    """Under cp, what each device receives per optimizer step for the keys and values: each
-    block all-gathers the other ranks' (cp - 1)/cp of the sequence's K and V in forward
-    (again when activation checkpointing recomputes it) and reduce-scatters their gradients
-    in backward, for every micro-batch."""
-    if s.cp == 1:
-        return 0.0
-    act_bytes = 4.0 if s.precision == "fp32" else 2.0
-    kv = 2.0 * s.micro_batch * s.seq_len * kv_width(model) / s.tp * act_bytes * (s.cp - 1) / s.cp
-    passes = 3 if s.activation_checkpointing else 2
-    return _rank_blocks(model, s) * s.grad_accum * passes * kv
 
 
 def tp_comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
@@ -284,9 +254,12 @@ def step_time(
         exposed += tp_collectives(model, s) * device.collective_latency
     if s.ep > 1:  # the routed tokens' all-to-alls sit between the block's matmuls: exposed too
         exposed += a2a_seconds(model, s, device, per_node)
-    if s.cp > 1:  # the keys' and values' gathers come before each attention: exposed, with their start-up
+    if s.cp > 1:  # the keys' and values' gathers (Ulysses: all-to-alls) come before each attention: exposed
         exposed += cp_comm / (device.intra_node_bw if s.cp * s.tp <= per_node else device.inter_node_bw)
-        exposed += _rank_blocks(model, s) * s.grad_accum * 2 * 2 * device.collective_latency
+        exposed += _rank_blocks(model, s) * s.grad_accum * 2 * (4 if s.cp_mode == "ulysses" else 2) * device.collective_latency
+    # train.tile_tokens recomputes the feed-forward; train.activation_offload's copies over the host link.
+    compute += tile_seconds(model, s, peak * device.assumed_mfu)
+    exposed += offload_seconds(model, s, device, compute)
     offload = 0.0
     psi = model.counts().total
     if s.offload_optimizer != "none":
@@ -338,7 +311,7 @@ def make_plan(
     plan = Plan(world, nodes, device, usable, candidates, chosen, reasons + batch_choice, 0)
     plan.batch_choice = batch_choice[0] if batch_choice else ""
     plan.max_micro_batch = largest_micro_batch(model, chosen.setup, usable)
-    plan.notes += _what_cp_buys(chosen, candidates, cfg.data.seq_len)
+    plan.notes += what_cp_buys(chosen, candidates, cfg.data.seq_len)
     plan.notes += _what_chunking_buys(model, chosen)
     plan.notes += moe_note(model, cfg.data.seq_len) + groups_note(cfg.train)
     plan.moe = moe_summary(model, cfg.data.seq_len)
@@ -424,46 +397,6 @@ def _what_chunking_buys(model: ModelSpec, chosen: Candidate) -> list[str]:
     ]
 
 
-def _what_cp_buys(chosen: Candidate, candidates: list[Candidate], seq_len: int) -> list[str]:
-    """Long sequences, a plan without cp chosen: the best layout with cp, its peak and time,
-    and so why it was not chosen (docs/parallelism.md). Activations and the logits scale
-    with the tokens per rank; model states do not (FSDP shards them over dp x cp)."""
-    if seq_len < LONG_SEQUENCE or chosen.setup.cp > 1:
-        return []
-    split = [c for c in candidates if c.setup.cp > 1]
-    if not split:
-        return []
-    best = min(split, key=lambda c: (not c.fits, c.step_time))
-    m, b = chosen.memory, best.memory
-    if not best.fits:
-        verdict = f"does not fit ({best.why_not})"
-    elif best.step_time <= chosen.step_time * 1.02:
-        verdict = "as fast within 2% (a tie goes to fewer moving parts)"
-    else:
-        verdict = "slower"
-    return [
-        f"sequences of {seq_len} tokens: context parallel, {best.setup.label}, needs {fmt(b.peak)} per device (activations "
-        f"and logits {fmt(b.activations + b.loss)} against {fmt(m.activations + m.loss)}), estimated {best.step_time:.3g} "
-        f"s/step with its key/value gathers ({fmt(best.cp_comm_bytes)} per step): {verdict}, against {chosen.setup.label}"
-    ]
-
-
-def _why_cp(chosen: Candidate, candidates: list[Candidate]) -> str:
-    s = chosen.setup
-    plain = [c for c in candidates if c.setup.cp == 1 and c.fits]
-    other = min(plain, key=lambda c: c.step_time) if plain else None
-    against = (
-        f"; the fastest without it, {other.setup.label}, needs {fmt(other.memory.peak)}, estimated {other.step_time:.3g} s/step"
-        if other
-        else "; no layout without it fits"
-    )
-    return (
-        f"cp={s.cp}: each rank holds {s.local_seq_len} of each sequence's {s.seq_len} tokens, so activations and logits "
-        f"shrink {s.cp}x ({fmt(chosen.memory.activations + chosen.memory.loss)}); every block all-gathers the keys and "
-        f"values over NVLink ({fmt(chosen.cp_comm_bytes)} per step){against}"
-    )
-
-
 def _fastest(fitting: list[Candidate]) -> Candidate:
     # Estimates within 2% of the fastest are a tie, settled by preferring the engine with
     # fewer moving parts (the list order: ddp, zero1, zero2, fsdp, zero3, offload; AC last).
@@ -514,7 +447,7 @@ def _reasons(chosen: Candidate, candidates: list[Candidate], expert_reasons: lis
     if chosen.setup.tp > 1:
         reasons.append(_why_tp(chosen, candidates))
     if chosen.setup.cp > 1:
-        reasons.append(_why_cp(chosen, candidates))
+        reasons.append(why_cp(chosen, candidates))
     if chosen.setup.pp > 1:
         plain = [c for c in candidates if c.setup.pp == 1 and c.fits]
         other = min(plain, key=lambda c: c.step_time) if plain else None

@@ -38,6 +38,12 @@ class Setup:
     # samples; keys and values all-gathered per block; the model states shared (FSDP:
     # sharded) over dp x cp (models/context_parallel.py).
     cp: int = 1
+    cp_mode: str = "allgather"  # parallel.cp_mode: allgather | ulysses (planning/context.py)
+    # train.tile_tokens: the feed-forward over tiles, recomputed (planning/context.py); 0: whole.
+    tile_tokens: int = 0
+    # train.activation_offload: saved activations held on the host, but the block in flight
+    # (planning/memory.py); evaluate() turns it off on a CPU, whose host is its device.
+    activation_offload: bool = False
     teacher: ModelSpec | None = None  # model.teacher: a frozen model beside the trained one
     # train.float8: the blocks' Linear layers in float8 (planning/float8.py: their matmuls at the
     # float8 peak, FSDP's all-gathers of their weights at 1 byte).
@@ -67,7 +73,11 @@ class Setup:
         if self.ep > 1:
             parts.append(f"ep {self.ep}")
         if self.cp > 1:
-            parts.append(f"cp {self.cp}")
+            parts.append(f"cp {self.cp}" + (" (ulysses)" if self.cp_mode == "ulysses" else ""))
+        if self.tile_tokens:
+            parts.append(f"tiles {self.tile_tokens}")
+        if self.activation_offload:
+            parts.append("activations->cpu")
         if self.float8:
             parts.append("float8")
         if self.activation_checkpointing:
@@ -119,6 +129,9 @@ class Setup:
             pp_schedule=p.pp_schedule,
             ep=dims.ep,
             cp=dims.cp,
+            cp_mode=p.cp_mode,
+            tile_tokens=cfg.train.tile_tokens,
+            activation_offload=cfg.train.activation_offload,
             teacher=teacher,
             float8=cfg.train.float8,
             optimizer=cfg.train.optimizer,

@@ -1,0 +1,110 @@
+"""`scaletrain plan --longest-sequence`: for each way of holding a long sequence, the longest
+one whose training step fits a device, with every term of its memory and its step time.
+
+The layouts: the strategy the config names (else fsdp) with activation checkpointing, one
+sequence per micro-batch, at cp 1 and at the largest cp of each design the world allows
+(all-gather; Ulysses where the heads divide), each plain, with the feed-forward in tiles
+(train.tile_tokens, TILE unless configured) and with tiles and the activations held on the
+host (train.activation_offload: not on a CPU, whose host is its device). The chunked loss
+(train.loss_chunk_tokens) is the configured one, or LOSS_CHUNK for a vocabulary that
+needs it (training/defaults.py).
+
+The search: at a fixed layout every term of the peak is constant or linear in the
+tokens a rank holds (the traced block's saved tensors with a flash kernel's log-sum-exp,
+not its T x T scores; the logits; the gathered keys and values), so two estimates give
+the line, the longest fitting length follows, rounded down to the layout's step
+(GRANULE x what cp cuts into) and checked by a third estimate (stepping down while it
+does not fit). What stops it is the largest per-token term at that length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from scaletrain.config import Config
+from scaletrain.config.parallel import dims_for
+from scaletrain.models.spec import ModelSpec, with_fields
+from scaletrain.models.ulysses import heads_problem
+from scaletrain.planning.candidate import Candidate
+from scaletrain.planning.hardware import Device, is_host
+from scaletrain.planning.planner import evaluate
+from scaletrain.planning.setup import Setup
+
+GRANULE = 1024  # sequence lengths in steps of this (x 2 cp for the all-gather's chunks, x cp for Ulysses)
+TILE = 8192  # positions per feed-forward tile where train.tile_tokens is unset
+LOSS_CHUNK = 4096  # positions per loss chunk where train.loss_chunk_tokens is unset and the vocabulary is large
+CHUNK_FROM_VOCAB = 65536  # training/defaults.py's threshold for chunking the loss
+MAX_TOKENS = 1 << 25  # 33.5M tokens: the search stops there (fake-tensor traces grow with the length)
+
+
+@dataclass(frozen=True)
+class Longest:
+    layout: str
+    candidate: Candidate  # at the longest length that fits (fits False: not even one GRANULE)
+    seq_len: int
+    limit: str  # the per-token term that grows to the device's limit: "activations" or "loss"
+
+
+def longest_sequences(
+    cfg: Config, model: ModelSpec, world: int, nodes: int, device: Device, usable: float, cpu_per_node: float | None
+) -> list[Longest]:
+    if not model.loss_chunk_tokens and model.vocab_size >= CHUNK_FROM_VOCAB:
+        model = with_fields(model, loss_chunk_tokens=LOSS_CHUNK)
+    named = "strategy" in cfg.parallel.model_fields_set and cfg.parallel.strategy != "auto"
+    strategy = cfg.parallel.strategy if named else "fsdp"  # states sharded: what long sequences need most
+    base = replace(
+        Setup.from_config(cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"strategy": strategy})}),
+                          dims_for(cfg.parallel.model_copy(update={"strategy": strategy, "cp": 1, "tp": 1, "pp": 1}), world)),
+        micro_batch=1, grad_accum=1, activation_checkpointing=True, tp=1, pp=1, cp=1, tile_tokens=0,
+        activation_offload=False,
+    )  # fmt: skip
+    tile = cfg.train.tile_tokens or TILE
+    layouts = [base]
+    shape = getattr(model, "shape", None)
+    for mode in ("allgather", "ulysses"):
+        sizes = [c for c in _powers_of_two(world) if c > 1 and world % c == 0]
+        if mode == "ulysses" and shape is not None:
+            sizes = [c for c in sizes if heads_problem(shape.n_heads, shape.n_kv_heads, c) is None]
+        if sizes and shape is not None:
+            cp = max(sizes)
+            layouts.append(replace(base, cp=cp, cp_mode=mode, dp=base.dp // cp))
+    out = []
+    for layout in layouts:
+        variants = [layout]
+        if shape is not None and not shape.experts:
+            variants.append(replace(layout, tile_tokens=tile))
+            if not is_host(device):
+                variants.append(replace(layout, tile_tokens=tile, activation_offload=True))
+        out += [_longest(model, s, cfg, device, nodes, usable, cpu_per_node) for s in variants]
+    return out
+
+
+def _longest(
+    model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: int, usable: float, cpu_per_node: float | None
+) -> Longest:
+    step = GRANULE * (2 * s.cp if s.cp_mode == "allgather" and s.cp > 1 else s.cp)
+
+    def at(tokens: int) -> Candidate:
+        return evaluate(model, replace(s, seq_len=tokens), cfg, device, nodes, usable, cpu_per_node)
+
+    first, second = at(step), at(2 * step)
+    if not first.fits:
+        return Longest(first.setup.label, first, 0, _limit(first, second))
+    slope = (second.memory.peak - first.memory.peak) / step
+    n = MAX_TOKENS // step if slope <= 0 else int((usable - first.memory.peak) / slope) // step + 1
+    n = max(1, min(n, MAX_TOKENS // step))
+    best = at(n * step)
+    while not best.fits and n > 1:  # the line's rounding, or the host memory
+        n = max(1, int(n * 0.99))
+        best = at(n * step)
+    return Longest(best.setup.label, best, n * step if best.fits else 0, _limit(first, second))
+
+
+def _limit(first: Candidate, second: Candidate) -> str:
+    """The term that grows fastest with the tokens."""
+    grows = {k: getattr(second.memory, k) - getattr(first.memory, k) for k in ("activations", "loss", "buffers")}
+    return max(grows, key=lambda k: grows[k])
+
+
+def _powers_of_two(n: int) -> list[int]:
+    return [1 << i for i in range(n.bit_length()) if (1 << i) <= n]
