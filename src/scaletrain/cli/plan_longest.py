@@ -47,7 +47,7 @@ def show_longest(cfg: Config, opts: argparse.Namespace) -> int:
     table = Table(pad_edge=False, caption="memory in GiB per device at that length; host = held on the host per device")
     table.add_column("layout", no_wrap=True)
     table.add_column("tokens", justify="right", no_wrap=True)
-    for col in ("params", "grads", "optim", "activ", "loss", "buffers", "peak", "host", "s/step", "grows most"):
+    for col in ("params", "grads", "optim", "activ", "loss", "buffers", "peak", "host", "s/step", "peak at"):
         table.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         m = r.candidate.memory
@@ -63,8 +63,8 @@ def show_longest(cfg: Config, opts: argparse.Namespace) -> int:
     best = max(rows, key=lambda r: r.seq_len)
     shown.print(
         f"  - longest: {best.seq_len:,} tokens with {best.layout} (peak {fmt(best.candidate.memory.peak)}, "
-        f"estimated {best.candidate.step_time:.3g} s per step of one sequence per data-parallel rank); what grows "
-        f"with it most: {best.limit}",
+        f"estimated {best.candidate.step_time:.3g} s per step of one sequence per data-parallel rank); its peak: "
+        f"{best.limit}",
         highlight=False,
         soft_wrap=True,
     )

@@ -99,13 +99,37 @@ def _dtypes(regime: str, low: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
 # (tests/test_plan.py checks the extrapolation against direct traces).
 
 
+# Past this many positions a block is traced at a quarter, half and all of it and its saved
+# bytes extended along that line: with a flash kernel (a log-sum-exp per row, not the T x T scores)
+# every saved tensor is a fixed size or proportional to the positions, and a trace's cost
+# grows with them (`plan --longest-sequence` asks for millions).
+BLOCK_TRACE = 16384
+
+
 def block_activations(
     model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype = torch.bfloat16
 ) -> BlockActivations:
-    one, two = (_traced_block(model, b, seq_len, regime, low) for b in (1, 2))
-    saved, weights = (_linear(a, b, micro_batch) for a, b in zip(one, two))
+    if seq_len > BLOCK_TRACE:
+        q, h, t = (_linear(a[0], b[0], micro_batch) for a, b in (_at(model, n, regime, low) for n in _SHORT))
+        # Extended only where the short traces lie on a line (a kernel that saves T x T
+        # scores, a boolean mask's math path, does not: it is traced at its length).
+        if abs((t - h) - 2 * (h - q)) <= 0.01 * (t - h):
+            one, two = _at(model, BLOCK_TRACE, regime, low)
+            weights = _linear(one[1], two[1], micro_batch)
+            saved = t + int((t - h) * (seq_len - BLOCK_TRACE) / (BLOCK_TRACE // 2))
+            block_input = micro_batch * seq_len * model.hidden_size * _dtypes(regime, low)[1].itemsize
+            return BlockActivations(saved=saved, weight_copies=weights, block_input=block_input)
+    saved, weights = (_linear(a, b, micro_batch) for a, b in zip(*_at(model, seq_len, regime, low)))
     block_input = micro_batch * seq_len * model.hidden_size * _dtypes(regime, low)[1].itemsize
     return BlockActivations(saved=saved, weight_copies=weights, block_input=block_input)
+
+
+_SHORT = (BLOCK_TRACE // 4, BLOCK_TRACE // 2, BLOCK_TRACE)
+
+
+def _at(model: ModelSpec, seq_len: int, regime: str, low: torch.dtype) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(saved, weight copies) of a block traced at micro-batch 1 and at 2."""
+    return _traced_block(model, 1, seq_len, regime, low), _traced_block(model, 2, seq_len, regime, low)
 
 
 def _traceable(model: ModelSpec) -> Traceable:

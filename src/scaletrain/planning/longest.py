@@ -9,12 +9,13 @@ host (train.activation_offload: not on a CPU, whose host is its device). The chu
 (train.loss_chunk_tokens) is the configured one, or LOSS_CHUNK for a vocabulary that
 needs it (training/defaults.py).
 
-The search: at a fixed layout every term of the peak is constant or linear in the
-tokens a rank holds (the traced block's saved tensors with a flash kernel's log-sum-exp,
-not its T x T scores; the logits; the gathered keys and values), so two estimates give
-the line, the longest fitting length follows, rounded down to the layout's step
-(GRANULE x what cp cuts into) and checked by a third estimate (stepping down while it
-does not fit). What stops it is the largest per-token term at that length.
+The search: the peak grows with the length (every term is constant or proportional to
+the tokens a rank holds: a flash kernel saves a log-sum-exp per row, not the T x T
+scores), so the longest length in steps of the layout's granule (GRANULE x what cp cuts
+into) is found by doubling, then bisection, each step one estimate (planning/memory.py;
+long blocks are traced short and extended, planning/activations.py). What stops it is
+the moment of the peak there: the saved activations at backward's start (with the
+loss's temporaries), or one block's recompute under checkpointing.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Longest:
     layout: str
     candidate: Candidate  # at the longest length that fits (fits False: not even one GRANULE)
     seq_len: int
-    limit: str  # the per-token term that grows to the device's limit: "activations" or "loss"
+    limit: str  # the moment of the peak at that length (planning/memory.py's phases): what stops it
 
 
 def longest_sequences(
@@ -87,23 +88,18 @@ def _longest(
     def at(tokens: int) -> Candidate:
         return evaluate(model, replace(s, seq_len=tokens), cfg, device, nodes, usable, cpu_per_node)
 
-    first, second = at(step), at(2 * step)
+    first = at(step)
     if not first.fits:
-        return Longest(first.setup.label, first, 0, _limit(first, second))
-    slope = (second.memory.peak - first.memory.peak) / step
-    n = MAX_TOKENS // step if slope <= 0 else int((usable - first.memory.peak) / slope) // step + 1
-    n = max(1, min(n, MAX_TOKENS // step))
-    best = at(n * step)
-    while not best.fits and n > 1:  # the line's rounding, or the host memory
-        n = max(1, int(n * 0.99))
-        best = at(n * step)
-    return Longest(best.setup.label, best, n * step if best.fits else 0, _limit(first, second))
-
-
-def _limit(first: Candidate, second: Candidate) -> str:
-    """The term that grows fastest with the tokens."""
-    grows = {k: getattr(second.memory, k) - getattr(first.memory, k) for k in ("activations", "loss", "buffers")}
-    return max(grows, key=lambda k: grows[k])
+        return Longest(first.setup.label, first, 0, first.memory.peak_phase)
+    # The largest n with at(n x step) fitting: doubling, then halving the interval.
+    low, high = 1, 2
+    while high * step <= MAX_TOKENS and at(high * step).fits:
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if at(mid * step).fits else (low, mid)
+    best = at(low * step)
+    return Longest(best.setup.label, best, low * step, best.memory.peak_phase)
 
 
 def _powers_of_two(n: int) -> list[int]:

@@ -19,7 +19,7 @@ import torch
 
 from scaletrain.config import TrainConfig
 from scaletrain.models.spec import ModelSpec
-from scaletrain.planning.activations import block_activations, head_activations
+from scaletrain.planning.activations import HeadActivations, block_activations, head_activations
 from scaletrain.planning.experts import experts_of, tp_split, ungathered
 from scaletrain.planning.float8 import buffer_saving, saved_saving
 from scaletrain.planning.pipeline import gathered_stage_bytes, in_flight, rank_share
@@ -284,7 +284,7 @@ def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float, float
     # plus the keys and values of the rest of the sequence, all-gathered and saved by
     # each block's attention for backward.
     block = block_activations(model, s.micro_batch, s.local_seq_len, r, low)
-    head = head_activations(model, s.micro_batch, s.local_seq_len, r, low)
+    head = _head(model, s, r, low)
     recompute = 0.0
     saved = (block.saved - saved_saving(model, s, r, low.itemsize)) / s.tp + gathered_kv_bytes(model, s, low)
     if s.tp > 1 and not s.sequence_parallel:
@@ -329,6 +329,21 @@ def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float, float
     else:
         loss = (head.saved + 2 * head.logits_fp32) / s.tp
     return float(act), float(loss), recompute, float(held)
+
+
+# The head and the loss save bytes in proportion to their positions (logits, log-sum-exps,
+# the norm's input): traced at most this many, scaled beyond (the chunked loss's Python loop
+# over fake tensors takes seconds per million positions).
+HEAD_TRACE = 16384
+
+
+def _head(model: ModelSpec, s: Setup, regime: str, low: torch.dtype) -> HeadActivations:
+    traced = min(s.local_seq_len, HEAD_TRACE)
+    head = head_activations(model, s.micro_batch, traced, regime, low)
+    if traced == s.local_seq_len:
+        return head
+    k = s.local_seq_len / traced
+    return HeadActivations(int(head.saved * k), int(head.logits * k), int(head.logits_fp32 * k))
 
 
 def kv_width(model: ModelSpec) -> int:

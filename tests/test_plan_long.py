@@ -1,0 +1,91 @@
+"""The planner's long sequences (planning/context.py, planning/memory.py, planning/longest.py):
+Ulysses keeps no other rank's keys and values and its traffic per rank shrinks with cp;
+tiles take the feed-forward's hidden activations and the whole logits out of the peak;
+activation offload moves what the blocks keep to the host on a GPU and nothing on a CPU;
+`plan --longest-sequence` answers the issue's question for 8B on one node of 8 x 80 GiB.
+(`plan --measure` with tiles against measured peaks: test_plan_measure.py.)"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from scaletrain.cli import main
+from scaletrain.config import load_config
+from scaletrain.config.parallel import dims_for
+from scaletrain.models import model_spec
+from scaletrain.planning.context import cp_comm_bytes_per_step
+from scaletrain.planning.hardware import gpu, this_cpu
+from scaletrain.planning.memory import estimate, ffn_hidden_bytes
+from scaletrain.planning.planner import evaluate
+from scaletrain.planning.setup import Setup
+
+pytestmark = pytest.mark.unit
+
+SEQ = 65536
+
+
+@pytest.fixture(scope="module")
+def eight_b():
+    cfg = load_config([], ["model.preset=8b", f"data.seq_len={SEQ}", "precision=bf16", "parallel.strategy=fsdp"])
+    base = replace(Setup.from_config(cfg, dims_for(cfg.parallel, 8)), micro_batch=1, grad_accum=1, activation_checkpointing=False)
+    return cfg, model_spec(cfg, None), base
+
+
+def test_ulysses_holds_no_other_ranks_keys_and_its_traffic_shrinks_with_cp(eight_b):
+    _, model, base = eight_b
+    gather = {cp: replace(base, cp=cp, dp=8 // cp) for cp in (2, 8)}
+    ulysses = {cp: replace(s, cp_mode="ulysses") for cp, s in gather.items()}
+    for cp in (2, 8):
+        # The same local tokens; the all-gather design also keeps (cp-1)/cp of every block's K and V.
+        kv = 2 * SEQ * (cp - 1) / cp * 8 * 128 * 2 * model.n_blocks
+        assert estimate(model, gather[cp]).activations - estimate(model, ulysses[cp]).activations == pytest.approx(kv)
+    # Per rank: the gathers move (cp-1)/cp of the whole sequence's K, V (about constant in cp);
+    # Ulysses' all-to-alls (cp-1)/cp of its own T/cp positions' q, k, v, out (about 1/cp).
+    g2, g8 = (cp_comm_bytes_per_step(model, gather[c]) for c in (2, 8))
+    u2, u8 = (cp_comm_bytes_per_step(model, ulysses[c]) for c in (2, 8))
+    assert g8 / g2 == pytest.approx(7 / 4) and u8 / u2 == pytest.approx((7 / 8 / 8) / (1 / 2 / 2))
+    assert u8 < g8
+
+
+def test_tiles_take_the_hidden_activations_and_the_whole_logits_out(eight_b):
+    _, model, base = eight_b
+    plain, tiled = estimate(model, base), estimate(model, replace(base, tile_tokens=8192))
+    blocks = model.n_blocks
+    saved = plain.activations - tiled.activations
+    assert saved == pytest.approx(blocks * ffn_hidden_bytes(model, base, SEQ))  # 4 x 14336 wide, bf16, per block
+    assert tiled.loss < plain.loss / 4  # one tile's logits and their fp32 work, not 65536 positions'
+
+
+def test_activation_offload_moves_what_the_blocks_keep_on_a_gpu_and_nothing_on_a_cpu(eight_b):
+    cfg, model, base = eight_b
+    checkpointed = replace(base, activation_checkpointing=True)
+    offloaded = replace(checkpointed, activation_offload=True)
+    h100 = gpu("h100", "80GiB")
+    on_gpu = [evaluate(model, s, cfg, h100, 1, h100.memory, None) for s in (checkpointed, offloaded)]
+    kept = on_gpu[0].memory.activations / model.n_blocks  # each block's input
+    assert on_gpu[1].memory.activations == pytest.approx(kept)  # the block in flight
+    assert on_gpu[1].memory.cpu == pytest.approx(on_gpu[0].memory.activations - kept)
+    assert on_gpu[1].step_time > on_gpu[0].step_time  # the copies back in backward are exposed
+    cpu = this_cpu(2**40)
+    on_cpu = [evaluate(model, s, cfg, cpu, 1, cpu.memory, None) for s in (checkpointed, offloaded)]
+    assert on_cpu[1].memory == on_cpu[0].memory  # a CPU's host is its device
+
+
+def test_the_longest_sequence_for_8b_on_one_node_is_past_alsts_3_7_million(capsys):
+    args = ["plan", "model.preset=8b", "precision=bf16", "--gpus-per-node", "8", "--gpu-memory", "80GiB"]
+    assert main([*args, "--longest-sequence", "--json"]) == 0
+    rows = {r["layout"]: r for r in json.loads(capsys.readouterr().out)["longest"]}
+    best = max(rows.values(), key=lambda r: r["seq_len"])
+    assert best["seq_len"] >= 3_700_000 and "cp 8" in best["layout"] and "activations->cpu" in best["layout"]
+    assert best["peak"] <= 0.9 * 80 * 2**30 and best["cpu"] > 0 and best["step_time_s"] > 0
+    # Each of tiles, offload and cp lengthens what fits; Ulysses (no gathered keys) beyond the all-gather.
+    plain, tiles = rows["fsdp + AC"]["seq_len"], rows["fsdp + tiles 8192 + AC"]["seq_len"]
+    assert 0 < plain < tiles < rows["fsdp + tiles 8192 + activations->cpu + AC"]["seq_len"]
+    gather = rows["fsdp + cp 8 + tiles 8192 + activations->cpu + AC"]["seq_len"]
+    assert gather < rows["fsdp + cp 8 (ulysses) + tiles 8192 + activations->cpu + AC"]["seq_len"]
+    assert main([*args, "--longest-sequence"]) == 0
+    table = capsys.readouterr().out
+    assert "longest: " in table and "peak at" in table and "block recompute" in table
