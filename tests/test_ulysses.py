@@ -136,3 +136,24 @@ def test_heads_that_do_not_split_are_refused_with_the_sizes_that_do():
     spec = model_spec(cfg, None)
     with pytest.raises(UserError, match=r"parallel.cp=3 with cp_mode=ulysses splits the heads.*accepted: parallel.cp=1, 2, 4"):
         spec.apply_cp(None, Ulysses(None, 0, 3))
+
+
+@pytest.mark.unit
+def test_what_a_hugging_face_model_cannot_split_is_one_line():
+    from scaletrain.config import load_config
+    from scaletrain.models import model_spec
+    from scaletrain.models.context_parallel import ContextParallel
+    from scaletrain.models.ulysses import Ulysses
+
+    def spec(hf: str):
+        return model_spec(load_config([], ["model.source=hf", f"model.hf_config={{{hf}}}", "data.seq_len=64"]), 512)
+
+    small = "hidden_size: 64, intermediate_size: 128, num_hidden_layers: 1, vocab_size: 512"
+    llama = spec(f"model_type: llama, {small}, num_attention_heads: 4, num_key_value_heads: 2")
+    with pytest.raises(UserError, match="with cp_mode=allgather is not offered for Hugging Face models"):
+        llama.apply_cp(None, ContextParallel(None, 0, 2))
+    with pytest.raises(UserError, match="the 4 attention heads do not divide over cp=8"):
+        llama.apply_cp(None, Ulysses(None, 0, 8))
+    mistral = spec(f"model_type: mistral, {small}, num_attention_heads: 4, num_key_value_heads: 2, sliding_window: 16")
+    with pytest.raises(UserError, match="model_type mistral: its sliding-window attention is not split"):
+        mistral.apply_cp(None, Ulysses(None, 0, 2))

@@ -96,6 +96,8 @@ MOE_CP_VARIANTS = {
                                                       "train.micro_batch=4"]),
     "moe_ddp_cp2_aux": (["model.preset=tiny-moe", "model.moe.balance=aux"], ["parallel.strategy=ddp", "parallel.cp=2",
                                                                             "train.micro_batch=4"]),
+    "moe_zero3_ulysses2": (["model.preset=tiny-moe"], ["parallel.strategy=zero3", "parallel.cp=2", ULYSSES,
+                                                       "train.micro_batch=4", Z3_PARTITION_ALL]),
 }  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from scaletrain.planning.candidate import Candidate
 from scaletrain.planning.hardware import Device, is_host
 from scaletrain.planning.planner import evaluate
 from scaletrain.planning.setup import Setup
+from scaletrain.strategies import names_where
 
 GRANULE = 1024  # sequence lengths in steps of this (x 2 cp for the all-gather's chunks, x cp for Ulysses)
 TILE = 8192  # positions per feed-forward tile where train.tile_tokens is unset
@@ -52,7 +53,8 @@ def longest_sequences(
     if not model.loss_chunk_tokens and model.vocab_size >= CHUNK_FROM_VOCAB:
         model = with_fields(model, loss_chunk_tokens=LOSS_CHUNK)
     named = "strategy" in cfg.parallel.model_fields_set and cfg.parallel.strategy != "auto"
-    strategy = cfg.parallel.strategy if named else "fsdp"  # states sharded: what long sequences need most
+    # Else the torch engine that shards everything and takes cp (fsdp): states sharded, what long sequences need most.
+    strategy = cfg.parallel.strategy if named else names_where(lambda r: r.cp and r.partitions == 3 and not r.deepspeed_json)[0]
     base = replace(
         Setup.from_config(cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"strategy": strategy})}),
                           dims_for(cfg.parallel.model_copy(update={"strategy": strategy, "cp": 1, "tp": 1, "pp": 1}), world)),
