@@ -15,7 +15,7 @@ import pytest
 from scaletrain.launch.env import use_build_environment
 
 import helpers
-from helpers import SMALL_CORPUS, base_overrides, check, eval_overrides, scaletrain, train
+from helpers import SMALL_CORPUS, base_overrides, check, cp_overrides, eval_overrides, scaletrain, train
 
 # As the CLI does for its process: DeepSpeed's ops from the environment's cache, built by its
 # ninja (launch/env.py), for the tests' own processes and the probes they start.
@@ -52,6 +52,15 @@ def small_dataset(tmp_path_factory):
     out = tmp_path_factory.mktemp("shared-data") / "small"
     check(scaletrain(["data", "prepare", "--input", *SMALL_CORPUS, "--out", str(out), "--vocab-size", "512"]))
     return out
+
+
+@pytest.fixture(scope="session")
+def cp_straight(small_dataset, tmp_path_factory):
+    """What the context-parallel runs equal: one process, fsdp, global batch 4 of 256 tokens,
+    8 steps, evaluated at 4 and 8 (helpers.cp_overrides)."""
+    run = tmp_path_factory.mktemp("cp") / "straight"
+    check(train(cp_overrides(small_dataset, run, "train.micro_batch=4", "parallel.strategy=fsdp")))
+    return run
 
 
 @pytest.fixture(scope="session")

@@ -227,6 +227,22 @@ def eval_overrides(data_dir: Path, every: int = 4) -> list[str]:
     return [f"eval.every={every}", f"eval.data={data_dir}", f"eval.batches={EVAL_BATCHES}"]
 
 
+# The context-parallel runs (test_context_parallel.py, test_ulysses.py): 8 steps of 4 x 256
+# tokens, checkpointed, logged and evaluated every 4; the straight run is conftest's `cp_straight`.
+CP_STEPS, CP_EVERY, CP_SEQ = 8, 4, 256
+
+
+def cp_overrides(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        *base_overrides(data_dir, run_dir, steps=CP_STEPS),
+        f"data.seq_len={CP_SEQ}",
+        f"checkpoint.every={CP_EVERY}",
+        f"train.log_every={CP_EVERY}",
+        *eval_overrides(data_dir, every=CP_EVERY),
+        *extra,
+    ]
+
+
 def eval_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in read_metrics(run_dir / "metrics.jsonl", events=True) if r.get("event") == "eval"]
 

@@ -16,41 +16,20 @@ from scaletrain.config import load_config
 from scaletrain.models import PRESETS
 from scaletrain.telemetry.profile import COMM_OP_PREFIXES, analyze_trace
 
-from helpers import assert_same_training, base_overrides, check, eval_overrides, run_info, train, train_through
-
-STEPS, EVERY, SEQ = 8, 4, 256
-
-
-def _args(small_dataset, run, *extra: str) -> list[str]:
-    return [
-        *base_overrides(small_dataset, run, steps=STEPS),
-        f"data.seq_len={SEQ}",
-        f"checkpoint.every={EVERY}",
-        f"train.log_every={EVERY}",
-        *eval_overrides(small_dataset, every=EVERY),
-        *extra,
-    ]
-
-
-@pytest.fixture(scope="module")
-def straight(small_dataset, tmp_path_factory):
-    """One process, fsdp, global batch 4 of 256 tokens, 8 steps, evaluated at 4 and 8."""
-    run = tmp_path_factory.mktemp("cp") / "straight"
-    check(train(_args(small_dataset, run, "train.micro_batch=4", "parallel.strategy=fsdp")))
-    return run
+from helpers import CP_EVERY, CP_STEPS, assert_same_training, base_overrides, check, cp_overrides, run_info, train, train_through
 
 
 @pytest.mark.dist
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
-def test_cp2_on_fsdp_is_one_process(small_dataset, straight, tmp_path):
+def test_cp2_on_fsdp_is_one_process(small_dataset, cp_straight, tmp_path):
     # The acceptance's command: launch --nproc 2 ... parallel.strategy=fsdp parallel.cp=2.
     # Step 2 traced: the keys' and values' all-gathers are communication in its breakdown.
     cp2 = tmp_path / "cp2"
     extra = ["train.micro_batch=4", "parallel.strategy=fsdp", "parallel.cp=2", "telemetry.profile_steps=[2,2]"]
-    check(train(_args(small_dataset, cp2, *extra), nproc=2))
+    check(train(cp_overrides(small_dataset, cp2, *extra), nproc=2))
     assert run_info(cp2)["parallel"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 1, "dp_size": 1}
-    assert_same_training(cp2, straight, steps=STEPS)
+    assert_same_training(cp2, cp_straight, steps=CP_STEPS)
     trace = cp2 / "profile" / "rank0.trace.json"
     names = [e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]]
     # Each block's keys and values: FSDP2 gathers through c10d directly, only cp through the functional collectives.
@@ -66,7 +45,7 @@ def test_cp2_on_fsdp_is_one_process(small_dataset, straight, tmp_path):
 @pytest.mark.dist
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
-def test_cp2_on_ddp_with_checkpointing_and_the_chunked_loss_resumes_at_cp1(small_dataset, straight, tmp_path):
+def test_cp2_on_ddp_with_checkpointing_and_the_chunked_loss_resumes_at_cp1(small_dataset, cp_straight, tmp_path):
     # Steps 1-4 on ddp at cp=2, activation checkpointing recomputing each block's forward
     # (its key/value gathers with it) and the loss in chunks of each rank's logits; then
     # its checkpoint continued by one process on fsdp at cp=1: cp holds no state of its own.
@@ -74,11 +53,11 @@ def test_cp2_on_ddp_with_checkpointing_and_the_chunked_loss_resumes_at_cp1(small
     cp2 = ["parallel.strategy=ddp", "parallel.cp=2", "train.micro_batch=2", "train.grad_accum=2"]
     cp2 += ["parallel.activation_checkpointing=true", "train.loss_chunk_tokens=96"]
     links = [
-        (_args(small_dataset, run, *cp2), 2, "ddp at world 2 (cp 2)"),
-        (_args(small_dataset, run, "train.micro_batch=4", "parallel.strategy=fsdp"), 1, "fsdp at world 1"),
+        (cp_overrides(small_dataset, run, *cp2), 2, "ddp at world 2 (cp 2)"),
+        (cp_overrides(small_dataset, run, "train.micro_batch=4", "parallel.strategy=fsdp"), 1, "fsdp at world 1"),
     ]
-    train_through(run, links, every=EVERY)
-    assert_same_training(run, straight, steps=STEPS)
+    train_through(run, links, every=CP_EVERY)
+    assert_same_training(run, cp_straight, steps=CP_STEPS)
 
 
 @pytest.mark.dist
@@ -92,9 +71,9 @@ def test_cp2_on_ddp_with_checkpointing_and_the_chunked_loss_resumes_at_cp1(small
     ],
     ids=["cp2-dp2", "cp2-tp2"],
 )
-def test_cp2_at_world_4_is_one_process(small_dataset, straight, tmp_path, layout):
-    check(train(_args(small_dataset, tmp_path / "run", *layout), nproc=4))
-    assert_same_training(tmp_path / "run", straight, steps=STEPS)
+def test_cp2_at_world_4_is_one_process(small_dataset, cp_straight, tmp_path, layout):
+    check(train(cp_overrides(small_dataset, tmp_path / "run", *layout), nproc=4))
+    assert_same_training(tmp_path / "run", cp_straight, steps=CP_STEPS)
 
 
 @pytest.mark.e2e

@@ -18,40 +18,20 @@ from scaletrain.cli import main
 from scaletrain.errors import UserError
 from scaletrain.models import PRESETS
 
-from helpers import assert_same_training, base_overrides, check, eval_overrides, run_info, train, train_through
+from helpers import CP_EVERY, CP_STEPS, assert_same_training, check, cp_overrides, run_info, train, train_through
 
-STEPS, EVERY, SEQ = 8, 4, 256
 ULYSSES = ["parallel.cp_mode=ulysses"]
-
-
-def _args(small_dataset, run, *extra: str) -> list[str]:
-    return [
-        *base_overrides(small_dataset, run, steps=STEPS),
-        f"data.seq_len={SEQ}",
-        f"checkpoint.every={EVERY}",
-        f"train.log_every={EVERY}",
-        *eval_overrides(small_dataset, every=EVERY),
-        *extra,
-    ]
-
-
-@pytest.fixture(scope="module")
-def straight(small_dataset, tmp_path_factory):
-    """One process, fsdp, global batch 4 of 256 tokens, 8 steps, evaluated at 4 and 8."""
-    run = tmp_path_factory.mktemp("ulysses") / "straight"
-    check(train(_args(small_dataset, run, "train.micro_batch=4", "parallel.strategy=fsdp")))
-    return run
 
 
 @pytest.mark.dist
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
-def test_ulysses_cp2_on_fsdp_is_one_process(small_dataset, straight, tmp_path):
+def test_ulysses_cp2_on_fsdp_is_one_process(small_dataset, cp_straight, tmp_path):
     run = tmp_path / "cp2"
     extra = ["train.micro_batch=4", "parallel.strategy=fsdp", "parallel.cp=2", *ULYSSES, "telemetry.profile_steps=[2,2]"]
-    check(train(_args(small_dataset, run, *extra), nproc=2))
+    check(train(cp_overrides(small_dataset, run, *extra), nproc=2))
     assert run_info(run)["parallel"]["cp"] == 2
-    assert_same_training(run, straight, steps=STEPS)
+    assert_same_training(run, cp_straight, steps=CP_STEPS)
     # q, k, v to heads and the output back: four all-to-alls per attention, four more in
     # its backward (each one's gradient is the inverse exchange); no key/value gathers.
     names = [e.get("name", "") for e in json.loads((run / "profile" / "rank0.trace.json").read_text())["traceEvents"]]
@@ -62,29 +42,33 @@ def test_ulysses_cp2_on_fsdp_is_one_process(small_dataset, straight, tmp_path):
 @pytest.mark.dist
 @pytest.mark.equivalence
 @pytest.mark.timeout(400)
-def test_ulysses_on_zero3_at_world_4_is_one_process(small_dataset, straight, tmp_path):
+def test_ulysses_on_zero3_at_world_4_is_one_process(small_dataset, cp_straight, tmp_path):
     # cp 2 x dp 2: DeepSpeed's data-parallel group is all 4 ranks; ZeRO-3 partitions over
     # them and averages the gradients of the two cp halves of two samples' pairs.
     run = tmp_path / "zero3"
-    check(train(_args(small_dataset, run, "parallel.strategy=zero3", "parallel.cp=2", *ULYSSES, "train.micro_batch=2"), nproc=4))
-    assert_same_training(run, straight, steps=STEPS)
+    check(
+        train(
+            cp_overrides(small_dataset, run, "parallel.strategy=zero3", "parallel.cp=2", *ULYSSES, "train.micro_batch=2"), nproc=4
+        )
+    )
+    assert_same_training(run, cp_straight, steps=CP_STEPS)
 
 
 @pytest.mark.dist
 @pytest.mark.equivalence
 @pytest.mark.timeout(400)
-def test_ulysses_resumes_at_another_cp_size(small_dataset, straight, tmp_path):
+def test_ulysses_resumes_at_another_cp_size(small_dataset, cp_straight, tmp_path):
     # Steps 1-4 at cp 2 on world 2, then steps 5-8 at cp 4 on world 4, where the tiny
     # model's 2 key/value heads are each repeated twice to split over 4 ranks (kv_repeat).
     # Ulysses holds no state: the checkpoint is the model's and the optimizer's.
     run = tmp_path / "run"
     layout = ["parallel.strategy=fsdp", "train.micro_batch=4", *ULYSSES]
     links = [
-        (_args(small_dataset, run, *layout, "parallel.cp=2"), 2, "fsdp at world 2 (cp 2)"),
-        (_args(small_dataset, run, *layout, "parallel.cp=4"), 4, "fsdp at world 4 (cp 4)"),
+        (cp_overrides(small_dataset, run, *layout, "parallel.cp=2"), 2, "fsdp at world 2 (cp 2)"),
+        (cp_overrides(small_dataset, run, *layout, "parallel.cp=4"), 4, "fsdp at world 4 (cp 4)"),
     ]
-    train_through(run, links, every=EVERY)
-    assert_same_training(run, straight, steps=STEPS)
+    train_through(run, links, every=CP_EVERY)
+    assert_same_training(run, cp_straight, steps=CP_STEPS)
 
 
 @pytest.mark.dist
@@ -96,10 +80,10 @@ def test_a_mixture_of_experts_under_ulysses_is_one_process(small_dataset, tmp_pa
     # counts each rank takes over its cp group (models/moe.py _whole_sequences).
     moe = ["model.preset=tiny-moe", "model.moe.balance=bias", "train.micro_batch=4", "parallel.strategy=fsdp"]
     one, cp2 = tmp_path / "one", tmp_path / "cp2"
-    check(train(_args(small_dataset, one, *moe)))
-    check(train(_args(small_dataset, cp2, *moe, "parallel.cp=2", *ULYSSES), nproc=2))
-    assert_same_training(cp2, one, steps=STEPS)
-    bias = [json.loads((run / "checkpoints" / f"step_{STEPS}" / "trainer.json").read_text()) for run in (one, cp2)]
+    check(train(cp_overrides(small_dataset, one, *moe)))
+    check(train(cp_overrides(small_dataset, cp2, *moe, "parallel.cp=2", *ULYSSES), nproc=2))
+    assert_same_training(cp2, one, steps=CP_STEPS)
+    bias = [json.loads((run / "checkpoints" / f"step_{CP_STEPS}" / "trainer.json").read_text()) for run in (one, cp2)]
     # Moved by +-rate per step on the sign of each expert's load: one flipped sign is 2 x 1e-3 apart.
     np.testing.assert_allclose(bias[1]["expert_bias"], bias[0]["expert_bias"], atol=1e-6)
     assert np.abs(bias[0]["expert_bias"]).max() > 0
