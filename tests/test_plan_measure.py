@@ -93,13 +93,19 @@ def test_chunked_loss_lowers_the_measured_peak_as_predicted():
 
 @pytest.mark.timeout(300)
 def test_tiles_lower_the_measured_peak_as_predicted_within_10_percent():
-    # train.tile_tokens (models/feed_forward.py, models/loss.py HeadTiles): the feed-forward's
-    # hidden activations and the logits held for one tile at a time, without and with
-    # activation checkpointing. Measured here: 412.1 -> 194.4 and 119.0 MiB, predicted
-    # 415.5 -> 205.1 and 126.1 (+5.6%, +6.0%): within the 10%.
-    base = ["model.preset=small", "data.seq_len=1024", "train.micro_batch=2", "parallel.strategy=fsdp", "precision=fp32"]
-    plain = measure(1, base)
-    for extra in (["train.tile_tokens=128"], ["train.tile_tokens=128", "parallel.activation_checkpointing=true"]):
-        tiled = measure(1, [*base, *extra])
-        assert tiled["measured"]["peak"] < 0.6 * plain["measured"]["peak"], extra
-        assert abs(tiled["predicted"]["peak"] / tiled["measured"]["peak"] - 1) <= 0.10, (extra, tiled)
+    # train.tile_tokens (models/feed_forward.py, models/moe.py, models/loss.py HeadTiles): the
+    # feed-forward's hidden activations (a mixture of experts': its slots and the experts'
+    # hidden ones) and the logits held for one tile at a time, without and with activation
+    # checkpointing. Measured here, the small preset: 412.1 -> 194.4 and 119.0 MiB,
+    # predicted 415.5 -> 195.5 and 126.1 (+0.6%, +6.0%); tiny-moe (the loop kernel): 325.4
+    # -> 121.1 and 112.0, predicted 330.5 -> 124.4 and 111.7 (+2.8%, -0.3%): within the
+    # issue's 10%.
+    for model in ("model.preset=small", "model.preset=tiny-moe"):
+        base = [model, "data.seq_len=1024", "train.micro_batch=2", "parallel.strategy=fsdp", "precision=fp32"]
+        if model.endswith("moe"):
+            base.append("model.moe.experts_impl=loop")  # one kernel on every CPU (auto takes the grouped one where a probe runs)
+        plain = measure(1, base)
+        for extra in (["train.tile_tokens=128"], ["train.tile_tokens=128", "parallel.activation_checkpointing=true"]):
+            tiled = measure(1, [*base, *extra])
+            assert tiled["measured"]["peak"] < 0.6 * plain["measured"]["peak"], extra
+            assert abs(tiled["predicted"]["peak"] / tiled["measured"]["peak"] - 1) <= 0.10, (extra, tiled)

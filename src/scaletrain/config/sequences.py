@@ -65,9 +65,15 @@ def _tiles_and_offload_problem(cfg: Any) -> str | None:
                 return f"train.{key} does not combine with {given} (not checked yet); accepted: train.{key}={off}"
     if t.tile_tokens and m.teacher is not None:
         return "train.tile_tokens does not combine with model.teacher (its loss needs the whole logits); accepted: train.tile_tokens=0"
-    if t.tile_tokens and (m.source != "builtin" or m.moe is not None or m.preset in MOE_PRESETS):
+    if t.tile_tokens and m.source != "builtin":
         return (
-            f"train.tile_tokens tiles the built-in model's dense feed-forward and loss, not model.source={m.source}"
-            f"{' with experts' if m.source == 'builtin' else ''} (not built yet); accepted: train.tile_tokens=0"
+            f"train.tile_tokens tiles the built-in model's feed-forward, experts and loss, not model.source={m.source}'s "
+            "(not built yet); accepted: train.tile_tokens=0"
+        )
+    if t.tile_tokens and m.moe is not None and m.moe.capacity_factor:
+        return (
+            f"train.tile_tokens does not combine with model.moe.capacity_factor={m.moe.capacity_factor} (a capacity "
+            "keeps each expert's first slots of the whole micro-batch, not of a tile); accepted: "
+            "model.moe.capacity_factor=0 (dropless), or train.tile_tokens=0"
         )
     return None

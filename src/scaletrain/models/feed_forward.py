@@ -1,7 +1,8 @@
 """The dense SwiGLU feed-forward (Shazeer 2020) of the built-in Llama block, and of a
 mixture of experts' shared experts (models/moe.py).
 
-train.tile_tokens (`tile`): in training, the feed-forward runs over tiles of that many
+train.tile_tokens (`tile`, which sets it on the mixture-of-experts layers (models/moe.py) and the
+built-in model's head too): in training, the feed-forward runs over tiles of that many
 positions, each tile under its own non-reentrant checkpoint, so that its three hidden
 activations (ffn_dim wide, the widest tensors of a block) exist for one tile at a time in
 the forward and again, recomputed tile by tile, in the backward (Arctic long-sequence
@@ -36,10 +37,11 @@ class FeedForward(nn.Module):
 
 
 def tile(model: nn.Module, tokens: int) -> int:
-    """Set train.tile_tokens on every FeedForward of `model`, and on the built-in model
-    itself, whose head and loss then run tile by tile (models/loss.py HeadTiles); how many
-    feed-forwards there are."""
-    # The built-in model (models/llama.py, which imports this module) holds the attribute too.
+    """Set train.tile_tokens on every FeedForward of `model`, every mixture-of-experts layer
+    (models/moe.py: its experts tile by tile) and the built-in model itself, whose head and
+    loss then run tile by tile (models/loss.py HeadTiles); how many dense feed-forwards
+    there are."""
+    # The built-in model and MoE (models/llama.py, models/moe.py: both import this module) hold the attribute too.
     found = [m for m in model.modules() if isinstance(m, FeedForward) or hasattr(m, "tile_tokens")]
     for module in found:
         setattr(module, "tile_tokens", tokens)  # noqa: B010  # a FeedForward's, or the model's

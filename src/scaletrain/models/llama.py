@@ -221,9 +221,8 @@ class Llama(nn.Module):
             if self.shape.moe_layers:  # a stage without MoE layers passes the sum on (zero on the first)
                 return h, torch.stack(aux).sum() if aux else torch.zeros((), device=h.device)
             return h
-        if self.tile_tokens and not aux:
-            return HeadTiles(h, self._head, self.tile_tokens)  # the loss runs the head tile by tile (models/loss.py)
-        logits = self._head(h)
+        # train.tile_tokens: the loss runs the head tile by tile (models/loss.py HeadTiles).
+        logits = HeadTiles(h, self._head, self.tile_tokens) if self.tile_tokens else self._head(h)
         # A mixture of experts returns its auxiliary loss beside the logits: the spec's loss
         # adds it, so it is scaled like the loss (accumulation, fp16 loss scaling) everywhere.
         return (logits, torch.stack(aux).sum()) if aux else logits

@@ -121,6 +121,7 @@ class MoE(nn.Module):
         # Under context parallel (parallel.cp) the cp group, whose ranks hold the other parts
         # of this rank's sequences: the balance term counts their routing too (_balance).
         self.sequence_group: Any = None
+        self.tile_tokens = 0  # train.tile_tokens (models/feed_forward.py `tile`); 0: the experts whole
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, dim] -> (output [B, T, dim], this layer's weighted auxiliary loss (fp32
@@ -130,19 +131,67 @@ class MoE(nn.Module):
         n, k, e = tokens.shape[0], self.top_k, self.n_experts
         logits = self.router(tokens).float()  # routing in fp32: close scores decide the experts
         probs, weights, chosen = self._route(logits)  # [n, e]; [n, k] each
+        routed, splits = _counts(chosen.reshape(-1), e, n * k, x)
+        dropped = torch.zeros((), device=x.device)
+        if self.tile_tokens and torch.is_grad_enabled() and t > self.tile_tokens:
+            # train.tile_tokens: the routed experts over tiles of positions, each under its
+            # own non-reentrant checkpoint (as the dense feed-forward, models/feed_forward.py):
+            # the slots and the experts' hidden activations exist for one tile at a time, in
+            # the forward and again in the backward. The routing above stays whole (a
+            # token's experts depend on its own scores only; the balance terms count every
+            # token). No capacity (refused: it counts the micro-batch's slots in token order).
+            from torch.utils.checkpoint import checkpoint
+
+            tiles = []
+            for start in range(0, t, self.tile_tokens):
+                part = slice(start, start + self.tile_tokens)  # views: the checkpoint keeps no copy
+                rows = (x[:, part], weights.view(b, t, k)[:, part], chosen.view(b, t, k)[:, part])
+                tiles.append(checkpoint(self._dispatch, *rows, use_reentrant=False)[0].view(b, -1, d))
+            y = torch.cat(tiles, dim=1).reshape(n, d)
+        else:
+            y, dropped = self._dispatch(tokens, weights, chosen, routed, splits)
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        balance = self._balance(routed, chosen, probs, b, t)
+        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        aux = self.aux_weight * balance + self.z_weight * z
+        # torch.full, not torch.tensor: a fill on the device, no host-to-device copy per forward.
+        tokens_seen = torch.full((), float(n), device=x.device)
+        extra = torch.stack([dropped.float(), aux.detach(), tokens_seen, balance.detach(), z.detach()])
+        stats = torch.cat([routed.detach().float(), extra])
+        return y.reshape(b, t, d), aux, stats
+
+    def _dispatch(
+        self,
+        tokens: torch.Tensor,
+        weights: torch.Tensor,
+        chosen: torch.Tensor,
+        routed: torch.Tensor | None = None,
+        splits: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [..., dim] through their chosen experts [..., k], weighted and summed per
+        token -> (output [tokens, dim], slots the capacity dropped), the slots per expert
+        given (`routed`, `splits`) or counted here (a tile)."""
+        tokens, chosen, weights = (
+            tokens.reshape(-1, tokens.shape[-1]),
+            chosen.reshape(-1, self.top_k),
+            weights.reshape(-1, self.top_k),
+        )
+        n, k, e = tokens.shape[0], self.top_k, self.n_experts
+        if routed is None:
+            routed, splits = _counts(chosen.reshape(-1), e, n * k, tokens)
         # Token slots sorted by expert (stable: within an expert, in token order).
         flat = chosen.reshape(-1)
         order = flat.argsort(stable=True)
-        routed, splits = _counts(flat, e, n * k, x)
         counts, kept = routed, None
-        dropped = torch.zeros((), device=x.device)
+        dropped = torch.zeros((), device=tokens.device)
         if self.capacity_factor:
             # Each expert keeps its first `capacity` slots in token order; the dropped ones
             # move behind all kept ones (a stable sort on the flag) and stay rows whose
             # output is zeroed: every size stays n x k, none is read back from the device.
             capacity = math.ceil(self.capacity_factor * n * k / e)
             starts = torch.cumsum(routed, 0) - routed
-            kept = torch.arange(n * k, device=x.device) - starts[flat[order]] < capacity
+            kept = torch.arange(n * k, device=tokens.device) - starts[flat[order]] < capacity
             behind = (~kept).to(torch.int32).argsort(stable=True)
             order, kept = order[behind], kept[behind][:, None]
             counts, dropped = routed.clamp(max=capacity), (~kept).sum()
@@ -166,16 +215,7 @@ class MoE(nn.Module):
         # the sum is taken in the tokens' (index_add_ takes one dtype).
         weighted = (out * slot_weights[:, None].to(out.dtype)).to(tokens.dtype)
         y = torch.zeros_like(tokens).index_add_(0, source, weighted)
-        if self.shared is not None:
-            y = y + self.shared(tokens)
-        balance = self._balance(routed, chosen, probs, b, t)
-        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
-        aux = self.aux_weight * balance + self.z_weight * z
-        # torch.full, not torch.tensor: a fill on the device, no host-to-device copy per forward.
-        tokens_seen = torch.full((), float(n), device=x.device)
-        extra = torch.stack([dropped.float(), aux.detach(), tokens_seen, balance.detach(), z.detach()])
-        stats = torch.cat([routed.detach().float(), extra])
-        return y.reshape(b, t, d), aux, stats
+        return y, dropped
 
     def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The router's logits [n, e] -> (each token's scores as a distribution over the

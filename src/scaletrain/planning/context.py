@@ -12,7 +12,7 @@ from scaletrain.models.ulysses import heads_problem, kv_repeat
 from scaletrain.planning.candidate import Candidate
 from scaletrain.planning.experts import experts_of
 from scaletrain.planning.hardware import Device, fmt
-from scaletrain.planning.memory import kv_width, offloaded_activations
+from scaletrain.planning.memory import ffn_width, kv_width, offloaded_activations
 from scaletrain.planning.pipeline import rank_share
 from scaletrain.planning.setup import Setup
 
@@ -73,17 +73,18 @@ def tile_seconds(model: ModelSpec, s: Setup, flops_per_s: float) -> float:
     if not s.tile_tokens or shape is None:
         return 0.0
     tokens = s.micro_batch * s.local_seq_len * s.grad_accum
-    return _rank_blocks(model, s) * tokens * 2 * 3 * shape.dim * shape.ffn_dim / s.tp / flops_per_s
+    return _rank_blocks(model, s) * tokens * 2 * 3 * shape.dim * ffn_width(shape) / s.tp / flops_per_s
 
 
 def offload_seconds(model: ModelSpec, s: Setup, device: Device, compute: float) -> float:
-    """train.activation_offload: the held activations go to the host on a side stream
-    (hidden behind the forward's compute, up to OVERLAP of the step's) and come back on
-    demand in backward (exposed: not prefetched)."""
+    """train.activation_offload: the held activations go to the host on a side stream while
+    the forward computes (a third of the step's compute) and come back on another, each one
+    prefetched while the backward before it computes (the other two thirds): each direction
+    over the host link (its own copy engine), hidden up to OVERLAP of the compute beside it."""
     if not s.activation_offload:
         return 0.0
     moved = offloaded_activations(model, s) * s.grad_accum / device.host_bw
-    return moved + max(0.0, moved - OVERLAP * compute)
+    return max(0.0, moved - OVERLAP * compute / 3) + max(0.0, moved - OVERLAP * 2 * compute / 3)
 
 
 def _rank_blocks(model: ModelSpec, s: Setup) -> int:

@@ -14,6 +14,7 @@ the largest of these moments, each seen in measurements (docs/planner.md):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -171,11 +172,19 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
         # partitioned parameter in fp32 and in bf16 alike.
         step_grads = w * n_train / shard / s.tp
         step_temp = step_grads + (fp32_grad_partition if w < 4.0 else 0.0)
+    # Activation checkpointing: one block's activations are rebuilt later in backward, once
+    # the loss temporaries are gone; count every gradient as already there (upper bound).
+    at_recompute = act + transient_grads
+    if s.tile_tokens and not s.activation_checkpointing:
+        # train.tile_tokens alone: a tile is recomputed in every block's backward; at block
+        # i's, the blocks above hold their gradients and those below their activations, a
+        # sum linear in i, largest at the last block (every activation, the head's gradient)
+        # or the first (one block's activations, every gradient).
+        blocks = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[1]
+        at_recompute = max(act + min(head_grad, transient_grads), act / blocks + transient_grads)
     phases = {
         "backward start": (resident + act + loss, 0.0),
-        # Activation checkpointing: one block's activations are rebuilt later in backward,
-        # once the loss temporaries are gone; count every gradient as already there (upper bound).
-        "block recompute": (resident + act + recompute + transient_grads + buckets, buckets),
+        "block recompute": (resident + at_recompute + recompute + buckets, buckets),
         "backward end": (resident + transient_grads + embedding_temp + buckets, embedding_temp + buckets),
         "optimizer step": (resident + step_grads + step_temp, step_temp),
     }
@@ -267,12 +276,25 @@ def offloaded_activations(model: ModelSpec, s: Setup) -> float:
 
 
 def ffn_hidden_bytes(model: ModelSpec, s: Setup, tokens: int) -> float:
-    """The built-in dense feed-forward's saved hidden activations for `tokens` positions:
-    w1's and w3's outputs, silu's and the product, ffn_dim wide (models/feed_forward.py)."""
+    """What a block's feed-forward saves for `tokens` positions, all of which a tile
+    (train.tile_tokens) recomputes instead: four tensors as wide as its hidden layer (w1's
+    and w3's outputs, silu's and the product: models/feed_forward.py), and a mixture of
+    experts' routed slots (top_k a token): each its input, its expert's output and the weighted
+    output (index_add_ keeps it), `dim` wide."""
     shape = getattr(model, "shape", None)
-    if shape is None or shape.experts:
+    if shape is None:
         return 0.0
-    return 4.0 * tokens * shape.ffn_dim / s.tp * (4.0 if s.precision == "fp32" else 2.0)
+    size = 4.0 if s.precision == "fp32" else 2.0
+    slots = 3.0 * tokens * shape.top_k * shape.dim if shape.experts else 0.0
+    return (4.0 * tokens * ffn_width(shape) / s.tp + slots) * size
+
+
+def ffn_width(shape: Any) -> int:
+    """A token's feed-forward width: the dense ffn_dim, or its top_k experts' and the shared
+    experts' together (models/moe.py)."""
+    if not shape.experts:
+        return int(shape.ffn_dim)
+    return int((shape.top_k + shape.shared_experts) * shape.expert_ffn_dim)
 
 
 def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float, float]:
@@ -318,11 +340,13 @@ def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float, float
     if tile:
         # train.tile_tokens: the head and the loss run tile by tile under checkpoints
         # (models/loss.py HeadTiles): the last block's output is kept, and one tile's logits
-        # exist at a time, with its fp32 copy, log-softmax and their gradient.
+        # exist at a time, with their fp32 copy (none when they are fp32 already), the
+        # log-softmax and its gradient.
         act_bytes = 4.0 if s.precision == "fp32" else low.itemsize
         tokens = s.micro_batch * s.local_seq_len
         rows = s.micro_batch * min(s.tile_tokens, s.local_seq_len)
-        loss = tokens * model.hidden_size * act_bytes + rows * model.vocab_size * (act_bytes + 3 * 4.0)
+        fp32_copy = 0.0 if act_bytes == 4.0 else 4.0
+        loss = tokens * model.hidden_size * act_bytes + rows * model.vocab_size * (act_bytes + fp32_copy + 2 * 4.0)
     elif chunk:
         tokens = s.micro_batch * s.local_seq_len
         loss = head.saved + head.logits + 2 * head.logits_fp32 * min(chunk, tokens) / tokens
