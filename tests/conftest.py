@@ -86,3 +86,26 @@ def ddp2_run(small_dataset, tmp_path_factory):
         )
     )
     return run
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (tests/s3_server.py), for this test process."""
+    from s3_server import start_server
+
+    s3 = start_server()
+    yield s3
+    s3.server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, request):
+    """The server with a fresh bucket, its credentials and endpoint in the environment (the
+    runs this test starts inherit them)."""
+    import hashlib
+
+    from s3_server import with_bucket
+
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    return with_bucket(s3_server, f"test-{hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]}")

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sysconfig
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -80,9 +81,14 @@ def test_manifest_matches_shards(prepared, corpus):
         assert _sha(f) == s["sha256"]
         # Documents are split across boundaries, so every shard but the last is full.
         assert s["tokens"] == SHARD or i == len(m["shards"]) - 1
+        # Each block's CRC-32 beside it (the ranges a reader of object storage checks).
+        raw, sums = f.read_bytes(), np.fromfile(prepared / s["blocks"], dtype="<u4")
+        block = m["block_bytes"]
+        assert s["blocks"] == f"shard_{i:05d}.crc32" and len(sums) == -(-len(raw) // block)
+        assert [zlib.crc32(raw[k * block : (k + 1) * block]) for k in range(len(sums))] == sums.tolist()
     assert sum(s["tokens"] for s in m["shards"]) == m["total_tokens"]
     assert sorted(p.name for p in prepared.iterdir()) == sorted(
-        ["manifest.json", "tokenizer.json", *(s["file"] for s in m["shards"])]
+        ["manifest.json", "tokenizer.json", *(n for s in m["shards"] for n in (s["file"], s["blocks"]))]
     )
 
 

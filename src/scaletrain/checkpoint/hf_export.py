@@ -311,3 +311,41 @@ def _check_readable(out: Path, weight_map: dict[str, str]) -> None:
             want = sorted(n for n, shard in weight_map.items() if shard == file)
             if sorted(f.keys()) != want:
                 raise RuntimeError(f"{file}: safetensors reads {len(list(f.keys()))} tensors, {len(want)} were written")
+
+
+def export_checkpoint(
+    ckpt: Path,
+    out: Path,
+    dtype: str = "bf16",
+    trainable_only: bool = False,
+    tokenizer: Path | None = None,
+    max_shard_bytes: int = 2 << 30,
+) -> dict[str, Any]:
+    """A complete checkpoint directory -> the Hugging Face directory `out`, everything taken
+    from the checkpoint itself (its config.yaml and trainer state): what `ckpt export` and
+    checkpoint.hf_every (training/saves.py) both write. A checkpoint without its frozen
+    parameters gets them from its base, rebuilt on the CPU; a LoRA run's adapters are folded in."""
+    from scaletrain.checkpoint.frozen_base import base_weights, check_base
+    from scaletrain.checkpoint.state import TrainerState
+    from scaletrain.config import load_config
+    from scaletrain.models import saved_spec
+
+    saved = TrainerState.read(ckpt)
+    cfg = load_config([str(ckpt / "config.yaml")])
+    spec = saved_spec(saved.model)
+    layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
+    ref = saved.base
+    if ref is not None and not trainable_only:
+        check_base(ckpt, ref, cfg)
+    done = export_hf(
+        ckpt,
+        out,
+        layout,
+        export_target(spec, max_positions=cfg.data.seq_len, model=cfg.model),
+        dtype=dtype,
+        trainable_only=trainable_only,
+        tokenizer=tokenizer,
+        max_shard_bytes=max_shard_bytes,
+        base=(lambda: base_weights(cfg, spec)) if ref is not None else None,
+    )
+    return {**done, "step": saved.step}

@@ -9,8 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from scaletrain import checkpoint
-from scaletrain.checkpoint.frozen_base import base_weights, check_base
-from scaletrain.checkpoint.hf_export import dtype_note, export_hf, export_target
+from scaletrain.checkpoint.hf_export import dtype_note, export_checkpoint, export_target
 from scaletrain.checkpoint.lora_export import export_adapter
 from scaletrain.checkpoint.neutral import ParamLayout
 from scaletrain.checkpoint.state import FILE, TrainerState
@@ -106,24 +105,11 @@ def export(args: argparse.Namespace) -> int:
             f"exported the LoRA adapters of {path} ({done['engine']}, step {saved.step}) to {args.out}: {done['tensors']} tensors, {args.dtype}"
         )
         return 0
-    # A checkpoint without its frozen parameters: they come from its base, rebuilt on the CPU.
-    ref = saved.base
-    if ref is not None and not args.trainable_only:
-        check_base(path, ref, cfg)
     tokenizer = Path(args.tokenizer) if args.tokenizer else _run_tokenizer(cfg)
     if tokenizer is not None and not tokenizer.is_file():
         raise UserError(f"--tokenizer {tokenizer}: no such file; accepted: a tokenizer.json")
-    done = export_hf(
-        path,
-        Path(args.out),
-        layout,
-        export_target(spec, max_positions=cfg.data.seq_len, model=cfg.model),
-        dtype=args.dtype,
-        trainable_only=args.trainable_only,
-        tokenizer=tokenizer,
-        max_shard_bytes=int(parse_size(args.max_shard_size, "--max-shard-size")),
-        base=(lambda: base_weights(cfg, spec)) if ref is not None else None,
-    )
+    shard_bytes = int(parse_size(args.max_shard_size, "--max-shard-size"))
+    done = export_checkpoint(path, Path(args.out), args.dtype, args.trainable_only, tokenizer, shard_bytes)
     print(
         f"exported {path} ({done['engine']}, step {saved.step}) to {args.out}: {done['tensors']} tensors, "
         f"{done['bytes']:,} bytes in {done['files']} safetensors file(s), {dtype_note(args.dtype)}"

@@ -17,7 +17,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
         description="Tokenize files into numpy token shards with a manifest (tokenizer, counts, checksums).",
     )
     prep.add_argument("--input", nargs="+", required=True, metavar="GLOB", help="files or globs (.txt, .jsonl, .parquet)")
-    prep.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold a dataset yet)")
+    prep.add_argument(
+        "--out", required=True, metavar="DIR", help="output directory or URL (s3://bucket/prefix; must not hold a dataset yet)"
+    )
     defaults = DataConfig()
     prep.add_argument("--vocab-size", type=int, default=defaults.vocab_size, help="BPE vocabulary size when training a tokenizer")
     prep.add_argument(
@@ -38,16 +40,28 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
 
 def run(args: argparse.Namespace) -> int:
     """`prepare`, the one action."""
-    from scaletrain.data import prepare_dataset  # numpy, the tokenizers
+    import tempfile
 
-    out = prepare_dataset(
-        args.input,
-        Path(args.out),
-        vocab_size=args.vocab_size,
-        tokenizer=args.tokenizer,
-        text_field=args.text_field,
-        shard_tokens=args.shard_tokens,
-        fmt=args.format,
-    )
+    from scaletrain.data import prepare_dataset  # numpy, the tokenizers
+    from scaletrain.data.blocks import is_url
+    from scaletrain.data.remote import upload_dataset
+
+    def prepare(out: Path) -> Path:
+        return prepare_dataset(
+            args.input,
+            out,
+            vocab_size=args.vocab_size,
+            tokenizer=args.tokenizer,
+            text_field=args.text_field,
+            shard_tokens=args.shard_tokens,
+            fmt=args.format,
+        )
+
+    if is_url(args.out):  # object storage: prepared here, then copied there (data/remote.py)
+        with tempfile.TemporaryDirectory(prefix="scaletrain-prepare-") as tmp:
+            upload_dataset(prepare(Path(tmp) / "data"), args.out)
+        print(f"prepared dataset: {args.out} (see {args.out.rstrip('/')}/manifest.json)")
+        return 0
+    out = prepare(Path(args.out))
     print(f"prepared dataset: {out} (see {out / 'manifest.json'})")
     return 0

@@ -41,6 +41,11 @@ class DataConfig(Section):
     # Rank 0 alone tokenizes; the other ranks wait this long for it (not in a collective,
     # so a big corpus never trips the process-group timeout).
     prepare_timeout_s: float = Field(7200.0, gt=0)
+    # data.paths as a URL (s3://bucket/prefix: a prepared directory in object storage, read
+    # range by range, data/remote.py): blocks kept up to cache_bytes in memory, and under
+    # cache_dir on disk as well (the same bound) where given.
+    cache_dir: str | None = None
+    cache_bytes: int = Field(256 << 20, ge=1 << 16)
     # A mixture instead of paths: [{paths: [...], weight: 0.7}, ...], each source prepared as
     # data.paths is, all with one tokenizer, interleaved by weight (data/mix.py, docs/data.md).
     mix: list[MixSource] = Field(default_factory=list)

@@ -301,6 +301,12 @@ class CheckpointConfig(Section):
     # from (the base at model.path, or the seeded init), which a resume and an export
     # rebuild and a resume checks is unchanged. A LoRA run's checkpoints shrink to its adapters.
     frozen: Literal["save", "reference"] = "save"
+    # Hugging Face weights during training: every this many steps (0: never), and/or after
+    # the last step, the checkpoint of that step (written then if not already due) exported
+    # to <run.dir>/hf/step_<N> as `ckpt export` writes it (safetensors in bf16, config,
+    # tokenizer), by rank 0 once the checkpoint is complete (in the background with async_save).
+    hf_every: int = Field(0, ge=0)
+    hf_last: bool = False
 
 
 class TelemetryConfig(Section):

@@ -12,7 +12,6 @@ cut out of each shard first (data/heldout.py), by the same rule on every rank.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,43 +20,44 @@ import numpy as np
 if TYPE_CHECKING:  # torch is imported on first use: `scaletrain data prepare` never needs it
     import torch
 
+from scaletrain.data.blocks import is_url
 from scaletrain.data.heldout import split_documents
-from scaletrain.data.prepare import CONTEXT_BIT, FORMAT, FORMAT_VERSION, MANIFEST
+from scaletrain.data.prepare import CONTEXT_BIT, MANIFEST, check_manifest
+from scaletrain.data.remote import RemoteDataset, StoreOptions
 from scaletrain.errors import UserError
 
 
 class PackedTokens:
     """Random access to the packed windows of a prepared dataset (memory-mapped, read-only)."""
 
-    def __init__(self, dataset_dir: Path, seq_len: int, seed: int, held_out: float = 0.0):
-        self.dir = Path(dataset_dir)
+    def __init__(
+        self, dataset_dir: Path | str, seq_len: int, seed: int, held_out: float = 0.0, store: StoreOptions | None = None
+    ):
         self.seq_len = int(seq_len)
         self.seed = int(seed)
         if self.seq_len < 1:
             raise UserError(f"data.seq_len = {seq_len} is invalid; accepted: an integer >= 1")
-        self.manifest = _read_manifest(self.dir)
+        # A URL (data.paths=["s3://bucket/prefix"]): the same directory in object storage,
+        # read range by range through a block cache (data/remote.py), never copied whole.
+        self.remote: RemoteDataset | None = None
+        if is_url(dataset_dir):
+            self.remote = RemoteDataset(str(dataset_dir), store or StoreOptions())
+            if held_out > 0:
+                raise UserError(
+                    f"eval.split={held_out:g} reads every shard whole to find its documents, not from {dataset_dir} "
+                    "(not built yet); accepted: eval.split=0 with eval.data, or a local copy of the data"
+                )
+        self.dir: Any = self.remote.url if self.remote else Path(dataset_dir)
+        self.manifest = self.remote.manifest if self.remote else _read_manifest(Path(dataset_dir))
         m = self.manifest
         self.vocab_size: int = int(m["vocab_size"])
         self.eos_id: int = int(m["eos_id"])
-        self.tokenizer_path: Path = self.dir / m["tokenizer"]
+        self.tokenizer_path: Path = self.remote.tokenizer if self.remote else self.dir / m["tokenizer"]
         self.dtype = np.dtype(m["dtype"]).newbyteorder("<")  # prepare writes little-endian
         # Fine-tuning records: tokens with CONTEXT_BIT are context, their targets not trained.
         self.masked = bool(m.get("loss_mask", False))
 
-        self._shards: list[np.ndarray] = []
-        for s in m["shards"]:
-            path = self.dir / s["file"]
-            if not path.is_file():
-                raise UserError(f"{self.dir}: shard {s['file']} listed in {MANIFEST} is missing; prepare the data again")
-            expected = int(s["tokens"]) * self.dtype.itemsize
-            actual = path.stat().st_size
-            if actual != expected:
-                raise UserError(
-                    f"{path}: {actual} bytes but {MANIFEST} says {s['tokens']} {m['dtype']} tokens ({expected} bytes); "
-                    "the directory is damaged or mixed with another dataset, prepare the data again"
-                )
-            if s["tokens"] > 0:
-                self._shards.append(np.memmap(path, dtype=self.dtype, mode="r", shape=(int(s["tokens"]),)))
+        self._shards: list[Any] = [*self.remote.shards(self.dtype)] if self.remote else self._local_shards()
         self._lengths = np.array([len(a) for a in self._shards], dtype=np.int64)
         self.total_tokens = int(self._lengths.sum())
         if self.total_tokens != int(m["total_tokens"]):
@@ -67,7 +67,7 @@ class PackedTokens:
         # eval.split: the held-out documents leave each shard (data/heldout.py); without it
         # every shard is one piece, and the stream is exactly what it always was.
         self.split = split_documents(self._shards, self.eos_id, held_out, self.seed) if held_out > 0 else None
-        self._pieces = self.split.train if self.split else [[a] for a in self._shards]
+        self._pieces: list[list[Any]] = self.split.train if self.split else [[a] for a in self._shards]
         self.train_tokens = sum(len(p) for pieces in self._pieces for p in pieces)
         # The last window needs one token beyond its seq_len inputs (the final target).
         self.samples_per_epoch = (self.train_tokens - 1) // self.seq_len
@@ -82,8 +82,25 @@ class PackedTokens:
         # Only the current epoch's permutations are kept: consumers walk indices in order.
         self._epoch: int | None = None
         self._starts = np.zeros(0, dtype=np.int64)
-        self._order: list[np.ndarray] = []
+        self._order: list[Any] = []  # pieces: arrays, or RemoteShard objects
         self._perm = np.zeros(0, dtype=np.int64)
+
+    def _local_shards(self) -> list[Any]:
+        m, shards = self.manifest, []
+        for s in m["shards"]:
+            path = self.dir / s["file"]
+            if not path.is_file():
+                raise UserError(f"{self.dir}: shard {s['file']} listed in {MANIFEST} is missing; prepare the data again")
+            expected = int(s["tokens"]) * self.dtype.itemsize
+            actual = path.stat().st_size
+            if actual != expected:
+                raise UserError(
+                    f"{path}: {actual} bytes but {MANIFEST} says {s['tokens']} {m['dtype']} tokens ({expected} bytes); "
+                    "the directory is damaged or mixed with another dataset, prepare the data again"
+                )
+            if s["tokens"] > 0:
+                shards.append(np.memmap(path, dtype=self.dtype, mode="r", shape=(int(s["tokens"]),)))
+        return shards
 
     # -- epoch layout --------------------------------------------------------------------
 
@@ -147,7 +164,8 @@ class PackedTokens:
             for s in np.unique(shard[inside]):
                 sel = inside & (shard == s)
                 offsets = starts[sel] - self._starts[s]
-                out[rows[sel]] = self._order[s][offsets[:, None] + np.arange(n)]
+                piece = self._order[s]
+                out[rows[sel]] = piece.windows(offsets, n) if self.remote else piece[offsets[:, None] + np.arange(n)]
             for r in np.nonzero(~inside)[0]:
                 out[rows[r]] = self._read(int(starts[r]), n)
         return out
@@ -166,9 +184,32 @@ class PackedTokens:
             i += 1
         return out
 
+    def read_ahead(self, global_indices: range) -> None:
+        """From object storage: start fetching these samples' blocks in the background (the
+        next step's, while this one computes); on a local disk nothing to do."""
+        if self.remote is None or not len(global_indices):
+            return
+        wanted = []
+        n = self.seq_len + 1
+        for g in global_indices:
+            _, window = self.sample_id(g)
+            start = window * self.seq_len
+            i = int(np.searchsorted(self._starts, start, side="right")) - 1
+            while start < window * self.seq_len + n and i < len(self._order):  # a window may span shards
+                offset = start - int(self._starts[i])
+                take = min(window * self.seq_len + n - start, len(self._order[i]) - offset)
+                wanted += self._order[i].ranges([offset], take)
+                start, i = start + take, i + 1
+        self.remote.cache.ahead(wanted)
+
     def verify(self) -> None:
         """Check every shard's sha256 against the manifest (reads all data; optional)."""
         for s in self.manifest["shards"]:
+            if self.remote:
+                h = self.remote.sha256(s["file"])
+                if h != s["sha256"]:
+                    raise UserError(f"{self.dir}/{s['file']}: checksum differs from {MANIFEST}; prepare the data again")
+                continue
             h = hashlib.sha256((self.dir / s["file"]).read_bytes()).hexdigest()
             if h != s["sha256"]:
                 raise UserError(f"{self.dir / s['file']}: checksum differs from {MANIFEST}; prepare the data again")
@@ -178,22 +219,7 @@ def _read_manifest(d: Path) -> dict[str, Any]:
     path = d / MANIFEST
     if not path.is_file():
         raise UserError(f"{str(d)!r} has no {MANIFEST}; accepted: a directory made by `scaletrain data prepare`")
-    try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e.msg}); prepare the data again") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise UserError(f"{path}: not a scaletrain token manifest; accepted: a directory made by `scaletrain data prepare`")
-    if m.get("version") != FORMAT_VERSION:
-        raise UserError(
-            f"{path}: manifest version {m.get('version')!r} is not supported; accepted: {FORMAT_VERSION} (prepare the data again)"
-        )
-    missing = [k for k in ("tokenizer", "vocab_size", "eos_id", "dtype", "shards", "total_tokens") if k not in m]
-    if missing:
-        raise UserError(f"{path}: manifest lacks {', '.join(missing)}; prepare the data again")
-    if m["dtype"] not in ("uint16", "uint32"):
-        raise UserError(f"{path}: dtype {m['dtype']!r} is not supported; accepted: uint16, uint32")
-    return m
+    return check_manifest(path.read_text(), str(path))
 
 
 class Samples(Protocol):
@@ -277,4 +303,10 @@ class RankBatches:
             for idx in self.step_indices():
                 out.append(split_sample(torch.from_numpy(self.data.batch(idx)), False))
         self.position += self.samples_per_step
+        # From object storage: the next step's samples are fetched while this step computes.
+        ahead = getattr(self.data, "read_ahead", None)
+        if ahead is not None:
+            steps = [range(self.position, self.position + self.samples_per_step)] if self.masked else self.step_indices()
+            for idx in steps:
+                ahead(idx)
         return out

@@ -45,6 +45,7 @@ import numpy as np
 
 from scaletrain.data.loader import PackedTokens
 from scaletrain.data.prepare import TOKENIZER_FILE, ensure_prepared, resolve_dataset_dir
+from scaletrain.data.remote import store_options
 from scaletrain.errors import UserError
 
 MAX_BLOCK = 1 << 14  # the block when the weights are no ratio of small integers
@@ -268,7 +269,7 @@ def open_mix(data_cfg: Any, seed: int, held_out: float = 0.0) -> DataMix:
     for i, source in enumerate(data_cfg.mix):
         out = resolve_dataset_dir(_source_config(data_cfg, i, data_cfg.tokenizer if i == 0 else shared), _key(i))[0]
         try:
-            sources.append(PackedTokens(out, data_cfg.seq_len, seed, held_out=held_out))
+            sources.append(PackedTokens(out, data_cfg.seq_len, seed, held_out=held_out, store=store_options(data_cfg)))
         except UserError as e:  # e.g. too few tokens for seq_len
             raise UserError(f"data.mix[{i}] ({', '.join(source.paths)}): {e}") from None
     return DataMix(sources, [s.weight for s in data_cfg.mix])

@@ -3,6 +3,7 @@
 Layout of a prepared directory (made by `prepare_dataset`):
   tokenizer.json            the tokenizer (trained here, or a copy of the one given)
   shard_00000.bin, ...      raw little-endian numpy arrays of token ids (uint16/uint32)
+  shard_00000.crc32, ...    each shard's CRC-32 per 64 KiB block (checked by ranged reads, data/remote.py)
   manifest.json             written last; lists every shard with its size and sha256
 
 Documents are tokenized in input order, each followed by the EOS token, and the resulting
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from scaletrain.data.blocks import BLOCK_BYTES, block_checksums, is_url
 from scaletrain.data.finetune import chat_template
 from scaletrain.data.sources import (
     ACCEPTED,
@@ -170,6 +172,15 @@ class _ShardWriter:
         self._fh.close()
         self.shards[-1].update(tokens=self._count, sha256=self._hash.hexdigest())
         self._fh = None
+        # Each BLOCK_BYTES block's CRC-32 beside the shard: a reader of byte ranges (object
+        # storage, data/remote.py) checks what it read without reading the whole shard.
+        name = self.shards[-1]["file"]
+        sums = self.out / name.replace(".bin", ".crc32")
+        with sums.open("wb") as fh:
+            fh.write(block_checksums((self.out / name).read_bytes()))
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.shards[-1]["blocks"] = sums.name
 
 
 def _progress(show: bool) -> Any:
@@ -326,6 +337,7 @@ def _build(
         "eos_token": eos_token,
         "dtype": dtype.name,
         "shards": writer.shards,
+        "block_bytes": BLOCK_BYTES,
         "total_tokens": total,
         "documents": documents,
         "files": len(files),
@@ -359,7 +371,7 @@ def _dataset_name(paths: list[str]) -> str:
     return name[:40]
 
 
-def resolve_dataset_dir(data_cfg: Any, what: str = "data.paths") -> tuple[Path, list[str] | None]:
+def resolve_dataset_dir(data_cfg: Any, what: str = "data.paths") -> tuple[Any, list[str] | None]:
     """Where the prepared data for `data_cfg` lives, and the inputs to prepare (None: ready).
     `what`: the key its errors name (a data.mix source's own, data/mix.py).
 
@@ -367,6 +379,8 @@ def resolve_dataset_dir(data_cfg: Any, what: str = "data.paths") -> tuple[Path, 
     a file gives a fresh directory instead of silently training on stale shards.
     """
     paths = [str(p) for p in data_cfg.paths]
+    if len(paths) == 1 and is_url(paths[0]):
+        return paths[0], None  # a prepared directory in object storage (data/remote.py)
     if len(paths) == 1 and Path(paths[0]).expanduser().is_dir():
         d = Path(paths[0]).expanduser()
         if (d / MANIFEST).is_file():
@@ -414,3 +428,23 @@ def ensure_prepared(data_cfg: Any, show_progress: bool = True, what: str = "data
             return out
         raise
     return out
+
+
+def check_manifest(text: str, path: str) -> dict[str, Any]:
+    """A manifest's text (from `path`, for the errors) -> its fields, or a one-line error."""
+    try:
+        m = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg}); prepare the data again") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise UserError(f"{path}: not a scaletrain token manifest; accepted: a directory made by `scaletrain data prepare`")
+    if m.get("version") != FORMAT_VERSION:
+        raise UserError(
+            f"{path}: manifest version {m.get('version')!r} is not supported; accepted: {FORMAT_VERSION} (prepare the data again)"
+        )
+    missing = [k for k in ("tokenizer", "vocab_size", "eos_id", "dtype", "shards", "total_tokens") if k not in m]
+    if missing:
+        raise UserError(f"{path}: manifest lacks {', '.join(missing)}; prepare the data again")
+    if m["dtype"] not in ("uint16", "uint32"):
+        raise UserError(f"{path}: dtype {m['dtype']!r} is not supported; accepted: uint16, uint32")
+    return m

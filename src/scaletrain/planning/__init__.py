@@ -7,6 +7,7 @@ process group, no engine, no training loop; those use the planner, never the rev
 from __future__ import annotations
 
 from scaletrain.config import Config
+from scaletrain.data.remote import store_options
 from scaletrain.models import PRESETS, ModelSpec, model_spec
 from scaletrain.planning.candidate import Candidate, Plan
 from scaletrain.planning.memory import Memory, estimate
@@ -39,7 +40,7 @@ def _with_documents(cfg: Config, spec: ModelSpec) -> ModelSpec:
         where, _ = resolve_dataset_dir(cfg.data)
         if cfg.data.mix or not (where / MANIFEST).is_file():
             return spec
-        data = PackedTokens(where, cfg.data.seq_len, cfg.train.seed, held_out=cfg.eval.held_out)
+        data = PackedTokens(where, cfg.data.seq_len, cfg.train.seed, held_out=cfg.eval.held_out, store=store_options(cfg.data))
     except UserError:  # the run says what is wrong with its data; a plan does without it
         return spec
     return with_fields(spec, mean_context=measured_context(data))

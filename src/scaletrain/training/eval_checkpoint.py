@@ -28,6 +28,7 @@ from scaletrain.config import Config, load_config
 from scaletrain.config.batch import per_rank, settle
 from scaletrain.config.parallel import dims_for
 from scaletrain.data import MANIFEST, PackedTokens, open_mix, resolve_dataset_dir
+from scaletrain.data.remote import store_options
 from scaletrain.engines import build_engine
 from scaletrain.errors import UserError
 from scaletrain.launch.distributed import World, init_distributed, shutdown
@@ -142,4 +143,4 @@ def _training_data(cfg: Config) -> Any:
             f"the run's data ({', '.join(cfg.data.paths) or 'the default corpus'}) is not prepared under data.dir={cfg.data.dir} "
             "here; accepted: data.dir=<the run's data directory>, or data.paths=<its prepared directory>"
         )
-    return PackedTokens(where, cfg.data.seq_len, cfg.train.seed, held_out=cfg.eval.held_out)
+    return PackedTokens(where, cfg.data.seq_len, cfg.train.seed, held_out=cfg.eval.held_out, store=store_options(cfg.data))

@@ -40,6 +40,7 @@ from scaletrain.config.parallel import ParallelDims
 from scaletrain.data import MANIFEST, PackedTokens, ensure_prepared, resolve_dataset_dir
 from scaletrain.data.heldout import Windows
 from scaletrain.data.loader import split_sample, trained_targets
+from scaletrain.data.remote import store_options
 from scaletrain.engines import Engine, MicroBatch
 from scaletrain.errors import UserError
 from scaletrain.launch.distributed import World, rank0_first
@@ -106,7 +107,7 @@ def open_eval_set(cfg: Config, world: World, data: Any, dp_size: int) -> EvalSet
     if problem:
         raise UserError(problem)
     if e.data:
-        tokens = PackedTokens(_eval_dir(cfg, world, data), cfg.data.seq_len, cfg.train.seed)
+        tokens = PackedTokens(_eval_dir(cfg, world, data), cfg.data.seq_len, cfg.train.seed, store=store_options(cfg.data))
         windows = Windows(tokens.documents(held=False), cfg.data.seq_len)
         masked = tokens.masked
         where = f"eval.data={','.join(e.data)}"

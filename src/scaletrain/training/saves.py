@@ -59,10 +59,12 @@ class Saves:
     paused: Callable[[], AbstractContextManager[Any]]  # the hang watchdog left out of long waits
     say: Callable[[str], None]
     writes: bool = True  # False: replica groups other than group 0 write no checkpoint (resilience/replica_groups.py)
+    tokenizer: Path | None = None  # the data's, copied into checkpoint.hf_every's directories
     # The save in flight: it, when it started, how long the loop stood still, of which waiting for the one before.
     _pending: tuple[PendingSave, float, float, float] | None = field(default=None, init=False)
     _saved: int = field(default=0, init=False)  # the step of the last checkpoint this run wrote
     _verify: bool = field(default=False, init=False)  # checkpoint.verify_on_start still to do
+    _exported: list[dict[str, Any]] = field(default_factory=list, init=False)  # checkpoint.hf_every's rows to log
 
     def __post_init__(self) -> None:
         # After the first step: torch creates optimizer state lazily, and saving before it
@@ -71,15 +73,22 @@ class Saves:
 
     def due(self, step: int, last: bool) -> bool:
         """Whether after_step will write (or verify) a checkpoint at `step`."""
-        every = self.cfg.checkpoint.every
-        return self.writes and (last or (every > 0 and step % every == 0)) or self._verify
+        return self.writes and self._scheduled(step, last) or self._verify
+
+    def _scheduled(self, step: int, last: bool) -> bool:
+        c = self.cfg.checkpoint
+        return last or (c.every > 0 and step % c.every == 0) or self._hf(step, last)
+
+    def _hf(self, step: int, last: bool) -> bool:
+        """Whether `step`'s checkpoint is exported as Hugging Face weights (checkpoint.hf_every, hf_last)."""
+        c = self.cfg.checkpoint
+        return (c.hf_every > 0 and step % c.hf_every == 0) or (last and c.hf_last)
 
     def after_step(self, step: int, last: bool, tokens_seen: int) -> None:
-        """Collective: the checkpoint of `step` if one is due (checkpoint.every, or `last`);
-        then the round trip of verify_on_start if still to do; logs a finished background save."""
-        every = self.cfg.checkpoint.every
-        if last or (every > 0 and step % every == 0):
-            self._save_now(step, tokens_seen)
+        """Collective: the checkpoint of `step` if one is due (checkpoint.every, hf_every, or
+        `last`); then the round trip of verify_on_start if still to do; logs a finished background save."""
+        if self._scheduled(step, last):
+            self._save_now(step, tokens_seen, self._hf(step, last))
         self.poll()
         if self._verify:
             self._verify = False
@@ -94,20 +103,22 @@ class Saves:
         with self.paused():
             self.wait()
 
-    def _save_now(self, step: int, tokens_seen: int) -> None:
+    def _save_now(self, step: int, tokens_seen: int, hf: bool = False) -> None:
         if not self.writes:
             return
         self.before_save()
         with self.paused():  # a long save (or the wait for the previous one) is no hang
-            self.save(step, self.position(), tokens_seen)
+            self.save(step, self.position(), tokens_seen, hf)
         self._saved = step
 
-    def save(self, step: int, position: int, tokens_seen: int) -> None:
-        """Collective: the checkpoint of `step` (in the background if configured)."""
+    def save(self, step: int, position: int, tokens_seen: int, hf: bool = False) -> None:
+        """Collective: the checkpoint of `step` (in the background if configured), and with
+        `hf` its Hugging Face export once it is complete."""
         start = time.perf_counter()
         self.wait()  # one in flight: the next one's collectives share its group
         waited = time.perf_counter() - start
-        pending = self._write(checkpoint.step_dir(self.paths.checkpoints, step), step, position, tokens_seen, True)
+        target = checkpoint.step_dir(self.paths.checkpoints, step)
+        pending = self._write(target, step, position, tokens_seen, True, hf)
         blocking = time.perf_counter() - start
         if pending is None:
             self._event(step, False, blocking, waited, blocking)
@@ -166,7 +177,9 @@ class Saves:
         if self.world.is_main:
             shutil.rmtree(scratch)
 
-    def _write(self, target: Path, step: int, position: int, tokens_seen: int, background: bool) -> PendingSave | None:
+    def _write(
+        self, target: Path, step: int, position: int, tokens_seen: int, background: bool, hf: bool = False
+    ) -> PendingSave | None:
         engine = self.engine()
         trainer_state = TrainerState(
             step=step,
@@ -182,13 +195,32 @@ class Saves:
         keep, root, main = self.cfg.checkpoint.keep, self.paths.checkpoints, self.world.is_main
         # Pruning after the marker: until then the older checkpoints are the newest whole ones.
         prune = (lambda: checkpoint.prune(root, keep)) if main and target.parent == root else (lambda: None)
+        # After the marker, before pruning (which may remove an older one, never this one):
+        # the export reads the complete checkpoint from disk, the next save waits for it.
+        export = (lambda: self._export_hf(target, step)) if main and hf else (lambda: None)
         return checkpoint.save_checkpoint(
-            target, self.world, lambda d: engine.save(d, background=background), trainer_state, files, then=prune
-        )
+            target, self.world, lambda d: engine.save(d, background=background), trainer_state, files,
+            then=lambda: (export(), prune()),
+        )  # fmt: skip
+
+    def _export_hf(self, ckpt: Path, step: int) -> None:
+        """Rank 0: `ckpt` as a Hugging Face directory, <run.dir>/hf/step_<N> (checkpoint/hf_export.py)."""
+        from scaletrain.checkpoint.hf_export import export_checkpoint
+
+        out = self.paths.root / "hf" / f"step_{step}"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():  # a resumed run passing the same step again: that export is of these weights
+            return
+        start = time.perf_counter()
+        done = export_checkpoint(ckpt, out, tokenizer=self.tokenizer)
+        # Logged by the loop's thread with the save's own row (this may run in the save's).
+        self._exported.append({"step": step, "event": "hf_export", "path": str(out), "bytes": done["bytes"],
+                               "total_s": time.perf_counter() - start})  # fmt: skip
 
     def _about(self) -> dict[str, Any]:
         return {key: value for part in self.about for key, value in part().items()}
 
     def _event(self, step: int, background: bool, blocking: float, waited: float, total: float) -> None:
         row = {"step": step, "event": "checkpoint", "async": background, "blocking_s": blocking}
-        self.metrics.write([{**row, "waited_for_previous_s": waited, "total_s": total}])
+        exported, self._exported[:] = list(self._exported), []
+        self.metrics.write([{**row, "waited_for_previous_s": waited, "total_s": total}, *exported])

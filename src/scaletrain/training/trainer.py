@@ -40,6 +40,7 @@ from scaletrain.data import (
     prepare_mix,
     resolve_dataset_dir,
 )
+from scaletrain.data.remote import store_options
 from scaletrain.engines import Engine, build_engine
 from scaletrain.errors import OutOfMemoryRestart, Preempted, UserError
 from scaletrain.launch.distributed import World, all_hostnames, broadcast_object, init_distributed, rank0_first, shutdown
@@ -339,6 +340,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
             lambda: {"expert_bias": run.balance.state() if run.balance is not None else None},
         ],
         position=lambda: batches.position, before_save=flush, paused=watchdog.paused, say=say, writes=writes_checkpoints(cfg),
+        tokenizer=Path(data.tokenizer_path),
     )  # fmt: skip
     telemetry.review = lambda rows: guard.review(rows, saves.newest)  # each interval's steps, as they are read
     # A clean stop (the end, a preemption, a one-line error agreed by every rank) lets the
@@ -504,7 +506,13 @@ def _release(run: Run) -> None:
 
 def _training_data(cfg: Config, world: World) -> PackedTokens | DataMix:
     if not cfg.data.mix:
-        return PackedTokens(_prepared_data(cfg, world), cfg.data.seq_len, cfg.train.seed, held_out=cfg.eval.held_out)
+        return PackedTokens(
+            _prepared_data(cfg, world),
+            cfg.data.seq_len,
+            cfg.train.seed,
+            held_out=cfg.eval.held_out,
+            store=store_options(cfg.data),
+        )
     if mix_to_prepare(cfg.data):  # every rank judges every source's paths: the same error everywhere
         make_dir(cfg.data.dir, "data.dir", create=world.is_main)
     rank0_first(world, lambda: prepare_mix(cfg.data), "preparing the data", cfg.data.prepare_timeout_s, hint=_PREPARE_HINT)
