@@ -307,6 +307,20 @@ class CheckpointConfig(Section):
     # tokenizer), by rank 0 once the checkpoint is complete (in the background with async_save).
     hf_every: int = Field(0, ge=0)
     hf_last: bool = False
+    # A URL (s3://bucket/prefix): each complete checkpoint copied there by rank 0 (marker
+    # last, keep-k there too), and a resume brings the store's newest back first where it is
+    # newer than the local ones (checkpoint/remote.py). Unset: <run.dir>/checkpoints only.
+    dir: str | None = None
+
+    @field_validator("dir")
+    @classmethod
+    def _a_url(cls, v: str | None) -> str | None:
+        if v is not None and "://" not in v:
+            raise ValueError(
+                f"checkpoint.dir={v!r} is not a URL; accepted: a URL of object storage (s3://bucket/prefix), or unset "
+                "(checkpoints are written under run.dir/checkpoints)"
+            )
+        return v
 
 
 class TelemetryConfig(Section):

@@ -65,11 +65,16 @@ class Saves:
     _saved: int = field(default=0, init=False)  # the step of the last checkpoint this run wrote
     _verify: bool = field(default=False, init=False)  # checkpoint.verify_on_start still to do
     _exported: list[dict[str, Any]] = field(default_factory=list, init=False)  # checkpoint.hf_every's rows to log
+    _mirror: Callable[[Path], Any] = field(default_factory=lambda: lambda path: None, init=False)  # checkpoint.dir's copy
 
     def __post_init__(self) -> None:
         # After the first step: torch creates optimizer state lazily, and saving before it
         # exists would create it early (shifting Adam's step count).
         self._verify = self.cfg.checkpoint.verify_on_start
+        if self.world.is_main:
+            from scaletrain.checkpoint.remote import after_save
+
+            self._mirror = after_save(self.cfg.checkpoint.dir, self.cfg.checkpoint.keep)
 
     def due(self, step: int, last: bool) -> bool:
         """Whether after_step will write (or verify) a checkpoint at `step`."""
@@ -198,9 +203,11 @@ class Saves:
         # After the marker, before pruning (which may remove an older one, never this one):
         # the export reads the complete checkpoint from disk, the next save waits for it.
         export = (lambda: self._export_hf(target, step)) if main and hf else (lambda: None)
+        # checkpoint.dir: the complete checkpoint copied to object storage (checkpoint/remote.py).
+        mirror = (lambda: self._mirror(target)) if main and target.parent == root else (lambda: None)
         return checkpoint.save_checkpoint(
             target, self.world, lambda d: engine.save(d, background=background), trainer_state, files,
-            then=lambda: (export(), prune()),
+            then=lambda: (export(), mirror(), prune()),
         )  # fmt: skip
 
     def _export_hf(self, ckpt: Path, step: int) -> None:

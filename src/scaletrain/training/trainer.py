@@ -25,6 +25,7 @@ from rich.console import Console
 from scaletrain import checkpoint
 from scaletrain.checkpoint.frozen_base import base_reference
 from scaletrain.checkpoint.neutral import ParamLayout
+from scaletrain.checkpoint.remote import bring_back, check_store
 from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import AUTO_MICRO_BATCH, Config
 from scaletrain.config.batch import global_batch
@@ -43,7 +44,7 @@ from scaletrain.data import (
 from scaletrain.data.remote import store_options
 from scaletrain.engines import Engine, build_engine
 from scaletrain.errors import OutOfMemoryRestart, Preempted, UserError
-from scaletrain.launch.distributed import World, all_hostnames, broadcast_object, init_distributed, rank0_first, shutdown
+from scaletrain.launch.distributed import World, all_hostnames, barrier, broadcast_object, init_distributed, rank0_first, shutdown
 from scaletrain.models import ModelSpec, distill_spec, model_spec
 from scaletrain.models.capabilities import check_layout
 from scaletrain.models.distill import Distill
@@ -276,6 +277,12 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     paths.root.mkdir(parents=True, exist_ok=True)
     if "nvme" in (cfg.parallel.offload_optimizer, cfg.parallel.offload_params) and cfg.parallel.nvme_path:
         make_dir(cfg.parallel.nvme_path, "parallel.nvme_path")
+    if cfg.checkpoint.dir:
+        check_store(cfg.checkpoint.dir)
+    if cfg.checkpoint.dir and cfg.train.resume == "auto":  # object storage's newest, brought back first
+        if world.local_rank == 0:
+            bring_back(cfg.checkpoint.dir, paths.checkpoints, say)
+        barrier(world)
     resume_from = resume_point(cfg.train.resume, paths, world, say)  # the newest whole checkpoint
     if cfg.train.cooldown_steps is not None and resume_from is not None:
         cfg, line = branch_cooldown(cfg, resume_from, paths.root)
