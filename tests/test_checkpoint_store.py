@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from s3_server import SECRET
 from scaletrain.telemetry.metrics import read_metrics
 
 from helpers import base_overrides, check, one_line_error, train
@@ -44,12 +45,21 @@ def test_a_run_resumed_from_s3_at_another_world_size_equals_the_resume_from_disk
         there = sorted(p[len(f"{s3.bucket}/ckpts/step_{step}/") :] for p in fs.find(f"{s3.bucket}/ckpts/step_{step}"))
         assert here == there and "COMPLETE" in there
     second = tmp_path / "second"
-    proc = check(train([*base_overrides(small_dataset, second, steps=9), *common, f"checkpoint.dir={url}"]))
+    args = [*base_overrides(small_dataset, second, steps=9), *common, f"checkpoint.dir={url}", "checkpoint.hf_last=true"]
+    proc = check(train(args))
     assert f"resume: step 6 brought back from {url}" in proc.stdout
     assert _losses(second) == _losses(local)[6:]
+    # The last step's Hugging Face weights beside the checkpoints in the store, as on disk.
+    hf = second / "hf" / "step_9"
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == {
+        p.rsplit("/", 1)[-1]: fs.cat_file(p) for p in fs.find(f"{s3.bucket}/ckpts/hf/step_9")
+    }
+    # The credentials came from the environment: no file either run wrote holds the secret.
+    written = [p for run in (first, second) for p in run.rglob("*") if p.is_file()]
+    assert not [p for p in written if SECRET.encode() in p.read_bytes()]
     # keep=2 in the store too: step 3 gone once 9 is there.
     fs.invalidate_cache()
-    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{s3.bucket}/ckpts")) == ["step_6", "step_9"]
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{s3.bucket}/ckpts")) == ["hf", "step_6", "step_9"]
 
 
 @pytest.mark.dist

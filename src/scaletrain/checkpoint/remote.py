@@ -53,13 +53,14 @@ class CheckpointStore:
         steps = sorted(int(m.group(1)) for e in entries if (m := _STEP.match(str(e).rstrip("/").rsplit("/", 1)[-1])))
         return [s for s in steps if retried(partial(self.fs.exists, f"{self.root}/step_{s}/{MARKER}"), f"{self.url}/step_{s}")]
 
-    def upload(self, local: Path) -> None:
-        """A complete local checkpoint directory copied under the same name, its marker last."""
-        where = f"{self.root}/{local.name}"
-        files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != MARKER)
-        for f in [*files, local / MARKER]:
+    def upload(self, local: Path, name: str | None = None, last: str = MARKER) -> None:
+        """A complete local directory copied under `name` (its own by default), the file
+        `last` (a checkpoint's marker) written after every other one."""
+        name = name or local.name
+        files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != last)
+        for f in [*files, local / last]:
             rel = f.relative_to(local).as_posix()
-            retried(partial(self.fs.put_file, str(f), f"{where}/{rel}"), f"writing {self.url}/{local.name}/{rel}")
+            retried(partial(self.fs.put_file, str(f), f"{self.root}/{name}/{rel}"), f"writing {self.url}/{name}/{rel}")
 
     def prune(self, keep: int) -> None:
         """The store keeps its newest `keep` complete checkpoints; older ones (and incomplete

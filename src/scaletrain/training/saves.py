@@ -220,6 +220,10 @@ class Saves:
             return
         start = time.perf_counter()
         done = export_checkpoint(ckpt, out, tokenizer=self.tokenizer)
+        if self.cfg.checkpoint.dir:  # beside the checkpoints in object storage: <url>/hf/step_<N>, its index last
+            from scaletrain.checkpoint.remote import CheckpointStore
+
+            CheckpointStore(self.cfg.checkpoint.dir).upload(out, f"hf/{out.name}", last="model.safetensors.index.json")
         # Logged by the loop's thread with the save's own row (this may run in the save's).
         self._exported.append({"step": step, "event": "hf_export", "path": str(out), "bytes": done["bytes"],
                                "total_s": time.perf_counter() - start})  # fmt: skip
