@@ -20,7 +20,7 @@ from scaletrain.data.loader import PackedTokens, RankBatches
 from scaletrain.data.remote import BlockCache, StoreOptions, retried
 from scaletrain.errors import UserError
 
-from helpers import SMALL_CORPUS, base_overrides, check, metric_rows, one_line_error, scaletrain, train
+from helpers import SMALL_CORPUS, base_overrides, check, eval_rows, metric_rows, one_line_error, scaletrain, train
 
 
 class Flaky:
@@ -248,3 +248,19 @@ def test_data_prepared_straight_to_s3_is_the_local_preparation(sharded, small_da
     names = {p.rsplit("/", 1)[-1] for p in s3.fs().ls(f"{s3.bucket}/prepared")}
     assert names == {p.name for p in sharded.iterdir()}  # shards, their block checksums, tokenizer, manifest
     one_line_error(scaletrain(args), f"{url} already holds a prepared dataset (manifest.json)")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_eval_data_and_a_mixture_s_source_from_s3_equal_them_from_disk(sharded, small_dataset, s3, tmp_path):
+    url = s3.upload(sharded, "sharded")
+    runs = {}
+    for name, there in (("disk", str(sharded)), ("s3", url)):
+        run = tmp_path / name
+        mix = f"data.mix=[{{paths: [{there}], weight: 1}}, {{paths: [{small_dataset}], weight: 2}}]"
+        args = [*base_overrides(small_dataset, run, steps=4), "data.paths=[]", mix, f"eval.data=[{there}]", "eval.every=2",
+                "eval.batches=1", f"data.dir={tmp_path / 'data'}"]  # fmt: skip
+        check(train(args))
+        runs[name] = (metric_rows(run), eval_rows(run))
+    assert [r["loss"] for r in runs["s3"][0]] == [r["loss"] for r in runs["disk"][0]]
+    assert [r["loss"] for r in runs["s3"][1]] == [r["loss"] for r in runs["disk"][1]] and len(runs["disk"][1]) == 2

@@ -43,9 +43,10 @@ from typing import Any
 
 import numpy as np
 
+from scaletrain.data.blocks import is_url
 from scaletrain.data.loader import PackedTokens
 from scaletrain.data.prepare import TOKENIZER_FILE, ensure_prepared, resolve_dataset_dir
-from scaletrain.data.remote import store_options
+from scaletrain.data.remote import RemoteDataset, store_options
 from scaletrain.errors import UserError
 
 MAX_BLOCK = 1 << 14  # the block when the weights are no ratio of small integers
@@ -231,8 +232,12 @@ def tokens_dir(data_cfg: Any) -> Path:
     """The prepared directory whose tokenizer.json the run's tokens come from: data.paths',
     or a mixture's first source's (every source has the same)."""
     if not data_cfg.mix:
-        return resolve_dataset_dir(data_cfg)[0]
-    return resolve_dataset_dir(_source_config(data_cfg, 0, data_cfg.tokenizer), _key(0))[0]
+        where = resolve_dataset_dir(data_cfg)[0]
+    else:
+        where = resolve_dataset_dir(_source_config(data_cfg, 0, data_cfg.tokenizer), _key(0))[0]
+    if is_url(where):  # in object storage: the directory of its tokenizer's local copy (data/remote.py)
+        return RemoteDataset(where, store_options(data_cfg)).tokenizer.parent
+    return Path(where)
 
 
 def mix_to_prepare(data_cfg: Any) -> bool:

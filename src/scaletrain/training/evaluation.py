@@ -107,7 +107,7 @@ def open_eval_set(cfg: Config, world: World, data: Any, dp_size: int) -> EvalSet
     if problem:
         raise UserError(problem)
     if e.data:
-        tokens = PackedTokens(_eval_dir(cfg, world, data), cfg.data.seq_len, cfg.train.seed, store=store_options(cfg.data))
+        tokens = _eval_tokens(cfg, world, data)
         windows = Windows(tokens.documents(held=False), cfg.data.seq_len)
         masked = tokens.masked
         where = f"eval.data={','.join(e.data)}"
@@ -143,19 +143,31 @@ def open_eval_set(cfg: Config, world: World, data: Any, dp_size: int) -> EvalSet
     return evalset
 
 
-def _eval_dir(cfg: Config, world: World, data: Any) -> Path:
-    """eval.data as a prepared directory tokenized like the training data: as given, or
-    text prepared into data.dir's cache with the training data's tokenizer (rank 0)."""
+def _eval_tokens(cfg: Config, world: World, data: Any) -> PackedTokens:
+    """eval.data as a prepared dataset tokenized like the training data: a prepared directory
+    (or one in object storage) as given, or text prepared into data.dir's cache with the
+    training data's tokenizer (rank 0)."""
     text = cfg.data.model_copy(update={"paths": list(cfg.eval.data), "tokenizer": str(data.tokenizer_path)})
     where, inputs = resolve_dataset_dir(text, "eval.data")
-    if inputs is None:  # a prepared directory: the same token ids must mean the same text
-        if _sha256(where / "tokenizer.json") != _sha256(Path(data.tokenizer_path)):
-            raise UserError(
-                f"eval.data: {where} was tokenized with another tokenizer than the training data ({data.tokenizer_path}); "
-                f"accepted: text globs (tokenized here with the training tokenizer), or a directory made by "
-                f"`scaletrain data prepare --tokenizer {data.tokenizer_path}`"
-            )
-        return where
+    if inputs is not None and not (where / MANIFEST).is_file():
+        make_dir(cfg.data.dir, "data.dir", create=world.is_main)
+        rank0_first(
+            world,
+            lambda: ensure_prepared(text, show_progress=True, what="eval.data"),
+            "preparing the eval data",
+            cfg.data.prepare_timeout_s,
+            hint="accepted: a larger data.prepare_timeout_s, or eval.data=<a directory prepared beforehand>",
+        )
+    tokens = PackedTokens(where, cfg.data.seq_len, cfg.train.seed, store=store_options(cfg.data))
+    # A prepared directory: the same token ids must mean the same text (its tokenizer, a
+    # local copy of it for a URL, against the training data's).
+    if inputs is None and _sha256(Path(tokens.tokenizer_path)) != _sha256(Path(data.tokenizer_path)):
+        raise UserError(
+            f"eval.data: {where} was tokenized with another tokenizer than the training data ({data.tokenizer_path}); "
+            f"accepted: text globs (tokenized here with the training tokenizer), or a directory made by "
+            f"`scaletrain data prepare --tokenizer {data.tokenizer_path}`"
+        )
+    return tokens
     if not (where / MANIFEST).is_file():
         make_dir(cfg.data.dir, "data.dir", create=world.is_main)
         rank0_first(
