@@ -63,6 +63,25 @@ def test_a_block_read_is_retried_until_the_store_answers_and_checked_against_its
     assert gone.reads == 1
 
 
+@pytest.mark.unit
+def test_a_block_the_read_ahead_is_fetching_is_waited_for_not_fetched_twice():
+    data = bytes(range(256)) * 1024
+
+    class Slow(Flaky):
+        def cat_file(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+            time.sleep(0.3)  # still in flight when the loop asks for it
+            return super().cat_file(path, start, end)
+
+    fs = Slow(data, failures=0)
+    cache = BlockCache(fs, block=1 << 14)
+    cache.ahead([("x", len(data), 20_000, 40_000)])  # blocks 1 and 2
+    assert cache.read("x", len(data), 20_000, 40_000) == data[20_000:40_000]
+    assert fs.reads == 2 and cache.fetched == 2
+    assert cache.read("x", len(data), 16_384, 49_152) == data[16_384:49_152] and fs.reads == 2  # from the cache
+    time.sleep(0.05)
+    assert not cache._coming  # nothing left in flight
+
+
 @pytest.fixture(scope="module")
 def sharded(small_dataset, tmp_path_factory):
     """The small corpus in shards of 40,000 tokens (windows across shard ends), its tokenizer the session's."""

@@ -19,6 +19,7 @@ S3-compatible store; GOOGLE_APPLICATION_CREDENTIALS for gs://): nothing here wri
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sys
 import threading
@@ -26,7 +27,7 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -120,6 +121,7 @@ class BlockCache:
         self._lock = threading.Lock()
         self._sums: dict[str, np.ndarray | None] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="scaletrain-read-ahead")
+        self._coming: dict[tuple[str, int], Future[bytes]] = {}  # blocks the read-ahead is fetching
         self.fetched = 0  # blocks read from the store (not from a cache)
         # On disk (data.cache_dir): each block a file, least recently used first out; what an
         # earlier run left is found again (oldest first by modification time).
@@ -142,7 +144,7 @@ class BlockCache:
     def read(self, path: str, size: int, start: int, stop: int) -> bytes:
         """Bytes [start, stop) of the object `path` of `size` bytes."""
         first, last = start // self.block, (stop - 1) // self.block
-        parts = [self._get(path, size, b) for b in range(first, last + 1)]
+        parts = [self._wait_or_get(path, size, b) for b in range(first, last + 1)]
         joined = parts[0] if len(parts) == 1 else b"".join(parts)
         offset = start - first * self.block
         return joined[offset : offset + stop - start]
@@ -151,10 +153,25 @@ class BlockCache:
         """Fetch the blocks of these (path, size, start, stop) ranges in the background."""
         blocks = {(p, s, b) for p, s, a, z in wanted for b in range(a // self.block, (z - 1) // self.block + 1)}
         for path, size, b in sorted(blocks):
+            key = (path, b)
             with self._lock:
-                if (path, b) in self._blocks:
+                if key in self._blocks or key in self._coming:
                     continue
-            self._pool.submit(self._get, path, size, b)
+                self._coming[key] = coming = self._pool.submit(self._get, path, size, b)
+            coming.add_done_callback(partial(self._arrived, key))
+
+    def _arrived(self, key: tuple[str, int], _: Future[bytes]) -> None:
+        with self._lock:
+            self._coming.pop(key, None)
+
+    def _wait_or_get(self, path: str, size: int, b: int) -> bytes:
+        """A block the read-ahead is fetching is waited for, not fetched twice."""
+        with self._lock:
+            coming = self._coming.get((path, b))
+        if coming is not None:
+            with contextlib.suppress(Exception):  # read here again: its own retries, and its error line
+                coming.result()
+        return self._get(path, size, b)
 
     def _get(self, path: str, size: int, b: int) -> bytes:
         key = (path, b)
@@ -162,12 +179,16 @@ class BlockCache:
             data = self._blocks.get(key)
             if data is not None:
                 self._blocks.move_to_end(key)
+                where = self._disk_path(path, b)
+                if where is not None and where in self._disk:  # used: the disk's least recently used order is the use's, too
+                    self._disk.move_to_end(where)
                 return data
         data = self._from_disk(path, b)
         if data is None or not self._intact(path, b, data):
             lo, hi = b * self.block, min((b + 1) * self.block, size)
             data = retried(lambda: self._fetch(path, b, lo, hi), f"reading {path} bytes {lo}-{hi}")
-            self.fetched += 1
+            with self._lock:
+                self.fetched += 1
             self._to_disk(path, b, data)
         with self._lock:
             if key not in self._blocks:
