@@ -215,15 +215,20 @@ def test_a_run_rides_out_the_store_stopping_for_seconds_mid_read(small_dataset, 
     _equal_runs(remote, local, 8)
 
 
-@pytest.mark.e2e
-def test_a_missing_bucket_or_prefix_is_one_line(s3, tmp_path):
-    base = [
+def _one_step(tmp_path):
+    """A one-step run's arguments, its data.paths still to give."""
+    return [
         "model.preset=tiny",
         "train.steps=1",
         "run.device=cpu",
         f"run.dir={tmp_path / 'run'}",
         f"data.dir={tmp_path / 'data'}",
     ]
+
+
+@pytest.mark.e2e
+def test_a_missing_bucket_or_prefix_is_one_line(s3, tmp_path):
+    base = _one_step(tmp_path)
     proc = train([*base, "data.paths=s3://no-such-bucket/data"])
     one_line_error(
         proc, "'s3://no-such-bucket/data' has no manifest.json", "accepted: a directory made by `scaletrain data prepare`"
@@ -243,13 +248,7 @@ def test_refused_credentials_are_one_line(on_s3, s3_server, monkeypatch, tmp_pat
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
     monkeypatch.setattr(ActionAuthenticatorMixin, "request_count", 0)
-    base = [
-        "model.preset=tiny",
-        "train.steps=1",
-        "run.device=cpu",
-        f"run.dir={tmp_path / 'run'}",
-        f"data.dir={tmp_path / 'data'}",
-    ]
+    base = _one_step(tmp_path)
     proc = train([*base, f"data.paths={on_s3}"])
     one_line_error(proc, f"{on_s3}/manifest.json: the store refused the credentials in the environment (PermissionError")
     assert SECRET not in proc.stdout + proc.stderr

@@ -168,16 +168,6 @@ def _eval_tokens(cfg: Config, world: World, data: Any) -> PackedTokens:
             f"`scaletrain data prepare --tokenizer {data.tokenizer_path}`"
         )
     return tokens
-    if not (where / MANIFEST).is_file():
-        make_dir(cfg.data.dir, "data.dir", create=world.is_main)
-        rank0_first(
-            world,
-            lambda: ensure_prepared(text, show_progress=True, what="eval.data"),
-            "preparing the eval data",
-            cfg.data.prepare_timeout_s,
-            hint="accepted: a larger data.prepare_timeout_s, or eval.data=<a directory prepared beforehand>",
-        )
-    return where
 
 
 def _sha256(path: Path) -> str:
