@@ -90,6 +90,6 @@ def test_fault_points_parse_and_refuse_bad_values():
     for bad in ("save", "save:0", "boom:3", "step:x", "step:3@x"):
         with pytest.raises(
             UserError,
-            match=r"SCALETRAIN_KILL_AT=.* accepted: POINT:STEP\[@RANK\|@groupG\]\[,...\] with POINT one of step, down, save, prune, metrics, term",
+            match=r"SCALETRAIN_KILL_AT=.* accepted: POINT:STEP\[@RANK\|@groupG\]\[,...\] with POINT one of step, down, save, upload, prune, metrics, term",
         ):
             faults.parse(bad)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from scaletrain.checkpoint.disks import Disks, shared
 from scaletrain.checkpoint.state import FILE, TrainerState
 from scaletrain.errors import UserError
 from scaletrain.launch.distributed import ALONE, World, barrier, gather_objects, side_group
@@ -109,6 +110,8 @@ def save_checkpoint(
     trainer_state: TrainerState,
     files: dict[str, str],
     then: Callable[[], Any] = lambda: None,
+    copy: Copy | None = None,
+    disks: Disks | None = None,
 ) -> PendingSave | None:
     """Collective: every rank calls it. The marker appears only once all ranks' data is on disk.
 
@@ -116,10 +119,13 @@ def save_checkpoint(
     the state is then still being written, and the rest (waiting for it, the manifest, the
     marker, then `then()`, e.g. pruning) runs in a thread of this rank: the PendingSave
     returned, to be waited for before the next save. `files` are small text files rank 0
-    writes beside them (resolved config, engine JSON).
+    writes beside them (resolved config, engine JSON). `copy` (checkpoint.dir) copies the
+    checkpoint to object storage once sealed, collectively; `disks` says which ranks share a
+    disk (checkpoint/disks.py): without one shared, no local marker is written.
     """
-    if world.is_main and path.exists():
-        shutil.rmtree(path)  # a stale, incomplete attempt at the same step
+    disks = disks or shared(world)
+    if disks.leader and path.exists():
+        shutil.rmtree(path)  # a stale, incomplete attempt at the same step (on each disk)
     barrier(world)
     writing = save_state(path / "state")
     path.mkdir(parents=True, exist_ok=True)
@@ -130,7 +136,7 @@ def save_checkpoint(
             write_atomic(path / name, text)
     step = trainer_state.step
     if writing is None:
-        _seal(path, world, step)
+        _seal(path, world, step, disks, copy)
         then()
         return None
     # The thread's collectives go on a group of their own, beside training's.
@@ -138,20 +144,29 @@ def save_checkpoint(
 
     def finish() -> None:
         writing.result()
-        _seal(path, beside, step)
+        _seal(path, beside, step, disks, copy)
         then()
 
     return PendingSave(step, finish)
 
 
-def _seal(path: Path, world: World, step: int) -> None:
-    """Collective: once every rank's files are on disk, the manifest and the marker."""
+# What copies a sealed checkpoint to object storage, collectively (checkpoint/remote.py's
+# StoreCopy): (the directory, the world, the step, this rank's share of the files, the marker's text).
+Copy = Callable[[Path, World, int, list[str], str], None]
+
+
+def _seal(path: Path, world: World, step: int, disks: Disks, copy: Copy | None) -> None:
+    """Collective: once every rank's files are on disk, the manifest and the marker (on the
+    local disk when every rank shares it); then the copy to object storage, if any."""
     barrier(world)  # every rank's shard and RNG file exists before the marker
-    manifest = _manifest(path, world)
+    manifest, mine = _manifest(path, world, disks)
     faults.kill_at("save", step)
-    if world.is_main:
-        write_atomic(path / MARKER, json.dumps({"step": step, "files": manifest}, indent=0))
+    text = json.dumps({"step": step, "files": manifest}, indent=0)
+    if world.is_main and disks.shared:
+        write_atomic(path / MARKER, text)
     barrier(world)  # returned on one rank: complete for all (verify_on_start reads it next)
+    if copy is not None:
+        copy(path, world, step, mine, text)
 
 
 class PendingSave:
@@ -187,12 +202,20 @@ class PendingSave:
             raise self._error
 
 
-def _manifest(path: Path, world: World) -> dict[str, list[int]]:
-    """Collective: {relative path: [bytes, crc32]} of every file under `path`, each rank
-    hashing a share (a checkpoint is mostly its ranks' shards: hashing scales with them)."""
-    every = sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f.name != MARKER)
-    mine = {rel: [(path / rel).stat().st_size, _crc32(path / rel)] for rel in every[world.rank :: world.world_size]}
-    return {rel: entry for part in gather_objects(world, mine) for rel, entry in part.items()}
+def _manifest(path: Path, world: World, disks: Disks) -> tuple[dict[str, list[int]], list[str]]:
+    """Collective: {relative path: [bytes, crc32]} of every file under `path` on any disk,
+    and this rank's share of them: each file belongs to the lowest disk that holds it, and
+    each disk's files are split between its ranks (a checkpoint is mostly its ranks' shards:
+    hashing, and copying to a store, scale with them)."""
+    here = sorted(f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file() and f.name != MARKER)
+    owner: dict[str, int] = {}
+    for rank, names in enumerate(gather_objects(world, here)):
+        for name in names:
+            owner.setdefault(name, disks.of[rank])
+    members = disks.members
+    mine = [n for n in sorted(owner) if owner[n] == disks.mine][members.index(world.rank) :: len(members)]
+    hashed = {rel: [(path / rel).stat().st_size, _crc32(path / rel)] for rel in mine}
+    return {rel: entry for part in gather_objects(world, hashed) for rel, entry in part.items()}, mine
 
 
 def _crc32(path: Path) -> int:

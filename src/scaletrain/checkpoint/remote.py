@@ -1,37 +1,42 @@
 """checkpoint.dir as a URL (s3://bucket/prefix, any fsspec URL): every checkpoint copied to
 object storage, and a run resumed from there on a machine that has none of them.
 
-Each checkpoint is written locally first, exactly as without a URL (<run.dir>/checkpoints:
-every engine's own files, the manifest with sizes and CRC-32s, the COMPLETE marker), then
-copied by rank 0 once it is complete: every file but the marker, then the marker last, so
-a copy killed midway has no marker and is no checkpoint there either (the newest-complete
-rule is the same on both sides). With checkpoint.async_save the copy runs in the save's
-background thread; each file's upload is retried as data/remote.py's reads are. Then the
-store keeps the newest checkpoint.keep complete checkpoints, as the local directory does.
+Each checkpoint is written to the local disk first by every engine as without a URL (its
+own files, the manifest with sizes and CRC-32s), then copied by all ranks together
+(StoreCopy): each rank copies its share of the files its disk holds (the share it hashed
+for the manifest), then rank 0 writes the marker, the manifest, last, so a copy killed
+midway has no marker and is no checkpoint there either (the newest-complete rule is the
+same on both sides). With checkpoint.async_save the copy runs in the save's background
+thread; each file's upload is retried as data/remote.py's reads are. Then the store keeps
+the newest checkpoint.keep complete checkpoints, as the local directory does.
+
+Where the nodes share a disk (checkpoint/disks.py) the local checkpoint is whole and
+marked before the copy, as always. Where they do not, each node's disk holds only its own
+ranks' files: the store's copy is the checkpoint, and the local files go once copied.
 
 At start (train.resume=auto), the newest complete checkpoint in the store that is newer
-than the newest local one is brought back into <run.dir>/checkpoints (into a temporary
-directory, renamed when whole) and checked against its manifest; a damaged one is
-reported and the next older one tried. The resume then goes on from the local directory
-as always, so resharding to another world size or engine needs nothing more.
+than the newest local one is brought back onto each disk (into a temporary directory,
+renamed when whole) and checked against its manifest; a damaged one is reported and the
+next older one tried. The resume then goes on from the local directory as always, so
+resharding to another world size or engine needs nothing more.
 
-Not yet: nodes without a shared local disk (rank 0 copies what its disk holds; on several
-nodes each node's ranks write their own files), DCP writing to the store directly
-without the local copy.
+Not yet: DCP writing to the store directly (torch's fsspec writer) instead of the local copy.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
-from scaletrain.checkpoint.manager import MARKER, find_problem, step_dir
+from scaletrain.checkpoint.manager import MARKER, find_problem, latest_complete, step_dir
 from scaletrain.data.remote import open_store, retried
-from scaletrain.launch.distributed import ALONE
+from scaletrain.errors import UserError
+from scaletrain.launch.distributed import ALONE, World, barrier, gather_objects
+from scaletrain.resilience import faults
 
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -73,33 +78,35 @@ class CheckpointStore:
         for e in entries:
             m = _STEP.match(str(e).rstrip("/").rsplit("/", 1)[-1])
             if m and int(m.group(1)) not in kept and int(m.group(1)) < done[-1]:
-                retried(
-                    partial(self.fs.rm, f"{self.root}/step_{m.group(1)}", recursive=True),
-                    f"removing {self.url}/step_{m.group(1)}",
-                )
+                self.remove(f"step_{m.group(1)}")
 
     def download(self, step: int, local_root: Path) -> Path:
         """The store's step_<step> as <local_root>/step_<step>, whole or not at all."""
-        target = step_dir(local_root, step)
-        tmp = local_root / f".step_{step}.download"
+        return self.fetch(f"step_{step}", step_dir(local_root, step))
+
+    def fetch(self, name: str, target: Path) -> Path:
+        """The store's directory `name` as `target` (replaced), whole or not at all: into a
+        temporary directory beside it, its marker last, renamed when whole."""
+        tmp = target.with_name(f".{target.name}.download")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        source = f"{self.root}/step_{step}"
-        names = retried(partial(self.fs.find, source), f"listing {self.url}/step_{step}")
-        for name in sorted(names, key=lambda n: n.endswith(MARKER)):  # the marker last
-            rel = str(name)[len(source) + 1 :]
+        source = f"{self.root}/{name}"
+        names = retried(partial(self.fs.find, source), f"listing {self.url}/{name}")
+        for found in sorted(names, key=lambda n: n.endswith(MARKER)):  # the marker last
+            rel = str(found)[len(source) + 1 :]
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            retried(partial(self.fs.get_file, name, str(tmp / rel)), f"reading {self.url}/step_{step}/{rel}")
+            retried(partial(self.fs.get_file, found, str(tmp / rel)), f"reading {self.url}/{name}/{rel}")
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
         return target
+
+    def remove(self, name: str) -> None:
+        retried(partial(self.fs.rm, f"{self.root}/{name}", recursive=True), f"removing {self.url}/{name}")
 
 
 def check_store(url: str) -> None:
     """At start, on every rank: the store's bucket is there and the credentials may list it
     (one line otherwise, before any step, not at the first save)."""
-    from scaletrain.errors import UserError
-
     store = CheckpointStore(url)
     bucket = store.root.split("/", 1)[0]
     try:
@@ -111,11 +118,9 @@ def check_store(url: str) -> None:
 
 
 def bring_back(url: str, local_root: Path, report: Callable[[str], None]) -> Path | None:
-    """Rank 0 (one process per machine): the store's newest complete checkpoint newer than
+    """Each disk's leader (checkpoint/disks.py): the store's newest complete checkpoint newer than
     the newest complete one in `local_root`, downloaded and checked (each damaged one
     reported, removed and the next older tried); None if the local one is as new."""
-    from scaletrain.checkpoint.manager import latest_complete
-
     store = CheckpointStore(url)
     local = latest_complete(local_root)
     have = int(local.name.split("_")[1]) if local is not None else -1
@@ -132,14 +137,70 @@ def bring_back(url: str, local_root: Path, report: Callable[[str], None]) -> Pat
     return None
 
 
-def after_save(url: str | None, keep: int) -> Callable[[Path], Any]:
-    """What rank 0 does with a complete checkpoint: copy it to the store and keep-k there."""
-    if not url:
-        return lambda path: None
-    store = CheckpointStore(url)
+class StoreCopy:
+    """Collective, once a checkpoint is sealed (checkpoint/manager.py's Copy): each rank
+    copies its share of the files its disk holds, then rank 0 writes the marker (the
+    manifest) last and keeps checkpoint.keep in the store. A copy that still fails after the
+    retries is reported in one line and training goes on: the store keeps its newest complete
+    checkpoint, and the next save is copied again."""
 
-    def copy(path: Path) -> None:
-        store.upload(path)
-        store.prune(keep)
+    def __init__(self, url: str, keep: int, report: Callable[[str], None]):
+        self.store = CheckpointStore(url)
+        self.keep = keep
+        self.report = report
 
-    return copy
+    def __call__(self, path: Path, world: World, step: int, mine: list[str], marker: str) -> None:
+        where = f"{self.store.root}/{path.name}"
+        slow = faults.slowdown("upload")  # a drill: a slow link to the store
+        error = None
+        try:
+            for rel in mine:
+                time.sleep(slow)
+                retried(
+                    partial(self.store.fs.put_file, str(path / rel), f"{where}/{rel}"),
+                    f"writing {self.store.url}/{path.name}/{rel}",
+                )
+        except UserError as e:
+            error = str(e)
+        errors = [e for e in gather_objects(world, error) if e]
+        faults.kill_at("upload", step)
+        if world.is_main:
+            self._seal(path.name, marker, errors)
+        barrier(world)  # returned on one rank: in the store for all (verify_on_start reads it back next)
+
+    def _seal(self, name: str, marker: str, errors: list[str]) -> None:
+        """Rank 0: the marker once every rank's share is there, then keep-k; or the warning."""
+        try:
+            if not errors:
+                where = f"{self.store.root}/{name}/{MARKER}"
+                retried(partial(self.store.fs.pipe_file, where, marker.encode()), f"writing {self.store.url}/{name}/{MARKER}")
+                self.store.prune(self.keep)
+        except UserError as e:
+            errors = [str(e)]
+        if errors:
+            self.report(
+                f"warning: checkpoint {name} was not copied to {self.store.url} ({errors[0]}); the store's newest "
+                "complete checkpoint is an older one, and the next save is copied again"
+            )
+
+
+def same_everywhere(local_root: Path, world: World) -> None:
+    """Collective, where the nodes share no disk, after the bring-back: every disk holds the
+    same newest checkpoint (one line otherwise, rather than a resume whose ranks disagree)."""
+    newest = latest_complete(local_root)
+    names = gather_objects(world, newest.name if newest is not None else None)
+    if len(set(names)) > 1:
+        raise UserError(
+            f"the ranks' disks hold different newest checkpoints after bringing back from the store ({names}, by rank); "
+            "accepted: run.dir/checkpoints empty on every node, or one disk every node shares"
+        )
+
+
+def clear_copied(local_root: Path, step: int) -> None:
+    """A disk's leader, where the nodes share no disk, once checkpoint `step` is copied (or
+    failed to be): its part of it, and any older checkpoint on this disk (one brought back
+    at the start), go; the store holds the checkpoints."""
+    for p in local_root.glob("step_*"):
+        m = _STEP.match(p.name)
+        if m and int(m.group(1)) <= step:
+            shutil.rmtree(p, ignore_errors=True)

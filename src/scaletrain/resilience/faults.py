@@ -10,6 +10,8 @@ exactly as an OOM-killer or a lost node would (no handler runs, nothing is flush
            without it meanwhile, the lighthouse having stopped hearing it)
   save     inside the save of checkpoint <step>: model, optimizer, RNG and trainer.json
            are on disk, the COMPLETE marker is not
+  upload   inside the copy of checkpoint <step> to checkpoint.dir (checkpoint/remote.py):
+           every rank's files are in the store, the marker is not
   prune    inside the pruning after checkpoint <step>: an old checkpoint has lost its
            marker and not yet its files
   metrics  inside the metrics flush at step <step>: half of the rows' text is written
@@ -30,6 +32,8 @@ exactly as an OOM-killer or a lost node would (no handler runs, nothing is flush
   compute  the rank sleeps inside each forward (a slower GPU, a throttled host)
   comm     each DDP gradient bucket's all-reduce completes that much later on the rank (a
            slow link); the other ranks wait for it in their backward
+  upload   each file a rank copies to checkpoint.dir waits that long first (a slow link
+           to the store: a drill can stop the store while a copy is under way)
 
 A comma-separated list is one fault per attempt under elastic restarts: entry i fires only
 in attempt i (torchrun's TORCHELASTIC_RESTART_COUNT, plus the restarts `scaletrain launch`
@@ -53,9 +57,9 @@ from scaletrain.errors import UserError
 from scaletrain.launch.env import GROUP_ENV, RELAUNCH_ENV
 
 ENV = "SCALETRAIN_KILL_AT"
-POINTS = ("step", "down", "save", "prune", "metrics", "term", "nan", "perturb", "hang", "oom")
+POINTS = ("step", "down", "save", "upload", "prune", "metrics", "term", "nan", "perturb", "hang", "oom")
 SLOW_ENV = "SCALETRAIN_SLOW"
-SLOW_KINDS = ("compute", "comm")
+SLOW_KINDS = ("compute", "comm", "upload")
 
 Fault = tuple[str, int, int | str | None]  # point, step, rank or "group<g>" (None: every rank)
 

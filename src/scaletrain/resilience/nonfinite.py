@@ -56,7 +56,7 @@ class NonfiniteGuard:
     def counters(self) -> dict[str, int]:
         return {"nonfinite_steps": self.steps, "rollbacks": self.rollbacks}
 
-    def review(self, rows: list[dict[str, Any]], newest: Callable[[], Path | None]) -> Diverged | None:
+    def review(self, rows: list[dict[str, Any]], newest: Callable[[], Path | str | None]) -> Diverged | None:
         """The steps of a log interval, in order, as telemetry read them (rows of "step",
         "loss": the mean over ranks, non-finite when any rank's is, and "grad_norm": the
         global norm): each row gets the counters as of its step; `rollback_due` is set when
@@ -75,7 +75,7 @@ class NonfiniteGuard:
             row.update(self.counters())
         return stop
 
-    def _bad(self, step: int, what: str, newest: Callable[[], Path | None]) -> Diverged | None:
+    def _bad(self, step: int, what: str, newest: Callable[[], Path | str | None]) -> Diverged | None:
         self.steps += 1
         self.in_a_row += 1
         self.first_bad = self.first_bad if self.in_a_row > 1 else step

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from scaletrain.data.blocks import is_url
 from scaletrain.errors import UserError
 
 
@@ -14,8 +15,11 @@ def make_dir(value: str | Path, key: str, create: bool = True) -> Path:
     """`value` (config key `key`) as a directory scaletrain can write into, created unless
     `create` is False (then only judged: its nearest existing ancestor must be a writable
     directory). A one-line UserError names what is in the way."""
-    path = Path(value).expanduser()
     accepted = f"accepted: {key}=<a directory that exists or can be created>"
+    if is_url(str(value)):  # metrics, logs and the checkpoint being written go to a filesystem
+        also = " (checkpoints reach object storage through checkpoint.dir=<url>)" if key == "run.dir" else ""
+        raise UserError(f"{key}={value} is a URL, not a directory on this machine; {accepted}{also}")
+    path = Path(value).expanduser()
     if path.exists() and not path.is_dir():
         raise UserError(f"{key}={value} is a file, not a directory; {accepted}")
     if not create:

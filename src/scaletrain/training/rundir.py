@@ -29,10 +29,12 @@ from scaletrain.training.optim import lr_at, scaled_lr, wsd_decay_steps
 @dataclass
 class RunPaths:
     root: Path
+    # <root>/checkpoints unless a drill gives this rank's node a disk of its own (checkpoint/disks.py)
+    checkpoint_root: Path | None = None
 
     @property
     def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
+        return self.checkpoint_root or self.root / "checkpoints"
 
     @property
     def metrics(self) -> Path:

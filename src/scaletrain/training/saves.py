@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain import checkpoint
+from scaletrain.checkpoint.disks import Disks, shared
 from scaletrain.checkpoint.manager import PendingSave
 from scaletrain.checkpoint.neutral import ParamLayout
+from scaletrain.checkpoint.remote import CheckpointStore, StoreCopy, bring_back, clear_copied
 from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
 from scaletrain.engines import Engine
@@ -60,21 +62,21 @@ class Saves:
     say: Callable[[str], None]
     writes: bool = True  # False: replica groups other than group 0 write no checkpoint (resilience/replica_groups.py)
     tokenizer: Path | None = None  # the data's, copied into checkpoint.hf_every's directories
+    disks: Disks | None = None  # which ranks share a disk (checkpoint/disks.py); None: all of them
     # The save in flight: it, when it started, how long the loop stood still, of which waiting for the one before.
     _pending: tuple[PendingSave, float, float, float] | None = field(default=None, init=False)
     _saved: int = field(default=0, init=False)  # the step of the last checkpoint this run wrote
     _verify: bool = field(default=False, init=False)  # checkpoint.verify_on_start still to do
     _exported: list[dict[str, Any]] = field(default_factory=list, init=False)  # checkpoint.hf_every's rows to log
-    _mirror: Callable[[Path], Any] = field(default_factory=lambda: lambda path: None, init=False)  # checkpoint.dir's copy
+    _copy: StoreCopy | None = field(default=None, init=False)  # checkpoint.dir's (checkpoint/remote.py)
 
     def __post_init__(self) -> None:
         # After the first step: torch creates optimizer state lazily, and saving before it
         # exists would create it early (shifting Adam's step count).
         self._verify = self.cfg.checkpoint.verify_on_start
-        if self.world.is_main:
-            from scaletrain.checkpoint.remote import after_save
-
-            self._mirror = after_save(self.cfg.checkpoint.dir, self.cfg.checkpoint.keep)
+        self.disks = self.disks or shared(self.world)
+        if self.cfg.checkpoint.dir:
+            self._copy = StoreCopy(self.cfg.checkpoint.dir, self.cfg.checkpoint.keep, self.say)
 
     def due(self, step: int, last: bool) -> bool:
         """Whether after_step will write (or verify) a checkpoint at `step`."""
@@ -123,16 +125,21 @@ class Saves:
         self.wait()  # one in flight: the next one's collectives share its group
         waited = time.perf_counter() - start
         target = checkpoint.step_dir(self.paths.checkpoints, step)
-        pending = self._write(target, step, position, tokens_seen, True, hf)
+        pending = self._write(target, step, position, tokens_seen, True, hf, self._copy)
         blocking = time.perf_counter() - start
         if pending is None:
             self._event(step, False, blocking, waited, blocking)
         else:
             self._pending = (pending, start, blocking, waited)
 
-    def newest(self) -> Path | None:
-        """The newest complete checkpoint, once the one in flight is done."""
+    def newest(self) -> Path | str | None:
+        """The newest complete checkpoint, once the one in flight is done: where the nodes
+        share no disk, the store's (a URL)."""
         self.wait()
+        assert self.disks is not None
+        if self._copy is not None and not self.disks.shared:
+            done = self._copy.store.complete()
+            return f"{self._copy.store.url}/step_{done[-1]}" if done else None
         return checkpoint.latest_complete(self.paths.checkpoints)
 
     def poll(self) -> None:
@@ -163,6 +170,7 @@ class Saves:
         engine = self.engine()
         with self.paused():
             self.wait()
+            self._bring_back()
             ckpt = checkpoint.latest_valid(self.paths.checkpoints, self.world, self.say)
             if ckpt is None:  # all damaged since the check: nothing to go back to
                 raise Diverged("train.nonfinite=rollback: no valid checkpoint to roll back to; accepted: train.nonfinite=skip")
@@ -174,17 +182,36 @@ class Saves:
         """Collective, checkpoint.verify_on_start: save into a scratch directory, load it
         back natively, compare every tensor with the files (checkpoint.verify), remove it."""
         scratch = self.paths.checkpoints / ".verify_on_start"
-        self._write(scratch, step, position, tokens_seen, background=False)
+        assert self.disks is not None
+        apart = self._copy if not self.disks.shared else None  # no disk holds it whole: through the store
+        self._write(scratch, step, position, tokens_seen, background=False, copy=apart)
+        if apart is not None:
+            if self.disks.leader:
+                apart.store.fetch(scratch.name, scratch)
+            barrier(self.world)
         engine = self.engine()
         checkpoint.load_checkpoint(scratch, self.world, lambda p: engine.load(p / "state"))
         checkpoint.verify(scratch, self.world, engine, self.layout)
         barrier(self.world)
-        if self.world.is_main:
+        if self.disks.leader:
             shutil.rmtree(scratch)
+        if apart is not None and self.world.is_main:
+            apart.store.remove(scratch.name)
+
+    def _bring_back(self) -> None:
+        """Collective, where the nodes share no disk: the store's newest complete checkpoint
+        onto every disk (checkpoint/remote.py), as at the start, before a rollback reads it."""
+        assert self.disks is not None
+        if self._copy is None or self.disks.shared:
+            return
+        if self.disks.leader:
+            bring_back(self._copy.store.url, self.paths.checkpoints, self.say if self.world.is_main else lambda line: None)
+        barrier(self.world)
 
     def _write(
-        self, target: Path, step: int, position: int, tokens_seen: int, background: bool, hf: bool = False
-    ) -> PendingSave | None:
+        self, target: Path, step: int, position: int, tokens_seen: int, background: bool, hf: bool = False,
+        copy: StoreCopy | None = None,
+    ) -> PendingSave | None:  # fmt: skip
         engine = self.engine()
         trainer_state = TrainerState(
             step=step,
@@ -197,17 +224,21 @@ class Saves:
         )
         files = {"config.yaml": self.cfg.to_yaml(), **engine.checkpoint_files()}
         background = background and self.cfg.checkpoint.async_save
-        keep, root, main = self.cfg.checkpoint.keep, self.paths.checkpoints, self.world.is_main
+        keep, root, main, disks = self.cfg.checkpoint.keep, self.paths.checkpoints, self.world.is_main, self.disks
+        assert disks is not None
         # Pruning after the marker: until then the older checkpoints are the newest whole ones.
-        prune = (lambda: checkpoint.prune(root, keep)) if main and target.parent == root else (lambda: None)
-        # After the marker, before pruning (which may remove an older one, never this one):
-        # the export reads the complete checkpoint from disk, the next save waits for it.
+        # Where the nodes share no disk, each disk's part of it goes once copied (checkpoint/disks.py).
+        prune: Callable[[], Any] = lambda: None
+        if not disks.shared and disks.leader and copy is not None and target.name == f"step_{step}":
+            prune = lambda: clear_copied(root, step)  # noqa: E731
+        elif disks.shared and main and target.parent == root:
+            prune = lambda: checkpoint.prune(root, keep)  # noqa: E731
+        # After the marker and the copy, before pruning (which may remove an older one, never
+        # this one): the export reads the complete checkpoint, the next save waits for it.
         export = (lambda: self._export_hf(target, step)) if main and hf else (lambda: None)
-        # checkpoint.dir: the complete checkpoint copied to object storage (checkpoint/remote.py).
-        mirror = (lambda: self._mirror(target)) if main and target.parent == root else (lambda: None)
         return checkpoint.save_checkpoint(
             target, self.world, lambda d: engine.save(d, background=background), trainer_state, files,
-            then=lambda: (export(), mirror(), prune()),
+            then=lambda: (export(), prune()), copy=copy, disks=disks,
         )  # fmt: skip
 
     def _export_hf(self, ckpt: Path, step: int) -> None:
@@ -219,11 +250,16 @@ class Saves:
         if out.exists():  # a resumed run passing the same step again: that export is of these weights
             return
         start = time.perf_counter()
-        done = export_checkpoint(ckpt, out, tokenizer=self.tokenizer)
-        if self.cfg.checkpoint.dir:  # beside the checkpoints in object storage: <url>/hf/step_<N>, its index last
-            from scaletrain.checkpoint.remote import CheckpointStore
-
-            CheckpointStore(self.cfg.checkpoint.dir).upload(out, f"hf/{out.name}", last="model.safetensors.index.json")
+        store = CheckpointStore(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else None
+        assert self.disks is not None
+        if not self.disks.shared and store is not None:  # no disk holds it whole: the store's copy, read back
+            whole = store.download(step, self.paths.checkpoints / ".export")
+            done = export_checkpoint(whole, out, tokenizer=self.tokenizer)
+            shutil.rmtree(whole.parent)
+        else:
+            done = export_checkpoint(ckpt, out, tokenizer=self.tokenizer)
+        if store is not None:  # beside the checkpoints in object storage: <url>/hf/step_<N>, its index last
+            store.upload(out, f"hf/{out.name}", last="model.safetensors.index.json")
         # Logged by the loop's thread with the save's own row (this may run in the save's).
         self._exported.append({"step": step, "event": "hf_export", "path": str(out), "bytes": done["bytes"],
                                "total_s": time.perf_counter() - start})  # fmt: skip

@@ -23,9 +23,10 @@ import torch
 from rich.console import Console
 
 from scaletrain import checkpoint
+from scaletrain.checkpoint.disks import check_disks, checkpoints_root, find_disks
 from scaletrain.checkpoint.frozen_base import base_reference
 from scaletrain.checkpoint.neutral import ParamLayout
-from scaletrain.checkpoint.remote import bring_back, check_store
+from scaletrain.checkpoint.remote import bring_back, check_store, same_everywhere
 from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import AUTO_MICRO_BATCH, Config
 from scaletrain.config.batch import global_batch
@@ -273,16 +274,21 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     main = world.is_main
     say = lambda line: console.print(line, highlight=False, soft_wrap=True) if main else None  # noqa: E731
     dims_for(cfg.parallel, world.world_size)  # a bad layout stops here, before any work
-    paths = RunPaths(group_dir(cfg, make_dir(cfg.run.dir, "run.dir")))  # every rank: the same verdict everywhere
+    root = group_dir(cfg, make_dir(cfg.run.dir, "run.dir"))  # every rank: the same verdict everywhere
+    paths = RunPaths(root, checkpoints_root(root, world))
     paths.root.mkdir(parents=True, exist_ok=True)
     if "nvme" in (cfg.parallel.offload_optimizer, cfg.parallel.offload_params) and cfg.parallel.nvme_path:
         make_dir(cfg.parallel.nvme_path, "parallel.nvme_path")
     if cfg.checkpoint.dir:
         check_store(cfg.checkpoint.dir)
-    if cfg.checkpoint.dir and cfg.train.resume == "auto":  # object storage's newest, brought back first
-        if world.local_rank == 0:
-            bring_back(cfg.checkpoint.dir, paths.checkpoints, say)
+    disks = find_disks(paths.checkpoints, world)  # nodes without a shared disk need checkpoint.dir
+    check_disks(disks, cfg.checkpoint.dir, cfg.run.dir)
+    if cfg.checkpoint.dir and cfg.train.resume == "auto":  # object storage's newest, brought back onto each disk first
+        if disks.leader:
+            bring_back(cfg.checkpoint.dir, paths.checkpoints, say if main else lambda line: None)
         barrier(world)
+        if not disks.shared:
+            same_everywhere(paths.checkpoints, world)
     resume_from = resume_point(cfg.train.resume, paths, world, say)  # the newest whole checkpoint
     if cfg.train.cooldown_steps is not None and resume_from is not None:
         cfg, line = branch_cooldown(cfg, resume_from, paths.root)
@@ -347,7 +353,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
             lambda: {"expert_bias": run.balance.state() if run.balance is not None else None},
         ],
         position=lambda: batches.position, before_save=flush, paused=watchdog.paused, say=say, writes=writes_checkpoints(cfg),
-        tokenizer=Path(data.tokenizer_path),
+        tokenizer=Path(data.tokenizer_path), disks=disks,
     )  # fmt: skip
     telemetry.review = lambda rows: guard.review(rows, saves.newest)  # each interval's steps, as they are read
     # A clean stop (the end, a preemption, a one-line error agreed by every rank) lets the
