@@ -160,8 +160,8 @@ class StoreCopy:
                     partial(self.store.fs.put_file, str(path / rel), f"{where}/{rel}"),
                     f"writing {self.store.url}/{path.name}/{rel}",
                 )
-        except UserError as e:
-            error = str(e)
+        except Exception as e:  # noqa: BLE001  # any failure is this rank's answer: none may leave the others waiting
+            error = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
         errors = [e for e in gather_objects(world, error) if e]
         faults.kill_at("upload", step)
         if world.is_main:
@@ -175,8 +175,8 @@ class StoreCopy:
                 where = f"{self.store.root}/{name}/{MARKER}"
                 retried(partial(self.store.fs.pipe_file, where, marker.encode()), f"writing {self.store.url}/{name}/{MARKER}")
                 self.store.prune(self.keep)
-        except UserError as e:
-            errors = [str(e)]
+        except Exception as e:  # noqa: BLE001  # reported; the other ranks wait at the barrier after it
+            errors = [str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"]
         if errors:
             self.report(
                 f"warning: checkpoint {name} was not copied to {self.store.url} ({errors[0]}); the store's newest "
