@@ -98,6 +98,11 @@ def test_what_does_not_combine_with_cp_is_one_line(small_dataset, tmp_path, caps
         assert main([*base, *args]) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("scaletrain: error:") and says in err[0], err
+    # plan --measure: Ulysses is measured (tests/test_plan_measure.py), the all-gather design is refused up front.
+    assert main(["plan", "--measure", "run.device=cpu", "parallel.strategy=fsdp", "parallel.cp=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--measure does not support parallel.cp=2 with cp_mode=allgather" in err[0], err
+    assert "accepted: parallel.cp_mode=ulysses, or parallel.cp=1" in err[0]
 
 
 @pytest.mark.unit

@@ -101,9 +101,12 @@ def check_measurable(cfg: Config) -> None:
         raise UserError(
             "--measure does not support model.trainable (torch's MemTracker cannot track frozen parameters); accepted: model.trainable=[]"
         )
-    if cfg.parallel.cp > 1:
+    if cfg.parallel.cp > 1 and cfg.parallel.cp_mode != "ulysses":
+        # The all-gather design's attention builds a CausalBias (a tensor subclass) for the
+        # chunks' offsets, which torch's MemTracker, a dispatch mode, fails to create (torch 2.13).
         raise UserError(
-            f"--measure does not support parallel.cp={cfg.parallel.cp} yet (not checked under torch's MemTracker); accepted: parallel.cp=1"
+            f"--measure does not support parallel.cp={cfg.parallel.cp} with cp_mode={cfg.parallel.cp_mode} (torch's MemTracker "
+            "cannot follow its attention bias); accepted: parallel.cp_mode=ulysses, or parallel.cp=1"
         )
     if cfg.parallel.pp > 1:
         # torch's MemTracker hooks modules through autograd, which a pipeline stage's
