@@ -48,6 +48,9 @@ def test_ulysses_holds_no_other_ranks_keys_and_its_traffic_shrinks_with_cp(eight
     u2, u8 = (cp_comm_bytes_per_step(model, ulysses[c]) for c in (2, 8))
     assert g8 / g2 == pytest.approx(7 / 4) and u8 / u2 == pytest.approx((7 / 8 / 8) / (1 / 2 / 2))
     assert u8 < g8
+    # Under tp 2 each rank exchanges its own 16 of the 32 heads (4 of the 8 kv heads): half the bytes.
+    with_tp = replace(ulysses[2], tp=2, dp=2)
+    assert cp_comm_bytes_per_step(model, with_tp) == pytest.approx(u2 / 2)
 
 
 def test_tiles_take_the_hidden_activations_and_the_whole_logits_out(eight_b):

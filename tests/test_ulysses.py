@@ -57,6 +57,20 @@ def test_ulysses_on_zero3_at_world_4_is_one_process(small_dataset, cp_straight, 
 @pytest.mark.dist
 @pytest.mark.equivalence
 @pytest.mark.timeout(400)
+def test_ulysses_with_tensor_parallel_at_world_4_is_one_process(small_dataset, cp_straight, tmp_path):
+    # cp 2 x tp 2: each tp rank's attention holds 2 of the tiny model's 4 heads (1 of its 2
+    # key/value heads, repeated twice to split over cp 2); Ulysses' all-to-alls swap those
+    # over the cp group, tp's sequence-parallel norms shard each rank's T/cp positions.
+    run = tmp_path / "tp2"
+    extra = ["parallel.strategy=fsdp", "parallel.cp=2", "parallel.tp=2", *ULYSSES, "train.micro_batch=4"]
+    check(train(cp_overrides(small_dataset, run, *extra), nproc=4))
+    assert (run_info(run)["parallel"]["cp"], run_info(run)["parallel"]["tp"]) == (2, 2)
+    assert_same_training(run, cp_straight, steps=CP_STEPS)
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(400)
 def test_ulysses_resumes_at_another_cp_size(small_dataset, cp_straight, tmp_path):
     # Steps 1-4 at cp 2 on world 2, then steps 5-8 at cp 4 on world 4, where the tiny
     # model's 2 key/value heads are each repeated twice to split over 4 ranks (kv_repeat).
@@ -95,7 +109,7 @@ def test_what_ulysses_cannot_split_is_one_line(small_dataset, tmp_path, capsys):
     base += [*ULYSSES, "parallel.strategy=fsdp"]
     cases = {
         ("data.seq_len=99",): "cuts each sequence into cp equal runs; data.seq_len=99 does not divide; accepted: data.seq_len a multiple of 2",
-        ("parallel.tp=2",): "parallel.cp=2 does not combine with parallel.tp=2 with cp_mode=ulysses",
+        ("parallel.pp=2", "train.grad_accum=2"): "parallel.cp=2 does not combine with parallel.pp=2",
         ("parallel.cp_mode=ring",): "parallel.cp_mode",
     }  # fmt: skip
     for args, says in cases.items():
@@ -120,6 +134,13 @@ def test_heads_that_do_not_split_are_refused_with_the_sizes_that_do():
     spec = model_spec(cfg, None)
     with pytest.raises(UserError, match=r"parallel.cp=3 with cp_mode=ulysses splits the heads.*accepted: parallel.cp=1, 2, 4"):
         spec.apply_cp(None, Ulysses(None, 0, 3))
+    # Under tp each rank holds n_heads / tp heads: those are what cp splits (tiny at tp 2: 2 heads, 1 kv head).
+    assert heads_problem(4, 2, 2, tp=2) is None and heads_problem(8, 4, 4, tp=2) is None
+    assert "each tp rank's 2 of the 4 attention heads do not divide over cp=4" in str(heads_problem(4, 2, 4, tp=2))
+    with pytest.raises(
+        UserError, match=r"parallel.cp=4 with cp_mode=ulysses splits the heads: each tp rank's 2.*accepted: parallel.cp=1, 2,"
+    ):
+        spec.apply_cp(None, Ulysses(None, 0, 4, tp=2))
 
 
 @pytest.mark.unit

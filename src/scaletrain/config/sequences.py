@@ -47,8 +47,6 @@ def _context_parallel_problem(cfg: Any) -> str | None:
          "model.moe.capacity_factor=0 (dropless)", "a capacity counts each rank's part of the sequences, not the whole"),
         (par.dp_replicate > 1, f"parallel.dp_replicate={par.dp_replicate}", "parallel.dp_replicate=1", "not checked yet"),
         (cfg.train.compile, "train.compile=true", "train.compile=false", "not checked yet"),
-        (par.cp_mode == "ulysses" and par.tp > 1, f"parallel.tp={par.tp} with cp_mode=ulysses", "parallel.tp=1",
-         "not checked yet"),
     ]  # fmt: skip
     for bad, given, accepted, why in unchecked:
         if bad:

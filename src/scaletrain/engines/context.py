@@ -25,8 +25,8 @@ def split_context(
     each (spec, model) of `models` (a None pair member: skipped, e.g. no teacher); None without cp."""
     if dims.cp == 1:
         return None
-    design = Ulysses if mode == "ulysses" else ContextParallel
-    cp = design(dims.cp_group(world.device), dims.coordinates(world.rank)["cp"], dims.cp)
+    group, rank = dims.cp_group(world.device), dims.coordinates(world.rank)["cp"]
+    cp = Ulysses(group, rank, dims.cp, tp=dims.tp) if mode == "ulysses" else ContextParallel(group, rank, dims.cp)
     for spec, model in models:
         if spec is not None and model is not None:
             capability(spec, ContextChunks, f"parallel.cp={dims.cp}", "parallel.cp=1").apply_cp(model, cp)

@@ -219,11 +219,10 @@ class LlamaSpec:
 
     def apply_cp(self, model: nn.Module, cp: Any) -> None:
         if isinstance(cp, Ulysses):
-            problem = heads_problem(self.shape.n_heads, self.shape.n_kv_heads, cp.size)
+            heads, kv = self.shape.n_heads, self.shape.n_kv_heads
+            problem = heads_problem(heads, kv, cp.size, cp.tp)
             if problem:
-                accepted = [
-                    d for d in range(1, self.shape.n_heads + 1) if not heads_problem(self.shape.n_heads, self.shape.n_kv_heads, d)
-                ]
+                accepted = [d for d in range(1, heads + 1) if not heads_problem(heads, kv, d, cp.tp)]
                 raise UserError(
                     f"parallel.cp={cp.size} with cp_mode=ulysses splits the heads: {problem}; accepted: parallel.cp="
                     f"{', '.join(map(str, accepted))}, or cp_mode=allgather"

@@ -37,12 +37,15 @@ def kv_repeat(n_kv_heads: int, cp: int) -> int:
     return cp // math.gcd(n_kv_heads, cp)
 
 
-def heads_problem(n_heads: int, n_kv_heads: int, cp: int) -> str | None:
-    """Why `cp` Ulysses ranks cannot split these heads, or None. The key/value heads need
-    no check of their own: they divide the query heads, so their repeated count
-    lcm(n_kv_heads, cp) divides n_heads too, and query head j keeps its group's key head."""
-    if n_heads % cp:
-        return f"the {n_heads} attention heads do not divide over cp={cp} ranks"
+def heads_problem(n_heads: int, n_kv_heads: int, cp: int, tp: int = 1) -> str | None:
+    """Why `cp` Ulysses ranks cannot split these heads, or None. Under tensor parallel
+    each rank holds n_heads / tp of them (and n_kv_heads / tp: llama_tp checks both divide),
+    and those are what the cp ranks split. The key/value heads need no check of their own:
+    they divide the query heads, so their repeated count lcm(n_kv_heads, cp) divides
+    n_heads too, and query head j keeps its group's key head."""
+    if n_heads % tp or (n_heads // tp) % cp:
+        held = f"each tp rank's {n_heads // tp} of the {n_heads}" if tp > 1 else f"the {n_heads}"
+        return f"{held} attention heads do not divide over cp={cp} ranks"
     return None
 
 
@@ -53,6 +56,7 @@ class Ulysses:
     group: Any  # the cp process group
     rank: int
     size: int
+    tp: int = 1  # parallel.tp: each rank's attention holds n_heads / tp of the heads, which the cp ranks split
 
     def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
         """The global positions this rank holds, in order: one contiguous run."""

@@ -25,7 +25,7 @@ OVERLAP = 0.8  # as planner.OVERLAP: the share of compute a side stream's copies
 def cp_options(mp: Setup, model: ModelSpec, world: int, nodes: int, tps: list[int]) -> list[Setup]:
     """Long sequences (LONG_SEQUENCE and more) of the built-in model: fsdp with cp 2, 4 or 8
     (x each tp), cp x tp inside a node (each block's key/value gathers need NVLink), and
-    Ulysses at the same sizes without tp where the heads divide; the global batch kept as
+    Ulysses at the same sizes where each tp rank's heads divide over cp; the global batch kept as
     for tp (dp / (cp x tp) ranks, each accumulating cp x tp times more)."""
     shape = getattr(model, "shape", None)
     if mp.seq_len < LONG_SEQUENCE or shape is None or experts_of(model) is not None:
@@ -40,7 +40,7 @@ def cp_options(mp: Setup, model: ModelSpec, world: int, nodes: int, tps: list[in
             layout = replace(mp, cp=cp, tp=tp, dp=mp.dp // split, grad_accum=mp.grad_accum * split, sequence_parallel=True)
             if mp.seq_len % (2 * cp) == 0:
                 out.append(replace(layout, cp_mode="allgather"))
-            if tp == 1 and mp.seq_len % cp == 0 and heads_problem(shape.n_heads, shape.n_kv_heads, cp) is None:
+            if mp.seq_len % cp == 0 and heads_problem(shape.n_heads, shape.n_kv_heads, cp, tp) is None:
                 out.append(replace(layout, cp_mode="ulysses"))
     return out
 
@@ -59,8 +59,9 @@ def cp_comm_bytes_per_step(model: ModelSpec, s: Setup) -> float:
     ring = (s.cp - 1) / s.cp
     if s.cp_mode == "ulysses":
         shape = getattr(model, "shape", None)
-        kv = kv_width(model) * (kv_repeat(shape.n_kv_heads, s.cp) if shape is not None else 1)
-        per_pass = (2 * model.hidden_size + 2 * kv) * s.micro_batch * s.local_seq_len * act_bytes * ring
+        # Under tp each rank exchanges its own heads only: 1/tp of the widths (its kv heads repeated as its attention does).
+        kv = kv_width(model) * (kv_repeat(shape.n_kv_heads // s.tp, s.cp) if shape is not None else 1)
+        per_pass = (2 * model.hidden_size + 2 * kv) / s.tp * s.micro_batch * s.local_seq_len * act_bytes * ring
     else:
         per_pass = 2.0 * s.micro_batch * s.seq_len * kv_width(model) / s.tp * act_bytes * ring
     return _rank_blocks(model, s) * s.grad_accum * passes * per_pass
