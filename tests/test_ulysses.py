@@ -13,12 +13,13 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from scaletrain.cli import main
 from scaletrain.errors import UserError
 from scaletrain.models import PRESETS
 
-from helpers import CP_EVERY, CP_STEPS, assert_same_training, check, cp_overrides, run_info, train, train_through
+from helpers import CP_EVERY, CP_STEPS, assert_same_training, base_overrides, check, cp_overrides, run_info, train, train_through
 
 ULYSSES = ["parallel.cp_mode=ulysses"]
 
@@ -103,6 +104,32 @@ def test_a_mixture_of_experts_under_ulysses_is_one_process(small_dataset, tmp_pa
     assert np.abs(bias[0]["expert_bias"]).max() > 0
 
 
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_a_hugging_face_sliding_window_under_ulysses_is_one_process(small_dataset, tmp_path, model_type):
+    # A window of 16 of the 64 positions: every rank attends over the whole sequence within
+    # it (documents.window_mask), as transformers' own sliding-window mask does in one
+    # process. Qwen2 with max_window_layers=1: its first layer full, its second windowed
+    # (each layer passes its own sliding_window).
+    hf = f"model_type: {model_type}, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
+    hf += "num_key_value_heads: 2, max_position_embeddings: 64, sliding_window: 16"
+    hf += ", use_sliding_window: true, max_window_layers: 1" if model_type == "qwen2" else ""
+    common = [o for o in base_overrides(small_dataset, tmp_path, steps=6) if not o.startswith(("model.preset", "run.dir"))]
+    common += [
+        "model.source=hf",
+        f"model.hf_config={{{hf}}}",
+        "train.micro_batch=4",
+        "parallel.strategy=fsdp",
+        "train.log_every=1",
+    ]
+    one, cp2 = tmp_path / "one", tmp_path / "cp2"
+    check(train([*common, f"run.dir={one}"]))
+    check(train([*common, f"run.dir={cp2}", "parallel.cp=2", *ULYSSES], nproc=2))
+    assert_same_training(cp2, one, steps=6, evals=False)
+
+
 @pytest.mark.e2e
 def test_what_ulysses_cannot_split_is_one_line(small_dataset, tmp_path, capsys):
     base = ["train", f"run.dir={tmp_path / 'run'}", f"data.paths={small_dataset}", "run.device=cpu", "parallel.cp=2"]
@@ -159,6 +186,7 @@ def test_what_a_hugging_face_model_cannot_split_is_one_line():
         llama.apply_cp(None, ContextParallel(None, 0, 2))
     with pytest.raises(UserError, match="the 4 attention heads do not divide over cp=8"):
         llama.apply_cp(None, Ulysses(None, 0, 8))
-    mistral = spec(f"model_type: mistral, {small}, num_attention_heads: 4, num_key_value_heads: 2, sliding_window: 16")
-    with pytest.raises(UserError, match="model_type mistral: its sliding-window attention is not split"):
-        mistral.apply_cp(None, Ulysses(None, 0, 2))
+    mistral = f"model_type: mistral, {small}, num_attention_heads: 4, num_key_value_heads: 2, sliding_window: 16"
+    spec(mistral).apply_cp(torch.nn.Module(), Ulysses(None, 0, 2))  # a sliding window is split (the test below)
+    with pytest.raises(UserError, match="model_type mistral: its attention dropout is not applied in a sliding window"):
+        spec(f"{mistral}, attention_dropout: 0.1").apply_cp(None, Ulysses(None, 0, 2))

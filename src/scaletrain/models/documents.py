@@ -16,6 +16,7 @@ kernel that would skip the masked blocks anyway).
 
 from __future__ import annotations
 
+import functools
 from functools import cache
 from typing import Any
 
@@ -53,16 +54,34 @@ def document_mask(doc: torch.Tensor, flex: bool | None = None) -> Any:
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool) -> torch.Tensor:
-    """Attention of q, k, v [B, heads, T, hd]: causal without `mask`, else within documents,
-    or a context-parallel split's (models/context_parallel.py, models/ulysses.py)."""
+@functools.lru_cache(maxsize=8)
+def window_mask(t: int, window: int, device: torch.device, flex: bool | None = None) -> Any:
+    """A Hugging Face sliding window over a whole sequence of `t` positions (key k visible
+    to query q when q - window < k <= q, transformers' sliding_window_overlay): a block mask
+    on CUDA (`flex`: blocks wholly outside the window are skipped), else a boolean [1, 1, T, T]
+    mask. The same for every layer and step of a length: made once."""
+    if device.type == "cuda" if flex is None else flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def in_window(batch: Any, head: Any, q: Any, k: Any) -> Any:
+            return (k <= q) & (k > q - window)
+
+        return create_block_mask(in_window, None, None, t, t, device=device)
+    q, k = torch.arange(t, device=device)[:, None], torch.arange(t, device=device)[None, :]
+    return ((k <= q) & (k > q - window))[None, None]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool, scale: float | None = None) -> torch.Tensor:
+    """Attention of q, k, v [B, heads, T, hd]: causal without `mask`, else within documents
+    (or a window), or a context-parallel split's (models/context_parallel.py, models/ulysses.py).
+    `scale`: the model's own, if not 1/sqrt(hd)."""
     if isinstance(mask, SequenceAttention):
         return mask(q, k, v, gqa)
     if mask is None:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     if isinstance(mask, torch.Tensor):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+    return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 @cache

@@ -283,8 +283,10 @@ class HFSpec:
             )
         problems = [
             heads_problem(c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads, cp.size),
-            "its sliding-window attention is not split"
-            if getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True)
+            "its attention dropout is not applied in a sliding window"
+            if getattr(c, "sliding_window", None)
+            and getattr(c, "use_sliding_window", True)
+            and getattr(c, "attention_dropout", 0)
             else None,
             "its attention logits' soft cap is not split" if getattr(c, "attn_logit_softcapping", None) else None,
             "its routers' balance term is per rank" if getattr(c, "output_router_logits", False) else None,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from scaletrain.models.context_parallel import SequenceAttention
-from scaletrain.models.documents import attend, document_mask
+from scaletrain.models.documents import attend, document_mask, window_mask
 
 
 def kv_repeat(n_kv_heads: int, cp: int) -> int:
@@ -119,7 +119,9 @@ def hf_attention(sp: Ulysses) -> Any:
     k, v [B, Hkv, T/cp, hd] of this rank's positions (rotated at their global positions) ->
     (the output [B, T/cp, H, hd], no weights), causal over the whole sequence with the
     model's own scaling. transformers builds no mask for a name its mask interface lacks,
-    so none is given; every layer is causal over all positions."""
+    so none is given; every layer is causal over all positions, or, where the layer passes
+    its `sliding_window` (Mistral's, Qwen2's sliding layers), within that window of them
+    (documents.window_mask: the same whole-sequence positions on every rank)."""
     import torch.nn.functional as F
 
     def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
@@ -128,9 +130,11 @@ def hf_attention(sp: Ulysses) -> Any:
         if repeat > 1:
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
         q, k, v = sp.to_heads(query), sp.to_heads(key), sp.to_heads(value)
-        out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        gqa, t, window = q.shape[1] != k.shape[1], q.shape[2], kwargs.get("sliding_window")
+        if window and window < t:  # (apply_cp refuses a window with attention dropout: the block mask takes none)
+            out = attend(q, k, v, window_mask(t, int(window), q.device), gqa, scale=scaling)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
         return sp.to_positions(out).transpose(1, 2).contiguous(), None
 
     return attention
