@@ -106,6 +106,28 @@ def test_flex_block_mask_equals_the_boolean_mask(monkeypatch):
     torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=0)  # measured 4e-7: fp32 softmaxes regrouped
 
 
+def test_a_sliding_window_s_block_mask_equals_the_boolean_mask_and_transformers_mask(monkeypatch):
+    # Ulysses' sliding window for Hugging Face models (models/ulysses.py): the CUDA path's
+    # block mask run eagerly against the boolean one, with a scale of the model's own; the
+    # boolean one is transformers' own sliding-window mask (masking_utils).
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    monkeypatch.setattr(documents, "_flex", lambda: flex_attention)
+    allowed = documents.window_mask(256, 40, torch.device("cpu"), flex=False)[0, 0]
+    theirs = sliding_window_causal_mask_function(40)
+    idx = torch.arange(256)
+    assert torch.equal(allowed, theirs(0, 0, idx[:, None], idx[None, :]))
+    assert allowed.sum() == sum(min(q + 1, 40) for q in range(256))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 256, 16, generator=g) for h in (4, 2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex says it is slow
+        flex = documents.attend(q, k, v, documents.window_mask(256, 40, torch.device("cpu"), flex=True), gqa=True, scale=0.1)
+    sdpa = documents.attend(q, k, v, documents.window_mask(256, 40, torch.device("cpu"), flex=False), gqa=True, scale=0.1)
+    torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=0)  # fp32 softmaxes regrouped, as for documents
+
+
 def test_mean_context_and_the_flops_it_saves():
     windows = np.array([[4, 4, EOS, 5, 5, 5, EOS, 6]])
     assert mean_context(windows, EOS) == (3 * 3 + 4 * 4 + 1 * 1) / 8
