@@ -244,6 +244,28 @@ def test_the_first_loss_is_the_saved_models_own_cross_entropy(hf_moe, arch):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("arch", list(HF_MOE))
+def test_an_hf_mixture_of_experts_flops_count_the_experts_each_token_runs_through(arch):
+    # transformers stacks each layer's experts in 3-D tensors ([E, out, in]): per token, the
+    # top-k of the E experts multiply (3 x hidden x expert width each, per MoE layer), not
+    # none of them (a count of 2-D weights alone) and not all of them.
+    from scaletrain.config import load_config
+    from scaletrain.models import model_spec
+
+    conf = {**COMMON, **HF_MOE[arch], "vocab_size": 64}
+    spec = model_spec(load_config([], ["model.source=hf", f"model.hf_config={json.dumps(conf)}"]), 64)
+    width = conf.get("moe_intermediate_size", conf["intermediate_size"])
+    experts = conf.get("num_local_experts", conf.get("num_experts"))
+    per_layer = 3 * conf["hidden_size"] * width
+    counts = spec.counts()
+    assert counts.experts == conf["num_hidden_layers"] * experts * per_layer
+    head_dim = conf.get("head_dim", conf["hidden_size"] // conf["num_attention_heads"])
+    attention = 12 * conf["num_hidden_layers"] * conf["num_attention_heads"] * head_dim * SEQ
+    active = conf["num_hidden_layers"] * conf["num_experts_per_tok"] * per_layer
+    assert spec.flops_per_token(SEQ) == 6 * (counts.matmul + active) + attention
+
+
+@pytest.mark.unit
 def test_the_balance_term_reaches_the_gradient_and_not_the_loss_value():
     from types import SimpleNamespace
 

@@ -26,6 +26,9 @@ class ModelCounts:
     numels: tuple[int, ...]  # each distinct parameter tensor's elements
     trainable: int = 0  # of total, those that train (model.trainable; all when it is empty)
     muon: int = 0  # of trainable, those train.optimizer=muon steps with Muon (models/params.py on_muon)
+    # Stacked expert weights, [experts, out, in] (a Hugging Face mixture of experts' gate_up_proj
+    # and down_proj): multiplied per token only for the experts each token is routed to.
+    experts: int = 0
 
     @property
     def largest(self) -> int:
@@ -61,6 +64,7 @@ def counts_of(spec: Any) -> ModelCounts:
         numels=tuple(p.numel() for p in distinct.values()),
         trainable=sum(p.numel() for p in distinct.values() if p.requires_grad),
         muon=sum(p.numel() for name, p in model.named_parameters() if p.requires_grad and on_muon(name, p, tables)),
+        experts=sum(p.numel() for p in distinct.values() if p.dim() == 3),
     )
 
 

@@ -226,10 +226,14 @@ class HFSpec:
         return counts_of(self)
 
     def flops_per_token(self, seq_len: int) -> float:
-        # As the built-in Llama's: 6 x matmul parameters plus attention scores and values.
-        c = self._conf
+        # As the built-in Llama's: 6 x matmul parameters plus attention scores and values; a
+        # mixture of experts' stacked expert weights count for the top-k experts of the
+        # layer's E that each token runs through (Mixtral's num_local_experts, Qwen's num_experts).
+        c, counts = self._conf, self.counts()
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return float(6 * self.counts().matmul + 12 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len)
+        experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
+        active = counts.experts * getattr(c, "num_experts_per_tok", 0) / experts if experts and counts.experts else 0.0
+        return float(6 * (counts.matmul + active) + 12 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len)
 
     def traced_block(self, seq_len: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         return _captured_block(self, seq_len), ()
