@@ -42,6 +42,12 @@ class S3:
             fs.put_file(str(f), f"{self.bucket}/{prefix}/{f.name}")
         return self.url(prefix)
 
+    def listing(self, prefix: str) -> list[str]:
+        """The names right under `prefix` now (step_N, hf), sorted."""
+        fs = self.fs()
+        fs.invalidate_cache()
+        return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{self.bucket}/{prefix}"))
+
     def stop(self) -> None:
         self.server.stop()
 
