@@ -61,6 +61,10 @@ def main() -> None:
         if dist.get_rank() == 0:
             assert all(c == counted for c in every), every
             out.write_text(json.dumps(counted))
+        # Both ranks done with every collective before either tears its group down: a peer
+        # closing its gloo pairs while the other still drains its own aborted rank 0 once
+        # in a CI run ("terminate called without an active exception").
+        dist.barrier()
     finally:
         # Models holding the group, freed first: gloo intermittently aborts when a group goes
         # with them alive (trainer.train does the same).
