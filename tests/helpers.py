@@ -257,6 +257,11 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in metric_rows(run_dir)]
 
 
+def step_figures(run_dir: Path) -> list[tuple[int, float, float]]:
+    """(step, loss, grad norm) of every step row as written, a resumed run's rows included."""
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
 def grad_norms(run_dir: Path) -> list[float]:
     return [r["grad_norm"] for r in metric_rows(run_dir)]
 

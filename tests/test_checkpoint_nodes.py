@@ -10,13 +10,7 @@ import json
 
 import pytest
 
-from scaletrain.telemetry.metrics import read_metrics
-
-from helpers import base_overrides, check, one_line_error, train
-
-
-def _losses(run):
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(run / "metrics.jsonl")]
+from helpers import base_overrides, check, one_line_error, step_figures, train
 
 
 @pytest.mark.dist
@@ -51,7 +45,7 @@ def test_nodes_that_share_no_disk_checkpoint_through_the_store(small_dataset, s3
     second = tmp_path / "second"
     proc = check(train([*common, f"run.dir={second}", f"checkpoint.dir={url}"], nproc=2, env=apart))
     assert f"resume: step 6 brought back from {url}" in proc.stdout
-    assert _losses(first) + _losses(second) == _losses(straight) and len(_losses(straight)) == 9
+    assert step_figures(first) + step_figures(second) == step_figures(straight) and len(step_figures(straight)) == 9
     assert not list(second.glob("checkpoints/step_*")) + list(second.glob("node1/checkpoints/step_*"))
     assert s3.listing("ckpts")[-1] == "step_9"
 
@@ -75,7 +69,7 @@ def test_rollback_and_verify_on_start_on_nodes_that_share_no_disk_go_through_the
     proc = check(train(args, nproc=2, env={**nan, "SCALETRAIN_NODE_DISKS": "2"}))
     assert "verify_on_start saved and reloaded step 1: every tensor came back exactly" in proc.stdout
     assert "rolled back to step 3" in proc.stdout and "resume: step 3 brought back" in proc.stdout
-    assert _losses(apart) == _losses(shared) and len(_losses(apart)) == 6
+    assert step_figures(apart) == step_figures(shared) and len(step_figures(apart)) == 6
     assert s3.listing("ckpts") == ["step_3", "step_6"]  # the scratch checkpoint gone from the store
 
 

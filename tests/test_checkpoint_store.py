@@ -20,11 +20,7 @@ import pytest
 from s3_server import SECRET
 from scaletrain.telemetry.metrics import read_metrics
 
-from helpers import base_overrides, check, one_line_error, train
-
-
-def _losses(run):
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(run / "metrics.jsonl")]
+from helpers import base_overrides, check, one_line_error, step_figures, train
 
 
 @pytest.mark.dist
@@ -57,7 +53,7 @@ def test_a_run_resumed_from_s3_at_another_world_size_equals_the_resume_from_disk
     args = [*base_overrides(small_dataset, second, steps=9), *common, f"checkpoint.dir={url}", "checkpoint.hf_last=true"]
     proc = check(train(args))
     assert f"resume: step 6 brought back from {url}" in proc.stdout
-    assert _losses(second) == _losses(local)[6:]
+    assert step_figures(second) == step_figures(local)[6:]
     # The last step's Hugging Face weights beside the checkpoints in the store, as on disk.
     hf = second / "hf" / "step_9"
     assert {p.name: p.read_bytes() for p in hf.iterdir()} == {
@@ -187,7 +183,7 @@ def test_the_store_stopping_mid_copy_is_ridden_out_or_leaves_that_checkpoint_inc
     assert seen.get("done") and seen["files_before"] >= 1, seen
     assert "; retrying for up to 120 s" in proc.stdout + proc.stderr
     assert s3.listing("ridden") == ["step_2", "step_4", "step_6"]
-    assert _losses(ridden) == _losses(straight)
+    assert step_figures(ridden) == step_figures(straight)
     # Killed during the outage: step 4's copy stays without its marker, step 2 is resumed.
     killed = tmp_path / "killed"
     args = [*base_overrides(small_dataset, killed, steps=6), *common, f"checkpoint.dir={s3.url('killed')}"]
@@ -205,4 +201,4 @@ def test_the_store_stopping_mid_copy_is_ridden_out_or_leaves_that_checkpoint_inc
     again = tmp_path / "again"
     proc = check(train([*base_overrides(small_dataset, again, steps=6), *common, f"checkpoint.dir={s3.url('killed')}"], nproc=2))
     assert f"resume: step 2 brought back from {s3.url('killed')}" in proc.stdout
-    assert _losses(again) == _losses(straight)[2:]
+    assert step_figures(again) == step_figures(straight)[2:]

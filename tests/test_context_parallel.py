@@ -86,7 +86,6 @@ def test_what_does_not_combine_with_cp_is_one_line(small_dataset, tmp_path, caps
             "data.seq_len=102",
         ): "data.seq_len=102 does not divide; accepted: data.seq_len a multiple of 4",
         ("parallel.strategy=fsdp", "parallel.pp=2", "train.grad_accum=2"): "parallel.cp=2 does not combine with parallel.pp=2",
-        ("parallel.strategy=fsdp", "model.preset=tiny-moe", "parallel.ep=2"): "parallel.cp=2 does not combine with parallel.ep=2",
         ("parallel.strategy=fsdp", "model.moe={capacity_factor: 1.25}"): (
             "parallel.cp=2 does not combine with model.moe.capacity_factor=1.25 (a capacity counts each rank's part"
         ),

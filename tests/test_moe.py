@@ -248,6 +248,14 @@ def test_ep_must_divide_the_experts_and_the_data_parallel_ranks():
         parallel_dims("fsdp", 2, ep=4)
     dims = parallel_dims("fsdp", 4, ep=2)
     assert (dims.dp_shard, dims.ep, dims.dp_size) == (4, 2, 4)
+    # Under context parallel the ep group holds whole cp groups: cp x a divisor of dp_shard.
+    for ep in (3, 6):
+        with pytest.raises(
+            UserError, match=f"parallel.ep={ep} with parallel.cp=2 must be cp times a divisor .*accepted: 2, 4, 8$"
+        ):
+            parallel_dims("fsdp", 8, cp=2, ep=ep)
+    dims = parallel_dims("fsdp", 8, cp=2, ep=4)
+    assert (dims.dp_shard, dims.cp, dims.ep, dims.ep_in_shard, dims.dp_size) == (4, 2, 4, 2, 4)
 
 
 STEPS = 8

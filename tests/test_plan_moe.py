@@ -144,6 +144,8 @@ def test_ep_traffic_gathers_fewer_experts_over_fewer_ranks_and_adds_the_all_to_a
     )
     assert a2a_bytes_per_step(spec, replace(s, ep=2)) == pytest.approx(L * 16 * 4 * exchange / 2, rel=1e-12)
     assert a2a_bytes_per_step(spec, replace(s, ep=1)) == 0
+    # Under cp each rank routes its seq_len / cp tokens of each sequence.
+    assert a2a_bytes_per_step(spec, replace(s, cp=2, ep=2)) == pytest.approx(L * 16 * 4 * exchange / 2 / 2, rel=1e-12)
     # A capacity factor below 1 drops the slots past it before they travel; above 1 (balanced) none.
     for factor, kept in ((0.5, 0.5), (1.25, 1.0)):
         capped = planning_spec(config(f"model.moe.capacity_factor={factor}"))
@@ -179,6 +181,8 @@ def test_ep_sizes_divide_the_shard_group_and_the_experts():
     deepseek = planning_spec(load_config([], ["model.preset=deepseek-moe-16b"]))
     assert ep_sizes(deepseek, 64) == [2, 4, 8, 16, 32, 64]
     assert ep_sizes(planning_spec(load_config([], ["model.preset=8b"])), 64) == []
+    # Under cp the ep group holds whole cp groups (config/parallel.py): multiples of cp only.
+    assert ep_sizes(mixtral(), 16, cp=2) == [2, 4, 8] and ep_sizes(mixtral(), 16, cp=4) == [4, 8]
     # 3 ranks and 8 experts: no ep to weigh, and the plan says why.
     plan = make_plan(config("train.micro_batch=1"), mixtral(), 3, 1, gpu("h200", "1TiB"))
     assert "expert parallel not weighed: no ep > 1 divides both the data-parallel size (3) and the 8 experts" in plan.reasons

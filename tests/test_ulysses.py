@@ -1,9 +1,10 @@
 """Ulysses context parallel (parallel.cp_mode=ulysses, models/ulysses.py) in runs: fsdp at
 cp 2 equals one process (loss and grad norm every step, eval rows, final weights), its
 trace holding the four all-to-alls per attention and their backward; zero3 at cp 2 x dp 2
-equals it, so does a mixture of experts (balance=bias) at cp 2; a cp 2 checkpoint resumes
-at cp 4 on world 4 (the key/value heads then repeated) as the straight run; what cannot
-split is one line. Gradients after one backward (ddp accumulating, fsdp with documents
+equals it, so does a mixture of experts (balance=bias) with its experts split over the cp
+ranks (cp 2 x ep 2; the all-gather design at dp 2 x cp 2 x ep 4 resumed at cp 2 x tp 2 x
+ep 2); a cp 2 checkpoint resumes at cp 4 on world 4 (the key/value heads then repeated) as
+the straight run; what cannot split is one line. Gradients after one backward (ddp accumulating, fsdp with documents
 masked, zero3, MoE with its balance terms) are in test_gradients.py, fine-tuning masks on
 zero3 in test_finetune.py."""
 
@@ -88,20 +89,35 @@ def test_ulysses_resumes_at_another_cp_size(small_dataset, cp_straight, tmp_path
 
 @pytest.mark.dist
 @pytest.mark.equivalence
-@pytest.mark.timeout(300)
-def test_a_mixture_of_experts_under_ulysses_is_one_process(small_dataset, tmp_path):
+@pytest.mark.timeout(400)
+def test_a_mixture_of_experts_under_context_parallel_is_one_process(small_dataset, tmp_path):
     # balance=bias: the load that moves the bias after each step is summed over every rank
     # (each cp rank routes its part of the sequences), beside the sequence-wise term whose
-    # counts each rank takes over its cp group (models/moe.py _whole_sequences).
-    moe = ["model.preset=tiny-moe", "model.moe.balance=bias", "train.micro_batch=4", "parallel.strategy=fsdp"]
-    one, cp2 = tmp_path / "one", tmp_path / "cp2"
-    check(train(cp_overrides(small_dataset, one, *moe)))
-    check(train(cp_overrides(small_dataset, cp2, *moe, "parallel.cp=2", *ULYSSES), nproc=2))
+    # counts each rank takes over its cp group (models/moe.py _whole_sequences). With
+    # expert parallel the ep group takes the cp ranks in (config/parallel.py): at cp 2 x ep 2
+    # it is the cp group (each rank half the experts; with tp 2, each tp coordinate's), at
+    # dp 2 x cp 2 x ep 4 all four ranks; the experts' gradients, summed over every rank's
+    # tokens, are divided by dp x cp. (Without ep: test_gradients.py's MoE cp variants.)
+    moe = ["model.preset=tiny-moe", "model.moe.balance=bias", "parallel.strategy=fsdp", "parallel.cp=2"]
+    one, cp2, chain = tmp_path / "one", tmp_path / "cp2-ep2", tmp_path / "chain"
+    check(train(cp_overrides(small_dataset, one, *moe[:-1], "train.micro_batch=4")))
+    check(train(cp_overrides(small_dataset, cp2, *moe, "parallel.ep=2", *ULYSSES, "train.micro_batch=4"), nproc=2))
     assert_same_training(cp2, one, steps=CP_STEPS)
-    bias = [json.loads((run / "checkpoints" / f"step_{CP_STEPS}" / "trainer.json").read_text()) for run in (one, cp2)]
-    # Moved by +-rate per step on the sign of each expert's load: one flipped sign is 2 x 1e-3 apart.
-    np.testing.assert_allclose(bias[1]["expert_bias"], bias[0]["expert_bias"], atol=1e-6)
-    assert np.abs(bias[0]["expert_bias"]).max() > 0
+    # Steps 1-4 with the all-gather design at dp 2 x cp 2 x ep 4, steps 5-8 resumed with
+    # Ulysses at cp 2 x tp 2 x ep 2 (the experts' DTensors resharded by DCP), every step as one.
+    all_gather = ["parallel.ep=4", "parallel.cp_mode=allgather", "train.micro_batch=2"]
+    with_tp = ["parallel.ep=2", "parallel.tp=2", *ULYSSES, "train.micro_batch=4"]
+    links = [
+        (cp_overrides(small_dataset, chain, *moe, *all_gather), 4, "fsdp at world 4 (cp 2, ep 4)"),
+        (cp_overrides(small_dataset, chain, *moe, *with_tp), 4, "fsdp at world 4 (tp 2, cp 2, ep 2)"),
+    ]
+    train_through(chain, links, every=CP_EVERY)
+    assert_same_training(chain, one, steps=CP_STEPS)
+    bias = {run: json.loads((run / "checkpoints" / f"step_{CP_STEPS}" / "trainer.json").read_text()) for run in (one, cp2, chain)}
+    for run in (cp2, chain):
+        # Moved by +-rate per step on the sign of each expert's load: one flipped sign is 2 x 1e-3 apart.
+        np.testing.assert_allclose(bias[run]["expert_bias"], bias[one]["expert_bias"], atol=1e-6, err_msg=run.name)
+    assert np.abs(bias[one]["expert_bias"]).max() > 0
 
 
 @pytest.mark.dist

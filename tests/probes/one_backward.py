@@ -98,6 +98,12 @@ MOE_CP_VARIANTS = {
                                                                             "train.micro_batch=4"]),
     "moe_zero3_ulysses2": (["model.preset=tiny-moe"], ["parallel.strategy=zero3", "parallel.cp=2", ULYSSES,
                                                        "train.micro_batch=4", Z3_PARTITION_ALL]),
+    # Expert parallel over the cp ranks (the ep group is the cp group): each rank half the
+    # experts, their gradients summed over both ranks' tokens and divided by dp x cp.
+    "moe_fsdp_ulysses2_ep2": (["model.preset=tiny-moe"], ["parallel.strategy=fsdp", "parallel.cp=2", "parallel.ep=2",
+                                                          ULYSSES, "train.micro_batch=4"]),
+    "moe_fsdp_cp2_ep2_aux": (["model.preset=tiny-moe", "model.moe.balance=aux"], ["parallel.strategy=fsdp", "parallel.cp=2",
+                                                                                 "parallel.ep=2", "train.micro_batch=4"]),
 }  # fmt: skip
 
 

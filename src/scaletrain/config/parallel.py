@@ -40,16 +40,25 @@ class ParallelDims:
     # Expert parallel: not a dimension of its own but a split of dp_shard into
     # (dp_shard / ep, ep), ep innermost (neighbouring ranks, the fastest links): the experts
     # are split over ep, their weights sharded over dp_shard / ep (engines/expert_parallel.py).
+    # Under context parallel ep takes the cp ranks in (as torchtitan's layout does): ep =
+    # (ep / cp of dp_shard) x cp, so the experts see every token of the sequences they serve
+    # and their weights are sharded over the dp_shard / (ep / cp) ranks that hold the same.
     ep: int = 1
     _mesh: Any = field(default=None, repr=False, compare=False)
     _dp_shard: Any = field(default=None, repr=False, compare=False)  # under ep: dp_shard flattened; under cp: dp_shard x cp
+    _ep: Any = field(default=None, repr=False, compare=False)  # under ep with cp: (dp_shard_in_ep, cp) flattened
 
     def __post_init__(self) -> None:
         for name in (*DIMS, "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.dp_shard % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp_shard={self.dp_shard}")
+        if self.dp_shard % self.ep_in_shard or (self.ep > 1 and self.cp > 1 and self.ep % self.cp):
+            raise ValueError(f"ep={self.ep} must be a multiple of cp={self.cp} dividing dp_shard x cp={self.dp_shard * self.cp}")
+
+    @property
+    def ep_in_shard(self) -> int:
+        """How many of the ep ranks are dp_shard ranks: ep, or ep / cp under context parallel."""
+        return self.ep // self.cp if self.ep > 1 and self.cp > 1 else self.ep
 
     @property
     def world_size(self) -> int:
@@ -85,18 +94,23 @@ class ParallelDims:
 
             names = [n for n in DIMS if getattr(self, n) > 1 or n == "dp_shard"]
             sizes = {n: getattr(self, n) for n in names}
+            shard: tuple[str, ...] = ("dp_shard",)
             if self.ep > 1:  # dp_shard as (dp_shard_mod_ep, ep), flattened back under its own name
+                # Under cp the ep ranks within dp_shard are only ep / cp: the cp ranks beside
+                # them complete the group, (dp_shard_in_ep, cp) flattened as "ep" below.
+                shard = EXPERT_DIMS if self.cp == 1 else (EXPERT_DIMS[0], "dp_shard_in_ep")
                 at = names.index("dp_shard")
-                names[at : at + 1] = EXPERT_DIMS
-                sizes |= {EXPERT_DIMS[0]: self.dp_shard // self.ep, EXPERT_DIMS[1]: self.ep}
+                names[at : at + 1] = shard
+                sizes |= {shard[0]: self.dp_shard // self.ep_in_shard, shard[1]: self.ep_in_shard}
             self._mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=tuple(names))
             if self.ep > 1:
                 # Kept here: torch deprecates slicing a flattened dimension from the root mesh.
-                self._dp_shard = self._mesh[EXPERT_DIMS]._flatten("dp_shard")
+                self._dp_shard = self._mesh[shard]._flatten("dp_shard")
+                self._ep = self._mesh[shard[1], "cp"]._flatten(EXPERT_DIMS[1]) if self.cp > 1 else self._mesh[EXPERT_DIMS[1]]
             if self.cp > 1:
                 # FSDP shards over the cp ranks too (as torchtitan does): its gradient
                 # reduction then averages over dp x cp, each cp rank's loss a mean of its chunks.
-                self._dp_shard = self._mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+                self._dp_shard = self._mesh[(*shard, "cp")]._flatten("dp_shard_cp")
             if len(names) > 1:
                 # A reduction over every dimension (the gradient norm of 2-D parameters) is
                 # then one all-reduce on the flattened group, not one per dimension in turn.
@@ -106,7 +120,7 @@ class ParallelDims:
     def expert_meshes(self, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
         """Under expert parallelism: (what FSDP2 shards the expert weights over, the ep group)."""
         mesh = self.mesh(device.type)
-        return mesh[EXPERT_DIMS[0]], mesh[EXPERT_DIMS[1]]
+        return mesh[EXPERT_DIMS[0]], self._ep
 
     def cp_group(self, device: torch.device) -> Any:
         """The process group of this rank's cp ranks (parallel.cp > 1)."""
@@ -152,7 +166,14 @@ def parallel_dims(
     if row is not None and row.dp_axis == "replicate":
         return ParallelDims(dp_replicate=dp, dp_shard=1, tp=tp, pp=pp, cp=cp)
     shard = dp // dp_replicate
-    if shard % ep:
+    if cp > 1 and ep > 1 and (ep % cp or shard % (ep // cp)):
+        # The ep group takes the cp ranks in (ParallelDims.ep): cp times a divisor of dp_shard.
+        raise UserError(
+            f"parallel.ep={ep} with parallel.cp={cp} must be cp times a divisor of the data-parallel shard size {shard} "
+            f"(the ep group holds whole cp groups, whose ranks route the parts of the same sequences); accepted: "
+            f"{', '.join(str(cp * d) for d in _divisors(shard))}"
+        )
+    if cp == 1 and shard % ep:
         raise UserError(
             f"parallel.ep={ep} must divide the data-parallel shard size {shard} (world size {world_size}"
             + (f" / tp {tp} / pp {pp}" if model_parallel > 1 else "")

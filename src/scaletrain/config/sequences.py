@@ -42,8 +42,6 @@ def _context_parallel_problem(cfg: Any) -> str | None:
         (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1", "a pipeline passes whole sequences between stages"),
         (m.source != "builtin" and not (m.source == "hf" and par.cp_mode == "ulysses"), f"model.source={m.source}",
          "the built-in model, or a Hugging Face one with cp_mode=ulysses", "its attention takes the whole sequence"),
-        (experts and par.ep > 1, f"parallel.ep={par.ep}", "parallel.ep=1",
-         "the experts' weights are sharded without the cp ranks whose tokens they also take: not built yet"),
         (experts and bool(m.moe and m.moe.capacity_factor), f"model.moe.capacity_factor={m.moe and m.moe.capacity_factor}",
          "model.moe.capacity_factor=0 (dropless)", "a capacity counts each rank's part of the sequences, not the whole"),
         (par.dp_replicate > 1, f"parallel.dp_replicate={par.dp_replicate}", "parallel.dp_replicate=1", "not checked yet"),

@@ -1,7 +1,10 @@
 """Expert parallelism (`parallel.ep`) for the built-in mixture of experts, under FSDP2.
 
 The layout follows torchtitan's: ep ranks are carved out of the data-parallel shard ranks
-(ParallelDims.ep: dp_shard = dp_shard_mod_ep x ep, ep innermost). Each MoE layer's stacked
+(ParallelDims.ep: dp_shard = dp_shard_mod_ep x ep, ep innermost), and under context
+parallel out of dp_shard x cp (ep = ep / cp of dp_shard x every cp rank: the experts see
+all the tokens of the sequences they serve; their FSDP mesh dp_shard_mod_ep stays a root
+dimension ahead of the flattened ep one, which DTensor needs). Each MoE layer's stacked
 expert weights become DTensors sharded on dim 0 over the ep mesh (torch's
 distribute_module, before materialization: nothing is ever allocated whole); the layer's
 router sends each token slot to the rank holding its expert and back (models/moe.py, with
@@ -14,7 +17,8 @@ mesh: for the dense weights that is the mean over all dp ranks. An expert weight
 gradient on its rank already sums the contributions of every ep rank's tokens (the
 all-to-all's backward brings them), and FSDP's reduction over dp_shard_mod_ep adds the
 rest: the sum over all dp ranks, which must be divided by dp, not by FSDP's mesh size
-(dp / ep). Hence set_gradient_divide_factor(dp), as torchtitan does.
+(dp / ep). Hence set_gradient_divide_factor(dp), as torchtitan does; under context
+parallel dp x cp, the factor the dense weights' FSDP mesh (dp_shard x cp) divides by.
 
 Checkpoints. The expert weights keep their global shapes ([experts, ...]) as DTensors, so
 DCP saves and reloads them onto any ep and world size (by byte ranges), and the

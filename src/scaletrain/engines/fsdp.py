@@ -236,7 +236,7 @@ def _shard_and_materialize(
     offload_policy = CPUOffloadPolicy(pin_memory=world.device.type == "cuda") if offload else OffloadPolicy()
     if experts:
         kwargs = dict(mp_policy=_mp_policy(cfg.precision), offload_policy=offload_policy, reshard_after_forward=reshard)
-        shard_experts(experts, expert_dp, dims.dp_size, **kwargs)
+        shard_experts(experts, expert_dp, dims.dp_size * dims.cp, **kwargs)
     apply_fsdp(model, blocks, dims.fsdp_mesh(world.device), cfg.precision, reshard, offload_policy)
     # DTensor parameters are swapped in place by to_empty (wrapper subclasses always use
     # swap_tensors), so the tied Parameter object survives; checked, not assumed.

@@ -10,7 +10,6 @@ from dataclasses import replace
 from scaletrain.models.spec import ModelSpec
 from scaletrain.models.ulysses import heads_problem, kv_repeat
 from scaletrain.planning.candidate import Candidate
-from scaletrain.planning.experts import experts_of
 from scaletrain.planning.hardware import Device, fmt
 from scaletrain.planning.memory import ffn_width, kv_width, offloaded_activations
 from scaletrain.planning.pipeline import rank_share
@@ -28,8 +27,8 @@ def cp_options(mp: Setup, model: ModelSpec, world: int, nodes: int, tps: list[in
     Ulysses at the same sizes where each tp rank's heads divide over cp; the global batch kept as
     for tp (dp / (cp x tp) ranks, each accumulating cp x tp times more)."""
     shape = getattr(model, "shape", None)
-    if mp.seq_len < LONG_SEQUENCE or shape is None or experts_of(model) is not None:
-        return []
+    if mp.seq_len < LONG_SEQUENCE or shape is None or getattr(shape, "capacity_factor", False):
+        return []  # a capacity counts each rank's part of the sequences: refused (config/sequences.py)
     per_node = world // nodes
     out = []
     for cp in (2, 4, 8):

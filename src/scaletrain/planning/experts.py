@@ -142,12 +142,13 @@ def moe_note(model: ModelSpec, seq_len: int) -> list[str]:
     ]
 
 
-def ep_sizes(model: ModelSpec, shard: int) -> list[int]:
-    """The ep degrees a layout can take: > 1, dividing the shard group and the experts."""
+def ep_sizes(model: ModelSpec, shard: int, cp: int = 1) -> list[int]:
+    """The ep degrees a layout can take: > 1, dividing the shard group (dp_shard x cp) and the
+    experts; under cp a multiple of it (the ep group holds whole cp groups: config/parallel.py)."""
     e = experts_of(model)
     if e is None:
         return []
-    return [ep for ep in range(2, min(shard, e.experts) + 1) if shard % ep == 0 and e.experts % ep == 0]
+    return [ep for ep in range(2, min(shard, e.experts) + 1) if shard % ep == 0 and e.experts % ep == 0 and ep % cp == 0]
 
 
 def ep_options(options: list[Setup], model: ModelSpec) -> list[Setup]:
@@ -158,7 +159,7 @@ def ep_options(options: list[Setup], model: ModelSpec) -> list[Setup]:
     for o in options:
         plain = o.dp_replicate == 1 and o.offload_params == "none" and o.offload_optimizer == "none"
         if TABLE[o.strategy].ep and plain:
-            out += [replace(o, ep=ep) for ep in ep_sizes(model, o.shard)]
+            out += [replace(o, ep=ep) for ep in ep_sizes(model, o.shard, o.cp)]
     return out
 
 
@@ -193,7 +194,7 @@ def a2a_bytes_per_step(model: ModelSpec, s: Setup) -> float:
     if e is None or s.ep == 1:
         return 0.0
     act_bytes = 4 if s.precision == "fp32" else 2
-    exchange = e.kept * e.top_k * s.micro_batch * s.seq_len * model.hidden_size * act_bytes
+    exchange = e.kept * e.top_k * s.micro_batch * s.local_seq_len * model.hidden_size * act_bytes  # this rank's tokens
     exchanges = 6 if s.activation_checkpointing else 4
     return moe_layers_held(model, s)[1] * s.grad_accum * exchanges * exchange * (s.ep - 1) / s.ep
 

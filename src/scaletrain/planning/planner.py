@@ -65,11 +65,10 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
         mp = replace(base, strategy=_MODEL_PARALLEL.name, **_PLAIN)
         tps = _tp_sizes(model, world, nodes)
         options += [replace(mp, tp=tp, dp=mp.dp // tp, grad_accum=mp.grad_accum * tp, sequence_parallel=True) for tp in tps]
-        # A mixture of experts trains with tp or pp, not both at once (the compositions its
-        # tests check: docs/moe.md), nor with cp (config/schema.py).
+        # A mixture of experts trains with tp, pp or cp, not two at once (the compositions
+        # its tests check: docs/moe.md); ep then joins each (ep_options below).
         options += pp_options(mp, model, world, nodes, [1] if moe else [1, *tps])
-        if not moe:
-            options += cp_options(mp, model, world, nodes, [1, *tps])
+        options += cp_options(mp, model, world, nodes, [1] if moe else [1, *tps])
     if moe and model is not None:
         # Expert parallel beside every layout that takes it: plain fsdp sharding, ep inside
         # each pipeline stage, over the data-parallel ranks of each tp coordinate.
