@@ -38,7 +38,7 @@ TP_EMBEDDING = "scaletrain/models/llama.py Llama.forward: __setitem__"
 # both in one .tolist() per layer per forward (docs/moe.md, "Host synchronisations that stay").
 MOE = ["model.preset=tiny-moe", "parallel.strategy=fsdp"]
 MOE_LOOP = "scaletrain/models/moe.py GroupedExperts.forward: tolist"
-MOE_EP = "scaletrain/models/moe.py _expert_parallel: tolist"
+MOE_EP = "scaletrain/models/moe.py exchange_slots: tolist"
 
 # name: (ranks, overrides, the reads per step that stay)
 LAYOUTS = {

@@ -159,8 +159,12 @@ ENGINES = {
     # backward, and their logits must not be recorded twice.
     "mixtral-fsdp": ("mixtral", ["parallel.strategy=fsdp", "parallel.activation_checkpointing=true"]),
     "mixtral-zero3": ("mixtral", ["parallel.strategy=zero3", Z3_PARTITION_ALL]),
-    "qwen2_moe-fsdp": ("qwen2_moe", ["parallel.strategy=fsdp"]),
     "qwen3_moe-zero3": ("qwen3_moe", ["parallel.strategy=zero3", Z3_PARTITION_ALL]),
+    # Expert parallel (models/hf_experts.py): each rank holds 2 of the 4 stacked experts and
+    # sends each token slot to its expert's rank; Qwen2-MoE's shared expert stays whole (fsdp
+    # without ep: Mixtral above).
+    "qwen3_moe-fsdp-ep2": ("qwen3_moe", ["parallel.strategy=fsdp", "parallel.ep=2", "parallel.activation_checkpointing=true"]),
+    "qwen2_moe-fsdp-ep2": ("qwen2_moe", ["parallel.strategy=fsdp", "parallel.ep=2"]),
 }
 HF_STEPS = 3
 
@@ -297,3 +301,28 @@ def test_a_trained_hf_mixtral_exports_back_and_loads(hf_moe, tmp_path):
     params = dict(again.named_parameters())
     for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.gate.weight"):
         assert torch.equal(params[name], trained[name]), name
+
+
+@pytest.mark.unit
+def test_expert_parallel_an_hf_model_cannot_take_is_one_line_naming_its_model_type():
+    from scaletrain.config import load_config
+    from scaletrain.models import model_spec
+    from scaletrain.models.capabilities import ExpertSplit
+
+    def refusal(fields: dict, ep: int, *extra: str) -> str:
+        inline = json.dumps(fields | COMMON | {"vocab_size": 64})
+        spec = model_spec(load_config([], ["model.source=hf", f"model.hf_config={inline}", *extra]), None)
+        assert isinstance(spec, ExpertSplit)  # what engines/fsdp.py asks for the split
+        with pytest.raises(UserError) as err:
+            spec.check_ep(ep)
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    said = refusal({"model_type": "llama", "intermediate_size": 48}, 2)
+    assert said.startswith("parallel.ep=2 splits a mixture of experts' experts") and "model_type llama has none" in said
+    said = refusal(QWEN3_MOE, 3)
+    assert "parallel.ep=3 must divide model_type qwen3_moe's 4 experts per layer; accepted: parallel.ep=1, 2, 4" in said
+    said = refusal(QWEN3_MOE, 2, "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}")
+    assert "parallel.ep=2 does not combine with model.lora" in said
+    # The config takes an HF model's ep (on fsdp): its spec decides at build, as above.
+    load_config([], ["model.source=hf", "model.hf_config={model_type: mixtral}", "parallel.strategy=fsdp", "parallel.ep=2"])

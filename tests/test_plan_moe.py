@@ -16,7 +16,15 @@ from scaletrain.config import Config, load_config
 from scaletrain.config.parallel import dims_for
 from scaletrain.launch.distributed import World
 from scaletrain.planning import make_plan, planning_spec
-from scaletrain.planning.experts import a2a_bytes_per_step, a2a_seconds, ep_sizes, moe_summary, off_node_share
+from scaletrain.planning.experts import (
+    Experts,
+    a2a_bytes_per_step,
+    a2a_seconds,
+    ep_sizes,
+    experts_of,
+    moe_summary,
+    off_node_share,
+)
 from scaletrain.planning.hardware import GiB, gpu
 from scaletrain.planning.memory import estimate
 from scaletrain.planning.planner import comm_bytes_per_step, evaluate, step_time, tp_collectives
@@ -134,6 +142,11 @@ def test_ep_traffic_gathers_fewer_experts_over_fewer_ranks_and_adds_the_all_to_a
     # ep = shard: every rank holds whole experts, nobody gathers them.
     whole = Setup("fsdp", 8, 1, 4096, "bf16", grad_accum=16, ep=8)
     assert comm_bytes_per_step(spec, whole, 16) == pytest.approx(7 / 8 * dense * per_param, rel=1e-12)
+    # Hybrid sharding (2 replicas of 32): ep inside each replica, then every rank's gradient
+    # shard (TOTAL / 32 either way: dense / 32, experts / 8 / 4) all-reduced across the two.
+    hybrid = replace(s, dp_replicate=2)
+    replicas = 31 / 32 * dense * per_param + 3 / 4 * (L * EXPERTS / 8) * per_param + 2 * (1 / 2) * TOTAL / 32 * 4
+    assert comm_bytes_per_step(spec, hybrid, 16) == pytest.approx(replicas, rel=1e-12)
     # The routed tokens: dispatch and combine, forward and backward, per MoE layer and
     # micro-batch, top_k x tokens x width x 2 bytes each, 7/8 of it to other ranks.
     exchange = K * 4096 * D * 2
@@ -189,6 +202,22 @@ def test_ep_sizes_divide_the_shard_group_and_the_experts():
 
 
 @pytest.mark.unit
+def test_a_hugging_face_qwen3_moe_is_planned_as_the_preset_of_the_same_shape():
+    # Its experts from the config (num_experts, num_experts_per_tok) and its stacked weights
+    # (ModelCounts.experts over the blocks holding them): the same experts, totals, active
+    # parameters and FLOPs as the built-in qwen3-moe-30b-a3b, so ep is weighed for it alike.
+    hf = {"model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+          "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+          "head_dim": 128, "vocab_size": 151936, "intermediate_size": 6144}  # fmt: skip
+    theirs = planning_spec(load_config([], ["model.source=hf", f"model.hf_config={json.dumps(hf)}"]))
+    ours = planning_spec(load_config([], ["model.preset=qwen3-moe-30b-a3b"]))
+    assert experts_of(theirs) == experts_of(ours) == Experts(128, 8, 48, 3 * 2048 * 768 * 128)
+    assert moe_summary(theirs, 4096) == moe_summary(ours, 4096)
+    assert moe_summary(theirs, 4096)["active_params"] == 3_353_032_704  # published: 3.3B activated
+    assert ep_sizes(theirs, 16) == [2, 4, 8, 16]
+
+
+@pytest.mark.unit
 def test_auto_picks_ep_for_mixtral_on_8_nodes_of_8_x_80gib_and_says_why():
     plan = make_plan(config(), mixtral(), 64, 8, H100)
     s = plan.chosen.setup
@@ -208,9 +237,9 @@ def test_auto_picks_ep_for_mixtral_on_8_nodes_of_8_x_80gib_and_says_why():
     # ep among the divisors of the shard group and the experts, only where config/schema.py takes it.
     with_ep = [c.setup for c in plan.candidates if c.setup.ep > 1]
     assert {e.ep for e in with_ep} == {2, 4, 8}
-    assert all(
-        e.strategy == "fsdp" and e.dp_replicate == 1 and e.offload_params == e.offload_optimizer == "none" for e in with_ep
-    )
+    assert all(e.strategy == "fsdp" and e.offload_params == e.offload_optimizer == "none" for e in with_ep)
+    # Hybrid sharding over the 8 nodes with ep inside each replica's 8 ranks: weighed too.
+    assert {e.ep for e in with_ep if e.dp_replicate == 8} == {2, 4, 8}
     # The layouts a mixture of experts trains with (docs/moe.md "Where it trains"): tp (its
     # experts whole on every tp rank) and pp (ep inside each stage), each with and without ep
     # over the data-parallel ranks; no tp x pp, no cp.

@@ -118,9 +118,10 @@ class ParallelDims:
         return self._mesh
 
     def expert_meshes(self, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
-        """Under expert parallelism: (what FSDP2 shards the expert weights over, the ep group)."""
+        """Under expert parallelism: (what FSDP2 shards the expert weights over, replicating
+        them over dp_replicate under hybrid sharding; the ep group)."""
         mesh = self.mesh(device.type)
-        return mesh[EXPERT_DIMS[0]], self._ep
+        return (mesh["dp_replicate", EXPERT_DIMS[0]] if self.dp_replicate > 1 else mesh[EXPERT_DIMS[0]]), self._ep
 
     def cp_group(self, device: torch.device) -> Any:
         """The process group of this rank's cp ranks (parallel.cp > 1)."""
@@ -130,7 +131,9 @@ class ParallelDims:
         """What FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for hybrid sharding;
         (dp_shard x cp) flattened under context parallel."""
         mesh = self.mesh(device.type)
-        if self.ep > 1 or self.cp > 1:  # config/schema.py refuses both with hybrid sharding
+        if self.ep > 1 and self.dp_replicate > 1:  # hybrid: replicated over dp_replicate, sharded over the flattened dp_shard
+            return mesh["dp_replicate", "dp_shard"]
+        if self.ep > 1 or self.cp > 1:  # config/schema.py refuses cp with hybrid sharding
             return self._dp_shard
         return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
 

@@ -8,7 +8,6 @@ UserError whose one line names the key, the bad value and what is accepted.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -507,31 +506,15 @@ class Config(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def _hf_model_type(inline: dict[str, Any] | None, path: str | None) -> str:
-    """`model_type X` of an inline config, or of PATH/config.json where it reads; else what is known."""
-    if inline is not None:
-        return f"model_type {inline.get('model_type')}"
-    try:
-        return f"model_type {json.loads((Path(str(path)) / 'config.json').read_text())['model_type']}"
-    except (OSError, ValueError, KeyError, TypeError):  # unreadable here: the model's build says so later
-        return f"model.path={path}"
-
-
 def _expert_parallel_problem(cfg: Config, experts: bool) -> None:
     """parallel.ep > 1: a built-in mixture of experts, on a strategy that has it, in the
     layouts checked so far (the divisibility by the world and the experts is checked where
     those are known: config/parallel.py, the model's spec)."""
     par, m = cfg.parallel, cfg.model
     where = names_where(lambda r: r.ep)
-    if m.source == "hf":
-        kind = _hf_model_type(m.hf_config, m.path)
-        raise ValueError(
-            f"parallel.ep={par.ep} splits the built-in mixture of experts' experts over ranks, not a Hugging Face model's "
-            f"({kind}: transformers holds each layer's experts in a module of its own, not replaced yet); accepted: "
-            "parallel.ep=1 (fsdp and zero3 shard its weights, experts included, like any other), or the built-in mixture "
-            f"of experts (model.preset={'|'.join(MOE_PRESETS)}, or model.moe)"
-        )
-    if not experts:
+    # A Hugging Face model's experts are its config's: its spec says at build whether it has
+    # any and whether they split (models/hf.py check_ep, models/hf_experts.py).
+    if not experts and m.source != "hf":
         model = f"model.source={m.source} (not built yet)" if m.source != "builtin" else f"model.preset={m.preset} (dense)"
         raise ValueError(
             f"parallel.ep={par.ep} splits a mixture of experts' experts over ranks; {model} has none to split; accepted: "
@@ -545,15 +528,14 @@ def _expert_parallel_problem(cfg: Config, experts: bool) -> None:
             f"parallel.strategy={said(where)}, or parallel.ep=1"
         )
     unchecked = [
-        (par.dp_replicate > 1, f"parallel.dp_replicate={par.dp_replicate}", "parallel.dp_replicate=1"),
         (par.offload_params != "none", f"parallel.offload_params={par.offload_params}", "parallel.offload_params=none"),
         (cfg.train.compile, "train.compile=true", "train.compile=false"),
     ]
     for bad, given, accepted in unchecked:
         if bad:
             raise ValueError(
-                f"parallel.ep={par.ep} with {given} is not built yet (expert parallel is checked with plain fsdp sharding, "
-                f"eager); accepted: {accepted}, or parallel.ep=1"
+                f"parallel.ep={par.ep} with {given} is not built yet (expert parallel is checked with fsdp's "
+                f"sharding, plain or hybrid, parameters on the device, eager); accepted: {accepted}, or parallel.ep=1"
             )
 
 

@@ -34,7 +34,7 @@ from scaletrain.config.stages import SCHEDULES, check_stages, split_blocks, stag
 from scaletrain.engines.base import Mark, MicroBatch, ParamGroups, no_mark
 from scaletrain.engines.block_wrappers import apply_activation_checkpointing, compile_blocks
 from scaletrain.engines.context import long_sequences
-from scaletrain.engines.expert_parallel import shard_experts, split_experts
+from scaletrain.engines.expert_parallel import shard_experts
 from scaletrain.engines.float8 import Float8, apply_float8
 from scaletrain.engines.pipeline import MergedStages, Pipeline
 from scaletrain.engines.precision import AUTOCAST_DTYPES, make_loss_scaler
@@ -219,9 +219,10 @@ def _shard_and_materialize(
     # Expert parallel likewise before FSDP: the experts' ep placement, which FSDP composes with.
     experts: list[nn.Module] = []
     if dims.ep > 1:
-        capability(spec, ExpertSplit, f"parallel.ep={dims.ep}", "parallel.ep=1").check_ep(dims.ep)
+        split = capability(spec, ExpertSplit, f"parallel.ep={dims.ep}", "parallel.ep=1")
+        split.check_ep(dims.ep)
         expert_dp, ep_mesh = dims.expert_meshes(world.device)
-        experts = split_experts(model, ep_mesh)
+        experts = split.split_experts(model, ep_mesh)
     blocks = spec.blocks(model)
     if par.activation_checkpointing:
         # Before fully_shard, so the recomputed forward re-gathers the block's parameters

@@ -52,6 +52,11 @@ class ExpertSplit(Protocol):
     def check_ep(self, ep: int) -> None:
         """A one-line UserError unless the model's experts split evenly over `ep` ranks."""
 
+    def split_experts(self, model: nn.Module, ep_mesh: Any) -> list[nn.Module]:
+        """Split the (meta-device) model's stacked experts over the 1-D `ep_mesh` in place
+        (Shard(0) DTensors), each layer then sending its token slots to their experts' ranks
+        and back; returns the expert modules, which FSDP shards on their own."""
+
 
 @runtime_checkable
 class Traceable(Protocol):
@@ -68,7 +73,7 @@ _WHAT = {
     TensorParallel: ("a tensor-parallel plan", "check_tp and apply_tp"),
     PipelineStages: ("pipeline stages", "check_pp, pipeline_stage and stage_costs"),
     ContextChunks: ("context-parallel attention", "apply_cp"),
-    ExpertSplit: ("experts to split", "check_ep"),
+    ExpertSplit: ("experts to split", "check_ep and split_experts"),
     Traceable: ("the planner's trace of a block and the head", "traced_block and traced_head"),
 }
 C = TypeVar("C")

@@ -29,6 +29,7 @@ class ModelCounts:
     # Stacked expert weights, [experts, out, in] (a Hugging Face mixture of experts' gate_up_proj
     # and down_proj): multiplied per token only for the experts each token is routed to.
     experts: int = 0
+    expert_layers: int = 0  # blocks that hold such stacked expert weights
 
     @property
     def largest(self) -> int:
@@ -65,6 +66,7 @@ def counts_of(spec: Any) -> ModelCounts:
         trainable=sum(p.numel() for p in distinct.values() if p.requires_grad),
         muon=sum(p.numel() for name, p in model.named_parameters() if p.requires_grad and on_muon(name, p, tables)),
         experts=sum(p.numel() for p in distinct.values() if p.dim() == 3),
+        expert_layers=sum(any(p.dim() == 3 for p in b.parameters()) for b in spec.blocks(model).children()),
     )
 
 

@@ -231,9 +231,15 @@ class HFSpec:
         # layer's E that each token runs through (Mixtral's num_local_experts, Qwen's num_experts).
         c, counts = self._conf, self.counts()
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
-        active = counts.experts * getattr(c, "num_experts_per_tok", 0) / experts if experts and counts.experts else 0.0
+        experts, top_k = self.routed_experts()
+        active = counts.experts * top_k / experts if experts and counts.experts else 0.0
         return float(6 * (counts.matmul + active) + 12 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len)
+
+    def routed_experts(self) -> tuple[int, int]:
+        """(experts per MoE layer, experts per token) from the config; (0, 0) for a dense model."""
+        c = self._conf
+        experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
+        return experts, (getattr(c, "num_experts_per_tok", 0) or 0) if experts else 0
 
     def traced_block(self, seq_len: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         return _captured_block(self, seq_len), ()
@@ -270,11 +276,27 @@ class HFSpec:
         self.check_tp(mesh.size())
 
     def check_ep(self, ep: int) -> None:
-        if ep > 1:
+        if ep == 1:
+            return
+        c, (experts, _) = self._conf, self.routed_experts()
+        if not experts:
             raise UserError(
-                f"parallel.ep={ep} is not offered for Hugging Face models yet (their experts are not split); "
-                "accepted: parallel.ep=1, or the built-in mixture of experts"
+                f"parallel.ep={ep} splits a mixture of experts' experts over ranks; model_type {c.model_type} has none "
+                "(no num_local_experts or num_experts in its config); accepted: parallel.ep=1"
             )
+        if experts % ep:
+            accepted = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
+            raise UserError(
+                f"parallel.ep={ep} must divide model_type {c.model_type}'s {experts} experts per layer; accepted: "
+                f"parallel.ep={accepted}"
+            )
+        if self.lora is not None:
+            raise UserError(f"parallel.ep={ep} does not combine with model.lora (not checked yet); accepted: parallel.ep=1")
+
+    def split_experts(self, model: nn.Module, ep_mesh: Any) -> list[nn.Module]:
+        from scaletrain.models.hf_experts import split_stacked_experts
+
+        return split_stacked_experts(model, ep_mesh, self._conf.model_type)
 
     def apply_cp(self, model: nn.Module, cp: Any) -> None:
         from scaletrain.models.ulysses import HF_ATTENTION, Ulysses, heads_problem, hf_attention

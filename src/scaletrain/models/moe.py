@@ -208,7 +208,7 @@ class MoE(nn.Module):
         if self.ep_group is None:
             out = self.experts(slots, counts, splits)
         else:
-            out = _expert_parallel(self.experts, slots, counts, self.ep_group)
+            out = exchange_slots(self.experts, slots, counts, self.ep_group)
         if kept is not None:
             out = torch.where(kept, out, 0)
         # Under autocast the experts' products come out in its dtype, the tokens in theirs:
@@ -273,8 +273,37 @@ class MoE(nn.Module):
         return dist.get_world_size(self.sequence_group)
 
 
-def _expert_parallel(experts: GroupedExperts, slots: torch.Tensor, counts: torch.Tensor, group: Any) -> torch.Tensor:
-    """Each slot (sorted by global expert) to its expert's rank, through the local experts,
+def split_experts(model: nn.Module, ep_mesh: Any) -> list[nn.Module]:
+    """Each MoE layer's experts split over `ep_mesh` (Shard(0) of every stacked weight) and
+    its all-to-all group set; returns the expert modules (each FSDP-sharded on its own:
+    engines/expert_parallel.py). The built-in model's ExpertSplit.split_experts."""
+    experts: list[nn.Module] = []
+    for layer in moe_layers(model):
+        shard_stacked(layer.experts, ep_mesh)
+        layer.ep_group = ep_mesh.get_group()
+        experts.append(layer.experts)
+    return experts
+
+
+def shard_stacked(module: nn.Module, mesh: Any) -> None:
+    """A module's own stacked expert weights [experts, ...] as DTensors sharded on dim 0 over
+    `mesh` (on the meta device: nothing is allocated whole)."""
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+    def dim0(name: str, owner: nn.Module, mesh: Any) -> None:
+        for pname, param in list(owner.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), requires_grad=param.requires_grad)
+            owner.register_parameter(pname, sharded)
+
+    distribute_module(module, mesh, partition_fn=dim0)
+
+
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
+
+
+def exchange_slots(experts: ExpertsFn, slots: torch.Tensor, counts: torch.Tensor, group: Any) -> torch.Tensor:
+    """Each slot (sorted by global expert) to its expert's rank, through the local experts
+    (`experts(slots sorted by local expert, slots per local expert, the same as a list)`),
     and back in the same order. Rank j of the ep group holds experts [j*E/ep, (j+1)*E/ep)."""
     import torch.distributed as dist
     from torch.distributed._functional_collectives import all_to_all_single_autograd

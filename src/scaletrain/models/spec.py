@@ -29,7 +29,7 @@ from scaletrain.models.llama import (
     rope_tables,
 )
 from scaletrain.models.lora import LoraSpec, apply_lora, init_adapters, trainable_patterns
-from scaletrain.models.moe import MoE
+from scaletrain.models.moe import MoE, split_experts
 from scaletrain.models.params import freeze_all_but
 from scaletrain.models.presets import ModelShape
 from scaletrain.models.ulysses import Ulysses, heads_problem
@@ -239,6 +239,9 @@ class LlamaSpec:
             raise UserError(
                 f"parallel.ep={ep} must divide the experts per layer ({e}: model.moe.experts); accepted: parallel.ep={accepted}"
             )
+
+    def split_experts(self, model: nn.Module, ep_mesh: Any) -> list[nn.Module]:
+        return split_experts(model, ep_mesh)
 
     def check_pp(self, pp: int) -> None:
         if pp > 1 and self.lora is not None:

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from scaletrain.errors import UserError
 from scaletrain.models.spec import LlamaSpec, ModelSpec
 from scaletrain.planning.hardware import Device
 from scaletrain.planning.pipeline import rank_share
@@ -101,10 +102,16 @@ def moe_layers_held(model: ModelSpec, s: Setup) -> tuple[int, int]:
 
 
 def experts_of(model: ModelSpec) -> Experts | None:
-    """The routed experts of a mixture of experts; None for a dense model. Only the built-in
-    decoder has them (config/schema.py refuses model.moe and parallel.ep elsewhere), and the
-    ModelSpec protocol carries no expert fields."""
-    if not isinstance(model, LlamaSpec) or not model.shape.experts:
+    """The routed experts of a mixture of experts; None for a dense model: the built-in
+    decoder's from its shape, a Hugging Face model's from its config (`routed_experts`) and
+    its stacked expert weights (ModelCounts.experts); the ModelSpec protocol carries none."""
+    if not isinstance(model, LlamaSpec):
+        counts, routed = model.counts(), getattr(model, "routed_experts", None)
+        if routed is None or not counts.experts or not counts.expert_layers:
+            return None
+        experts, top_k = routed()
+        return Experts(experts, top_k, counts.expert_layers, counts.experts // counts.expert_layers) if experts else None
+    if not model.shape.experts:
         return None
     s = model.shape
     kept = min(1.0, s.capacity_factor) if s.capacity_factor else 1.0
@@ -116,10 +123,12 @@ def moe_summary(model: ModelSpec, seq_len: int) -> dict[str, Any]:
     e = experts_of(model)
     if e is None:
         return {}
-    assert isinstance(model, LlamaSpec)
+    total = model.counts().total
+    # A Hugging Face model's: the routed experts' top_k of E (its shared experts are dense).
+    active = model.active_params() if isinstance(model, LlamaSpec) else total - e.total + e.total * e.top_k // e.experts
     return {
-        "params": model.counts().total,
-        "active_params": model.active_params(),
+        "params": total,
+        "active_params": active,
         "expert_params": e.total,
         "experts": e.experts,
         "top_k": e.top_k,
@@ -148,16 +157,27 @@ def ep_sizes(model: ModelSpec, shard: int, cp: int = 1) -> list[int]:
     e = experts_of(model)
     if e is None:
         return []
-    return [ep for ep in range(2, min(shard, e.experts) + 1) if shard % ep == 0 and e.experts % ep == 0 and ep % cp == 0]
+    sizes = [ep for ep in range(2, min(shard, e.experts) + 1) if shard % ep == 0 and e.experts % ep == 0 and ep % cp == 0]
+    return [ep for ep in sizes if _splits(model, ep)]
+
+
+def _splits(model: ModelSpec, ep: int) -> bool:
+    """Whether the model's spec takes `ep` (a Hugging Face model with LoRA does not)."""
+    try:
+        model.check_ep(ep)  # type: ignore[attr-defined]  # experts_of found experts: the spec is an ExpertSplit
+    except UserError:
+        return False
+    return True
 
 
 def ep_options(options: list[Setup], model: ModelSpec) -> list[Setup]:
-    """Each option a strategy with expert parallel can take with it (plain sharding: config/schema.py
-    refuses ep with hybrid sharding and parameter offload), at every ep size: under a
-    pipeline over each stage's data-parallel ranks, under tp over those of each tp coordinate."""
+    """Each option a strategy with expert parallel can take with it (plain or hybrid sharding:
+    config/schema.py refuses ep with parameter offload), at every ep size: under a pipeline
+    over each stage's data-parallel ranks, under tp over those of each tp coordinate, under
+    hybrid sharding within each replica."""
     out = []
     for o in options:
-        plain = o.dp_replicate == 1 and o.offload_params == "none" and o.offload_optimizer == "none"
+        plain = o.offload_params == "none" and o.offload_optimizer == "none"
         if TABLE[o.strategy].ep and plain:
             out += [replace(o, ep=ep) for ep in ep_sizes(model, o.shard, o.cp)]
     return out

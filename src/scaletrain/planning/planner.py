@@ -207,10 +207,11 @@ def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
     shard = s.shard
     muon = muon_gather_bytes(model, s, psi)
     if s.ep > 1:  # each rank's experts over the ranks holding the same ones (planning/experts.py)
-        return sharded_traffic(model, s, psi, trainable_share(model), gathers, param_bytes, grad_bytes) + muon
-    gathered = psi * param_bytes - gather_saving(model, s, param_bytes)  # train.float8: its weights at 1 byte
-    total = (shard - 1) / shard * (gathered * gathers + train * grad_bytes) + muon
-    if s.dp_replicate > 1:  # hybrid: all-reduce the gradient shards across replicas
+        total = sharded_traffic(model, s, psi, trainable_share(model), gathers, param_bytes, grad_bytes) + muon
+    else:
+        gathered = psi * param_bytes - gather_saving(model, s, param_bytes)  # train.float8: its weights at 1 byte
+        total = (shard - 1) / shard * (gathered * gathers + train * grad_bytes) + muon
+    if s.dp_replicate > 1:  # hybrid: all-reduce the gradient shards across replicas (under ep too: psi / shard each)
         r = s.dp_replicate
         total += 2 * (r - 1) / r * train / shard * grad_bytes
     return total
