@@ -1,4 +1,5 @@
-"""Expert parallelism (`parallel.ep`) for the built-in mixture of experts, under FSDP2.
+"""Expert parallelism (`parallel.ep`) under FSDP2, for a mixture of experts: the built-in
+one, or transformers' stacked experts (models/hf_experts.py).
 
 The layout follows torchtitan's: ep ranks are carved out of the data-parallel shard ranks
 (ParallelDims.ep: dp_shard = dp_shard_mod_ep x ep, ep innermost), and under context
