@@ -64,7 +64,7 @@ demo: setup
 # The tests that judge timing (`serial`) run afterwards, alone.
 test: setup-test
 	$(MAKE) --no-print-directory lint > $(VENV)/lint.log 2>&1 & lint=$$!; \
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial"; tests=$$?; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial"; tests=$$?; \
 	wait $$lint; linted=$$?; cat $(VENV)/lint.log; [ $$tests -eq 0 ] && [ $$linted -eq 0 ]
 	$(BIN)/python -m pytest -q -m serial
 
