@@ -40,5 +40,9 @@ if args.caller_group:
     total = torch.ones(1)
     dist.all_reduce(total)  # the caller's group still works
     got["all_reduce"] = total.item()
+    # Every rank past the all-reduce before any tears its connections down: a rank that
+    # destroyed the group while the other still finished it aborted in gloo once
+    # ("terminate called without an active exception", as tests/probes/moe_syncs.py did).
+    dist.barrier()
     dist.destroy_process_group()
 (args.out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(got))
