@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -164,16 +165,22 @@ LAUNCH_S = 240
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the holders of a lock are read from /proc")
 def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_held_one_kept(tmp_path, monkeypatch):
     # A killed DeepSpeed op build leaves `<op>/lock`; every later build waits on it forever
-    # (a CI run hung so). A live build keeps its lock open, and that one must stay.
+    # (a CI run hung so). A live build keeps its lock open, and that one must stay. So must
+    # a lock made just now and not yet seen open: a build that took the path between the
+    # listing and the reading of /proc (removing it failed a CI run).
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    for op in ("fused_adam", "cpu_adam"):
+    a_minute_ago = time.time() - 60
+    for op in ("fused_adam", "cpu_adam", "shm_comm"):
         (tmp_path / op).mkdir()
         (tmp_path / op / "lock").touch()
+        if op != "shm_comm":
+            os.utime(tmp_path / op / "lock", (a_minute_ago, a_minute_ago))
     held = os.open(tmp_path / "cpu_adam" / "lock", os.O_RDONLY)
     try:
         assert clear_stale_locks() == [(tmp_path / "fused_adam" / "lock").resolve()]
         assert not (tmp_path / "fused_adam" / "lock").exists()
         assert (tmp_path / "cpu_adam" / "lock").exists()
+        assert (tmp_path / "shm_comm" / "lock").exists()
     finally:
         os.close(held)
 

@@ -29,8 +29,17 @@ def clear_stale_locks() -> list[Path]:
     then deletes it; a build killed in between leaves the file, and every later build of that
     op sleeps on it forever. A lock that no process has open is therefore stale. (Linux: the
     holders are read from /proc; elsewhere nothing is removed.)
+
+    Every load of an op takes its lock for a moment, even when nothing is rebuilt, so with
+    runs side by side a lock seen here may be released while /proc is read and the path
+    taken by a new build's lock, which the scan did not see open: removing that one made
+    its build fail ("No such file ... lock") in CI. So only a lock older than the listing
+    is removed: a live one is open from its creation to its removal, so a file that
+    existed before the listing and is still there would have been seen open. (The second
+    of margin covers file timestamps that lag the clock by a tick.)
     """
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    listed_at = time.time()
     locks = [p.resolve() for p in Path(root).glob("*/lock")] if root else []
     if not locks or not Path("/proc/self/fd").is_dir():
         return []
@@ -40,10 +49,18 @@ def clear_stale_locks() -> list[Path]:
             held.add(Path(os.readlink(fd)))
         except OSError:  # the process or descriptor went away, or is not ours to read
             continue
-    stale = [lock for lock in locks if lock not in held]
+    stale = [lock for lock in locks if lock not in held and _created_before(lock, listed_at - 1.0)]
     for lock in stale:
         lock.unlink(missing_ok=True)
     return stale
+
+
+def _created_before(path: Path, when: float) -> bool:
+    """Whether the file now at `path` was last changed before `when` (False if it is gone)."""
+    try:
+        return path.stat().st_mtime < when
+    except FileNotFoundError:
+        return False
 
 
 def main() -> int:
