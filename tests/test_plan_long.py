@@ -97,3 +97,39 @@ def test_the_longest_sequence_for_8b_on_one_node_is_past_alsts_3_7_million(capsy
     assert main([*args, "--longest-sequence"]) == 0
     table = capsys.readouterr().out
     assert "longest: " in table and "peak at" in table and "block recompute" in table
+
+
+def test_the_longest_sequence_of_a_mixture_of_experts_weighs_expert_parallel_and_tiles(capsys):
+    # Qwen3-MoE-30B-A3B (128 experts) on one node of 8: each layout also at ep 8 (under cp 8
+    # too: the ep group takes the cp ranks in), where FSDP gathers 16 of a block's 128
+    # experts instead of all, so the buffers shrink and a longer sequence fits; tiles cut the
+    # experts' slots and hidden activations as they do a dense feed-forward's.
+    args = ["plan", "model.preset=qwen3-moe-30b-a3b", "precision=bf16", "--gpus-per-node", "8", "--gpu-memory", "80GiB"]
+    assert main([*args, "--longest-sequence", "--json"]) == 0
+    rows = {r["layout"]: r for r in json.loads(capsys.readouterr().out)["longest"]}
+    plain, ep = rows["fsdp + AC"], rows["fsdp + ep 8 + AC"]
+    assert ep["buffers"] < plain["buffers"] / 2 and plain["seq_len"] < ep["seq_len"]
+    assert ep["seq_len"] < rows["fsdp + ep 8 + tiles 8192 + AC"]["seq_len"]
+    for design in ("cp 8", "cp 8 (ulysses)"):
+        assert rows[f"fsdp + ep 8 + {design} + AC"]["seq_len"] > 4 * ep["seq_len"]
+        assert f"fsdp + {design} + AC" not in rows  # at the largest ep only
+    # A capacity factor counts a micro-batch's whole slots: neither cp nor tiles run with it;
+    # activation offload does, alone.
+    assert main([*args, "model.moe.capacity_factor=1.25", "--longest-sequence", "--json"]) == 0
+    capped = {r["layout"]: r["seq_len"] for r in json.loads(capsys.readouterr().out)["longest"]}
+    assert list(capped) == [
+        "fsdp + AC",
+        "fsdp + activations->cpu + AC",
+        "fsdp + ep 8 + AC",
+        "fsdp + ep 8 + activations->cpu + AC",
+    ]
+    assert capped["fsdp + AC"] < capped["fsdp + activations->cpu + AC"]
+
+
+def test_the_longest_sequence_says_when_no_layout_fits_and_why(capsys):
+    # Mixtral-8x7B's states alone, sharded over 8 devices, pass 72 GiB at the optimizer step.
+    args = ["plan", "model.preset=mixtral-8x7b", "precision=bf16", "--gpus-per-node", "8", "--gpu-memory", "80GiB"]
+    assert main([*args, "--longest-sequence"]) == 0
+    said = capsys.readouterr().out
+    assert "none fits even 1,024 tokens: the lowest peak, fsdp + ep 8 + AC's, is" in said
+    assert "at the optimizer step" in said and "longest: 0" not in said

@@ -61,11 +61,18 @@ def show_longest(cfg: Config, opts: argparse.Namespace) -> int:
         )
     shown.print(table)
     best = max(rows, key=lambda r: r.seq_len)
-    shown.print(
-        f"  - longest: {best.seq_len:,} tokens with {best.layout} (peak {fmt(best.candidate.memory.peak)}, "
-        f"estimated {best.candidate.step_time:.3g} s per step of one sequence per data-parallel rank); its peak: "
-        f"{best.limit}",
-        highlight=False,
-        soft_wrap=True,
-    )
+    if best.seq_len:
+        said = (
+            f"  - longest: {best.seq_len:,} tokens with {best.layout} (peak {fmt(best.candidate.memory.peak)}, "
+            f"estimated {best.candidate.step_time:.3g} s per step of one sequence per data-parallel rank); its peak: "
+            f"{best.limit}"
+        )
+    else:
+        least = min(rows, key=lambda r: r.candidate.memory.peak)
+        said = (
+            f"  - none fits even {least.candidate.setup.seq_len:,} tokens: the lowest peak, {least.layout}'s, is "
+            f"{fmt(least.candidate.memory.peak)} of {fmt(usable)} usable, at the {least.limit}; more devices "
+            "(--gpus-per-node, --nodes) shard the states further"
+        )
+    shown.print(said, highlight=False, soft_wrap=True)
     return 0

@@ -7,7 +7,12 @@ sequence per micro-batch, at cp 1 and at the largest cp of each design the world
 (train.tile_tokens, TILE unless configured) and with tiles and the activations held on the
 host (train.activation_offload: not on a CPU, whose host is its device). The chunked loss
 (train.loss_chunk_tokens) is the configured one, or LOSS_CHUNK for a vocabulary that
-needs it (training/defaults.py).
+needs it (training/defaults.py). A mixture of experts: cp 1 also at the largest expert
+parallel it takes, and cp only at that ep where there is one (planning/experts.py
+ep_sizes: FSDP then gathers E/ep of a block's experts, not E; each rank's slots travel by
+all-to-all, as many as it sends, so its activations stay); under a capacity factor neither cp nor tiles (config/sequences.py refuses both:
+a capacity counts a micro-batch's whole slots), nor for a model without the built-in's
+shape (a Hugging Face one): there activation offload alone.
 
 The search: the peak grows with the length (every term is constant or proportional to
 the tokens a rank holds: a flash kernel saves a log-sum-exp per row, not the T x T
@@ -27,10 +32,11 @@ from scaletrain.config.parallel import dims_for
 from scaletrain.models.spec import ModelSpec, with_fields
 from scaletrain.models.ulysses import heads_problem
 from scaletrain.planning.candidate import Candidate
+from scaletrain.planning.experts import ep_sizes
 from scaletrain.planning.hardware import Device, is_host
 from scaletrain.planning.planner import evaluate
 from scaletrain.planning.setup import Setup
-from scaletrain.strategies import names_where
+from scaletrain.strategies import TABLE, names_where
 
 GRANULE = 1024  # sequence lengths in steps of this (x 2 cp for the all-gather's chunks, x cp for Ulysses)
 TILE = 8192  # positions per feed-forward tile where train.tile_tokens is unset
@@ -58,26 +64,27 @@ def longest_sequences(
     base = replace(
         Setup.from_config(cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"strategy": strategy})}),
                           dims_for(cfg.parallel.model_copy(update={"strategy": strategy, "cp": 1, "tp": 1, "pp": 1}), world)),
-        micro_batch=1, grad_accum=1, activation_checkpointing=True, tp=1, pp=1, cp=1, tile_tokens=0,
+        micro_batch=1, grad_accum=1, activation_checkpointing=True, tp=1, pp=1, cp=1, ep=1, tile_tokens=0,
         activation_offload=False,
     )  # fmt: skip
     tile = cfg.train.tile_tokens or TILE
-    layouts = [base]
+    layouts = [base, *_with_ep(base, model)]
     shape = getattr(model, "shape", None)
-    for mode in ("allgather", "ulysses"):
+    dropless = shape is not None and not (shape.experts and shape.capacity_factor)
+    for mode in ("allgather", "ulysses") if dropless else ():
         sizes = [c for c in _powers_of_two(world) if c > 1 and world % c == 0]
-        if mode == "ulysses" and shape is not None:
+        if mode == "ulysses":
             sizes = [c for c in sizes if heads_problem(shape.n_heads, shape.n_kv_heads, c) is None]
-        if sizes and shape is not None:
+        if sizes:
             cp = max(sizes)
-            layouts.append(replace(base, cp=cp, cp_mode=mode, dp=base.dp // cp))
+            layout = replace(base, cp=cp, cp_mode=mode, dp=base.dp // cp)
+            layouts += _with_ep(layout, model) or [layout]
     out = []
     for layout in layouts:
-        variants = [layout]
-        if shape is not None and not shape.experts:
-            variants.append(replace(layout, tile_tokens=tile))
-            if not is_host(device):
-                variants.append(replace(layout, tile_tokens=tile, activation_offload=True))
+        tiled = replace(layout, tile_tokens=tile) if dropless else layout
+        variants = [layout, tiled] if dropless else [layout]
+        if not is_host(device):
+            variants.append(replace(tiled, activation_offload=True))
         out += [_longest(model, s, cfg, device, nodes, usable, cpu_per_node) for s in variants]
     return out
 
@@ -102,6 +109,12 @@ def _longest(
         low, high = (mid, high) if at(mid * step).fits else (low, mid)
     best = at(low * step)
     return Longest(best.setup.label, best, low * step, best.memory.peak_phase)
+
+
+def _with_ep(layout: Setup, model: ModelSpec) -> list[Setup]:
+    """The layout at the largest ep it takes (a mixture of experts on an engine with ep), or none."""
+    sizes = ep_sizes(model, layout.shard, layout.cp) if TABLE[layout.strategy].ep else []
+    return [replace(layout, ep=max(sizes))] if sizes else []
 
 
 def _powers_of_two(n: int) -> list[int]:
