@@ -73,7 +73,7 @@ def longest_sequences(
     dropless = shape is not None and not (shape.experts and shape.capacity_factor)
     for mode in ("allgather", "ulysses") if dropless else ():
         sizes = [c for c in _powers_of_two(world) if c > 1 and world % c == 0]
-        if mode == "ulysses":
+        if mode == "ulysses" and shape is not None:  # dropless: it is
             sizes = [c for c in sizes if heads_problem(shape.n_heads, shape.n_kv_heads, c) is None]
         if sizes:
             cp = max(sizes)
