@@ -226,6 +226,31 @@ def test_the_head_and_loss_in_tiles_are_the_whole_loss_and_hold_no_whole_logits(
 
 
 @pytest.mark.unit
+def test_the_loss_tiles_are_the_loss_chunks_where_those_are_fewer_positions():
+    # train.loss_chunk_tokens under tiles (a large vocabulary gets both by default): the head
+    # and the loss run on chunks of 20 positions, not the feed-forward's tiles of 48, so no
+    # more than 20 positions' logits exist at a time; the loss is the same mean.
+    from scaletrain.models.feed_forward import tile
+    from scaletrain.models.loss import HeadTiles
+
+    model = build_model(_shape(2), T, seed=0)
+    tokens = torch.randint(0, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(3))
+    whole = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+    tile(model, 48)
+    rows: list[int] = []
+    model.output.register_forward_hook(lambda _m, _i, out: rows.append(out.reshape(-1, VOCAB).shape[0]))
+    out = model(tokens[:, :-1])
+    assert isinstance(out, HeadTiles)
+    chunked = loss_fn(out, tokens[:, 1:], chunk_tokens=20)
+    # fp32 sums of the same rows' terms over other groupings: rounding of up to 256 terms.
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
+    assert max(rows) == 20 and sum(rows) == B * T  # every position once, 20 at a time
+    rows.clear()
+    chunked.backward()  # each chunk's head recomputed under its checkpoint, 20 positions again
+    assert max(rows) == 20 and sum(rows) == B * T
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("impl", ["loop", "grouped"])
 def test_tiled_experts_are_the_whole_layer_and_save_no_whole_slots(impl):
     from scaletrain.config import load_config

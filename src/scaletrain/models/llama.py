@@ -299,5 +299,5 @@ def loss_fn(logits: Any, targets: torch.Tensor, chunk_tokens: int = 0, compiled:
     """Mean next-token cross entropy in fp32, whole or `chunk_tokens` positions at a time, or
     the head and the loss tile by tile (HeadTiles: train.tile_tokens) (models/loss.py)."""
     if isinstance(logits, HeadTiles):
-        return tiled_cross_entropy(logits, targets)
+        return tiled_cross_entropy(logits, targets, chunk_tokens)
     return cross_entropy(logits, targets, chunk_tokens, compiled)

@@ -61,9 +61,11 @@ class HeadTiles:
     tokens: int
 
 
-def tiled_cross_entropy(out: HeadTiles, targets: torch.Tensor) -> torch.Tensor:
-    """cross_entropy's mean over the trained positions, the head run tile by tile."""
-    return _TILES(out, targets)
+def tiled_cross_entropy(out: HeadTiles, targets: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
+    """cross_entropy's mean over the trained positions, the head run tile by tile: tiles of
+    train.loss_chunk_tokens where that is fewer (a large vocabulary's logits for a whole
+    feed-forward tile, with their fp32 work, would be the step's largest tensors)."""
+    return _TILES(out, targets, min(out.tokens, chunk_tokens) if chunk_tokens > 0 else out.tokens)
 
 
 class _TiledLoss(nn.Module):
@@ -71,13 +73,13 @@ class _TiledLoss(nn.Module):
     tools (torch's MemTracker, `plan --measure`) then see the head's repeated calls inside
     a parent, as they see a block's feed-forward tiles."""
 
-    def forward(self, out: HeadTiles, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, out: HeadTiles, targets: torch.Tensor, tokens: int) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
         hidden, labels = out.hidden.reshape(-1, out.hidden.shape[-1]), targets.reshape(-1)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, labels.shape[0], out.tokens):
-            end = start + out.tokens
+        for start in range(0, labels.shape[0], tokens):
+            end = start + tokens
             total = total + checkpoint(_tile_loss, out.head, hidden[start:end], labels[start:end], use_reentrant=False)
         return total / trained(labels).clamp(min=1)
 

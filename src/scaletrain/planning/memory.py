@@ -341,10 +341,11 @@ def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float, float
         # train.tile_tokens: the head and the loss run tile by tile under checkpoints
         # (models/loss.py HeadTiles): the last block's output is kept, and one tile's logits
         # exist at a time, with their fp32 copy (none when they are fp32 already), the
-        # log-softmax and its gradient.
+        # log-softmax and its gradient. A tile there is tile_tokens rows of the micro-batch's
+        # positions, or the loss chunk's where fewer.
         act_bytes = 4.0 if s.precision == "fp32" else low.itemsize
         tokens = s.micro_batch * s.local_seq_len
-        rows = s.micro_batch * min(s.tile_tokens, s.local_seq_len)
+        rows = min(s.tile_tokens, chunk or s.tile_tokens, tokens)
         fp32_copy = 0.0 if act_bytes == 4.0 else 4.0
         loss = tokens * model.hidden_size * act_bytes + rows * model.vocab_size * (act_bytes + fp32_copy + 2 * 4.0)
     elif chunk:
