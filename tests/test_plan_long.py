@@ -133,3 +133,40 @@ def test_the_longest_sequence_says_when_no_layout_fits_and_why(capsys):
     said = capsys.readouterr().out
     assert "none fits even 1,024 tokens: the lowest peak, fsdp + ep 8 + AC's, is" in said
     assert "at the optimizer step" in said and "longest: 0" not in said
+
+
+# An HF Llama with 12 heads (4 kv heads): on 8 devices Ulysses runs at cp 2 and 4, not 8.
+HF_12_HEADS = {"model_type": "llama", "hidden_size": 768, "num_hidden_layers": 4, "num_attention_heads": 12,
+               "num_key_value_heads": 4, "intermediate_size": 2048, "vocab_size": 32000,
+               "max_position_embeddings": 262144}  # fmt: skip
+
+
+def test_the_longest_sequence_of_a_hugging_face_model_is_ulysses_at_the_sizes_it_takes_and_its_positions(capsys):
+    # Ulysses at cp 4 (12 heads do not split over 8), no all-gather design and no tiles (both
+    # the built-in model's), and no row longer than its max_position_embeddings, which
+    # `train` would refuse.
+    args = ["plan", "model.source=hf", f"model.hf_config={json.dumps(HF_12_HEADS)}", "precision=bf16", "--gpus-per-node", "8"]
+    assert main([*args, "--gpu-memory", "80GiB", "--longest-sequence", "--json"]) == 0
+    rows = {r["layout"]: r for r in json.loads(capsys.readouterr().out)["longest"]}
+    assert list(rows) == ["fsdp + AC", "fsdp + activations->cpu + AC", "fsdp + cp 4 (ulysses) + AC",
+                          "fsdp + cp 4 (ulysses) + activations->cpu + AC"]  # fmt: skip
+    plain, ulysses = rows["fsdp + AC"], rows["fsdp + cp 4 (ulysses) + AC"]
+    assert not plain["capped"] and 0 < plain["seq_len"] < 262144 and plain["peak"] > 0.95 * 0.9 * 80 * 2**30
+    assert ulysses["capped"] and ulysses["seq_len"] == 262144 and ulysses["peak"] < 0.9 * 80 * 2**30
+    assert main([*args, "--gpu-memory", "80GiB", "--longest-sequence"]) == 0
+    said = capsys.readouterr().out
+    assert "262,144 (max)" in said and "the model's max_position_embeddings (262,144) stops it, not memory" in said
+
+
+def test_auto_plans_ulysses_for_a_hugging_face_model_whose_sequence_fits_no_rank_whole(capsys):
+    # 262,144 tokens a sequence: no layout holds one on a rank (cp 1 reaches ~130k above);
+    # Ulysses at cp 4 does, and cp 8 and the all-gather design are never candidates.
+    args = ["plan", "model.source=hf", f"model.hf_config={json.dumps(HF_12_HEADS)}", "precision=bf16",
+            "data.seq_len=262144", "train.global_batch=8", "train.micro_batch=1", "--gpus-per-node", "8",
+            "--gpu-memory", "80GiB", "--json"]  # fmt: skip
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["chosen"] == "fsdp + cp 4 (ulysses) + AC"
+    with_cp = [c["strategy"] for c in plan["candidates"] if " cp " in c["strategy"]]
+    assert with_cp and all("(ulysses)" in c and "cp 8" not in c for c in with_cp), with_cp
+    assert not [c for c in plan["candidates"] if c["fits"] and " cp " not in c["strategy"]]

@@ -31,7 +31,7 @@ def show_longest(cfg: Config, opts: argparse.Namespace) -> int:
     rows = longest_sequences(cfg, model, world, opts.nodes, device, usable, cpu_per_node)
     if opts.json:
         out = [
-            {"layout": r.layout, "seq_len": r.seq_len, "limit": r.limit, "step_time_s": r.candidate.step_time}
+            {"layout": r.layout, "seq_len": r.seq_len, "limit": r.limit, "capped": r.capped, "step_time_s": r.candidate.step_time}
             | {k: float(getattr(r.candidate.memory, k)) for k in TERMS}
             for r in rows
         ]
@@ -44,7 +44,10 @@ def show_longest(cfg: Config, opts: argparse.Namespace) -> int:
         highlight=False,
         soft_wrap=True,
     )
-    table = Table(pad_edge=False, caption="memory in GiB per device at that length; host = held on the host per device")
+    table = Table(
+        pad_edge=False,
+        caption="memory in GiB per device at that length; host = held on the host per device; (max): the model's positions stop it",
+    )
     table.add_column("layout", no_wrap=True)
     table.add_column("tokens", justify="right", no_wrap=True)
     for col in ("params", "grads", "optim", "activ", "loss", "buffers", "peak", "host", "s/step", "peak at"):
@@ -53,7 +56,7 @@ def show_longest(cfg: Config, opts: argparse.Namespace) -> int:
         m = r.candidate.memory
         table.add_row(
             r.layout,
-            f"{r.seq_len:,}" if r.seq_len else "none",
+            (f"{r.seq_len:,}" if r.seq_len else "none") + (" (max)" if r.capped else ""),
             *(f"{getattr(m, k) / GiB:.1f}" for k in TERMS[:-1]),
             f"{m.cpu / GiB:.1f}" if m.cpu else "-",
             f"{r.candidate.step_time:.3g}" if r.seq_len else "-",
@@ -67,6 +70,8 @@ def show_longest(cfg: Config, opts: argparse.Namespace) -> int:
             f"estimated {best.candidate.step_time:.3g} s per step of one sequence per data-parallel rank); its peak: "
             f"{best.limit}"
         )
+        if best.capped:
+            said += f"; the model's max_position_embeddings ({getattr(model, 'max_positions', 0):,}) stops it, not memory"
     else:
         least = min(rows, key=lambda r: r.candidate.memory.peak)
         said = (

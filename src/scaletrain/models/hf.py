@@ -298,17 +298,14 @@ class HFSpec:
 
         return split_stacked_experts(model, ep_mesh, self._conf.model_type)
 
-    def apply_cp(self, model: nn.Module, cp: Any) -> None:
-        from scaletrain.models.ulysses import HF_ATTENTION, Ulysses, heads_problem, hf_attention
+    def ulysses_problem(self, size: int) -> str | None:
+        """Why Ulysses over `size` ranks does not run this model (None: it does); the planner
+        asks too, so it offers only the sizes a run takes."""
+        from scaletrain.models.ulysses import heads_problem
 
-        c, key = self._conf, f"parallel.cp={cp.size}"
-        if not isinstance(cp, Ulysses):
-            raise UserError(
-                f"{key} with cp_mode=allgather is not offered for Hugging Face models: their attention takes the whole "
-                "sequence and cannot attend with one rank's chunks at their offsets; accepted: parallel.cp_mode=ulysses"
-            )
+        c = self._conf
         problems = [
-            heads_problem(c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads, cp.size),
+            heads_problem(c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads, size),
             "its attention dropout is not applied in a sliding window"
             if getattr(c, "sliding_window", None)
             and getattr(c, "use_sliding_window", True)
@@ -317,7 +314,19 @@ class HFSpec:
             "its attention logits' soft cap is not split" if getattr(c, "attn_logit_softcapping", None) else None,
             "its routers' balance term is per rank" if getattr(c, "output_router_logits", False) else None,
         ]
-        for problem in filter(None, problems):
+        return next(filter(None, problems), None)
+
+    def apply_cp(self, model: nn.Module, cp: Any) -> None:
+        from scaletrain.models.ulysses import HF_ATTENTION, Ulysses, hf_attention
+
+        c, key = self._conf, f"parallel.cp={cp.size}"
+        if not isinstance(cp, Ulysses):
+            raise UserError(
+                f"{key} with cp_mode=allgather is not offered for Hugging Face models: their attention takes the whole "
+                "sequence and cannot attend with one rank's chunks at their offsets; accepted: parallel.cp_mode=ulysses"
+            )
+        problem = self.ulysses_problem(cp.size)
+        if problem:
             raise UserError(f"{key} with cp_mode=ulysses and model_type {c.model_type}: {problem}; accepted: parallel.cp=1")
         transformers_module().AttentionInterface.register(HF_ATTENTION, hf_attention(cp))
         for module in model.modules():  # the model's config (and a LoRA wrapper's view of it)

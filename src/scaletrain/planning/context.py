@@ -22,12 +22,16 @@ OVERLAP = 0.8  # as planner.OVERLAP: the share of compute a side stream's copies
 
 
 def cp_options(mp: Setup, model: ModelSpec, world: int, nodes: int, tps: list[int]) -> list[Setup]:
-    """Long sequences (LONG_SEQUENCE and more) of the built-in model: fsdp with cp 2, 4 or 8
+    """Long sequences (LONG_SEQUENCE and more) of the built-in model (a Hugging Face one: Ulysses only): cp 2, 4 or 8
     (x each tp), cp x tp inside a node (each block's key/value gathers need NVLink), and
     Ulysses at the same sizes where each tp rank's heads divide over cp; the global batch kept as
     for tp (dp / (cp x tp) ranks, each accumulating cp x tp times more)."""
     shape = getattr(model, "shape", None)
-    if mp.seq_len < LONG_SEQUENCE or shape is None or getattr(shape, "capacity_factor", False):
+    # A Hugging Face model: Ulysses only, at the sizes its spec takes (models/hf.py).
+    ulysses_problem = getattr(model, "ulysses_problem", None)
+    if mp.seq_len < LONG_SEQUENCE or (shape is None and ulysses_problem is None):
+        return []
+    if getattr(shape, "capacity_factor", False):
         return []  # a capacity counts each rank's part of the sequences: refused (config/sequences.py)
     per_node = world // nodes
     out = []
@@ -37,9 +41,14 @@ def cp_options(mp: Setup, model: ModelSpec, world: int, nodes: int, tps: list[in
             if split > per_node or per_node % split or mp.dp % split:
                 continue
             layout = replace(mp, cp=cp, tp=tp, dp=mp.dp // split, grad_accum=mp.grad_accum * split, sequence_parallel=True)
-            if mp.seq_len % (2 * cp) == 0:
+            if shape is not None and mp.seq_len % (2 * cp) == 0:
                 out.append(replace(layout, cp_mode="allgather"))
-            if mp.seq_len % cp == 0 and heads_problem(shape.n_heads, shape.n_kv_heads, cp, tp) is None:
+            if shape is not None:
+                heads = heads_problem(shape.n_heads, shape.n_kv_heads, cp, tp)
+            else:
+                assert ulysses_problem is not None  # checked on entry
+                heads = ulysses_problem(cp)
+            if mp.seq_len % cp == 0 and heads is None:
                 out.append(replace(layout, cp_mode="ulysses"))
     return out
 

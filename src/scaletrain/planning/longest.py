@@ -7,12 +7,15 @@ sequence per micro-batch, at cp 1 and at the largest cp of each design the world
 (train.tile_tokens, TILE unless configured) and with tiles and the activations held on the
 host (train.activation_offload: not on a CPU, whose host is its device). The chunked loss
 (train.loss_chunk_tokens) is the configured one, or LOSS_CHUNK for a vocabulary that
-needs it (training/defaults.py). A mixture of experts: cp 1 also at the largest expert
-parallel it takes, and cp only at that ep where there is one (planning/experts.py
-ep_sizes: FSDP then gathers E/ep of a block's experts, not E; each rank's slots travel by
-all-to-all, as many as it sends, so its activations stay); under a capacity factor neither cp nor tiles (config/sequences.py refuses both:
-a capacity counts a micro-batch's whole slots), nor for a model without the built-in's
-shape (a Hugging Face one): there activation offload alone.
+needs it (training/defaults.py).
+
+A mixture of experts: cp 1 also at the largest expert parallel it takes, and cp only at
+that ep where there is one (planning/experts.py ep_sizes: FSDP then gathers E/ep of a
+block's experts, not E; each rank's slots travel by all-to-all, as many as it sends, so its
+activations stay). Under a capacity factor neither cp nor tiles (config/sequences.py
+refuses both: a capacity counts a micro-batch's whole slots): activation offload alone. A
+Hugging Face model: Ulysses only (at the sizes its spec takes), no tiles (the built-in
+model's), activation offload alone; the longest is capped at its max_position_embeddings.
 
 The search: the peak grows with the length (every term is constant or proportional to
 the tokens a rank holds: a flash kernel saves a log-sum-exp per row, not the T x T
@@ -51,6 +54,9 @@ class Longest:
     candidate: Candidate  # at the longest length that fits (fits False: not even one GRANULE)
     seq_len: int
     limit: str  # the moment of the peak at that length (planning/memory.py's phases): what stops it
+    # True: the model's positions (a Hugging Face config's max_position_embeddings) stop it
+    # first, memory would hold more; `train` refuses a longer data.seq_len.
+    capped: bool = False
 
 
 def longest_sequences(
@@ -71,10 +77,14 @@ def longest_sequences(
     layouts = [base, *_with_ep(base, model)]
     shape = getattr(model, "shape", None)
     dropless = shape is not None and not (shape.experts and shape.capacity_factor)
-    for mode in ("allgather", "ulysses") if dropless else ():
+    # A Hugging Face model: Ulysses only, where the spec takes the size (models/hf.py).
+    ulysses_problem = getattr(model, "ulysses_problem", None)
+    for mode in ("allgather", "ulysses") if dropless else ("ulysses",) if ulysses_problem else ():
         sizes = [c for c in _powers_of_two(world) if c > 1 and world % c == 0]
-        if mode == "ulysses" and shape is not None:  # dropless: it is
+        if mode == "ulysses" and shape is not None:
             sizes = [c for c in sizes if heads_problem(shape.n_heads, shape.n_kv_heads, c) is None]
+        elif mode == "ulysses" and ulysses_problem is not None:
+            sizes = [c for c in sizes if ulysses_problem(c) is None]
         if sizes:
             cp = max(sizes)
             layout = replace(base, cp=cp, cp_mode=mode, dp=base.dp // cp)
@@ -97,18 +107,23 @@ def _longest(
     def at(tokens: int) -> Candidate:
         return evaluate(model, replace(s, seq_len=tokens), cfg, device, nodes, usable, cpu_per_node)
 
+    positions = getattr(model, "max_positions", None)
+    most = max(1, min(MAX_TOKENS, positions or MAX_TOKENS) // step)  # n x step: the lengths searched
     first = at(step)
-    if not first.fits:
-        return Longest(first.setup.label, first, 0, first.memory.peak_phase)
-    # The largest n with at(n x step) fitting: doubling, then halving the interval.
+    if not first.fits or (positions is not None and step > positions):
+        return Longest(first.setup.label, first, 0, first.memory.peak_phase, capped=first.fits)
+    # The largest n <= most with at(n x step) fitting: doubling, then halving the interval
+    # (high: the least n known not to fit, or one past the most searched).
     low, high = 1, 2
-    while high * step <= MAX_TOKENS and at(high * step).fits:
+    while high <= most and at(high * step).fits:
         low, high = high, 2 * high
+    high = min(high, most + 1)
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if at(mid * step).fits else (low, mid)
     best = at(low * step)
-    return Longest(best.setup.label, best, low * step, best.memory.peak_phase)
+    capped = positions is not None and (low + 1) * step > positions
+    return Longest(best.setup.label, best, low * step, best.memory.peak_phase, capped=capped)
 
 
 def _with_ep(layout: Setup, model: ModelSpec) -> list[Setup]:
