@@ -326,3 +326,32 @@ def test_expert_parallel_an_hf_model_cannot_take_is_one_line_naming_its_model_ty
     assert "parallel.ep=2 does not combine with model.lora" in said
     # The config takes an HF model's ep (on fsdp): its spec decides at build, as above.
     load_config([], ["model.source=hf", "model.hf_config={model_type: mixtral}", "parallel.strategy=fsdp", "parallel.ep=2"])
+
+
+@pytest.mark.unit
+def test_the_local_experts_of_an_hf_model_under_ep_are_the_same_grouped_or_looped():
+    # models/hf_experts.py runs a rank's experts as two grouped products over transformers'
+    # stacked weights (transposed views) where torch's kernel runs, else one expert at a
+    # time as transformers' eager forward; both the same, an expert without slots included.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from scaletrain.models.hf_experts import _local_experts, stacked_experts
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**(QWEN3_MOE | COMMON | {"vocab_size": 64})))
+    experts = stacked_experts(model)[0]
+    splits = [3, 0, 5, 2]  # slots per expert, sorted by expert
+    slots = torch.randn(sum(splits), COMMON["hidden_size"])
+    counts = torch.tensor(splits)
+    got = {}
+    for impl in ("loop", "grouped"):
+        experts.experts_impl = impl
+        x = slots.clone().requires_grad_()
+        out = _local_experts(experts, x, counts, splits)
+        grads = torch.autograd.grad(out.square().sum(), [x, experts.gate_up_proj, experts.down_proj])
+        got[impl] = (out, *grads)
+    # The same products over the same rows, grouped by another kernel: fp32 rounding of
+    # sums of 24-32 terms (~1e-6 relative); the weights' gradients summed over 0-5 rows.
+    for looped, grouped in zip(got["loop"], got["grouped"]):
+        torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5 * looped.abs().max().item())
+    assert not got["grouped"][2][1].any() and not got["grouped"][3][1].any()  # expert 1 had no slot: no gradient

@@ -57,12 +57,23 @@ def grouped_swiglu(tokens: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, counts: T
     past sum(counts) come out unwritten (garbage), as does their input gradient."""
     # torch._grouped_mm is on no autocast list: cast as autocast casts the loop's matmuls,
     # so that both paths compute in the same dtype.
+    offsets = group_offsets(counts)
+    gate = grouped_linear(tokens, w1, offsets)
+    up = grouped_linear(tokens, w3, offsets)
+    return grouped_linear(F.silu(gate) * up, w2, offsets)
+
+
+def grouped_linear(tokens: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    """Rows [offsets[i-1], offsets[i]) of `tokens` times weight[i] ([groups, in, out]: a
+    transposed view of transformers' stacked [groups, out, in] serves, as its own kernels
+    pass it), in the dtype the loop's matmuls would compute in (autocast's)."""
     dtype = compute_dtype(tokens)
-    tokens, w1, w3, w2 = (t.to(dtype) for t in (tokens, w1, w3, w2))
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # on the device: nothing read back
-    gate = _mm(tokens, w1, offsets)
-    up = _mm(tokens, w3, offsets)
-    return _mm(F.silu(gate) * up, w2, offsets)
+    return _mm(tokens.to(dtype), weight.to(dtype), offsets)
+
+
+def group_offsets(counts: Tensor) -> Tensor:
+    """The grouped kernel's group ends: a cumulative sum on the device, nothing read back."""
+    return torch.cumsum(counts, 0, dtype=torch.int32)
 
 
 def _mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:

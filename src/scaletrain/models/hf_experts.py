@@ -12,7 +12,9 @@ two weights become Shard(0) DTensors over the ep mesh, and the module's forward 
 that sorts the token slots by expert, sends them to their experts' ranks and back
 (models/moe.py `exchange_slots`), and weighs and sums them per token as transformers'
 eager forward does. Each rank runs its E/ep experts with the module's own gate
-(`_apply_gate`: the activation of the gate half times the up half).
+(`_apply_gate`: the activation of the gate half times the up half): two grouped products
+over all of them where torch's kernel runs without a host sync (models/grouped_mm.py),
+else one expert at a time.
 
 Only the layout transformers' eager forward computes is taken (concatenated gate and up,
 not transposed, no biases, no norm after the experts); another is refused in one line
@@ -22,6 +24,7 @@ their resharding and the Hugging Face export are as without ep.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.errors import UserError
+from scaletrain.models.grouped_mm import group_offsets, grouped_linear, uses_grouped_mm
 from scaletrain.models.moe import exchange_slots, shard_stacked
 
 # The name our forward is registered under in transformers' ExpertsInterface.
@@ -87,17 +91,24 @@ def _forward(module: Any, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k
     counts = torch.zeros(experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     order = flat.argsort(stable=True)
     source = order // k
-    out = exchange_slots(lambda slots, _, splits: _local_experts(module, slots, splits), tokens[source], counts, module.ep_group)
+    out = exchange_slots(partial(_local_experts, module), tokens[source], counts, module.ep_group)
     weighted = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
     return torch.zeros_like(tokens).index_add_(0, source, weighted.to(tokens.dtype))
 
 
-def _local_experts(module: Any, slots: torch.Tensor, splits: list[int]) -> torch.Tensor:
-    """This rank's experts, each on its contiguous run of `slots`, as transformers' eager
-    forward computes one: gate_up, the gate, down. Every expert runs, an empty one too, so
-    each weight has a gradient on every rank (zero where no slot came)."""
+def _local_experts(module: Any, slots: torch.Tensor, counts: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    """This rank's experts, each on its contiguous run of `slots` (`counts` of them, the
+    same as a list in `splits`), as transformers' eager forward computes one: gate_up, the
+    gate, down. Grouped (two grouped products over all local experts, as the built-in
+    model's, models/grouped_mm.py) where torch runs the kernel without a host sync; else a
+    loop in which every expert runs, an empty one too, so each weight has a gradient on
+    every rank (zero where no slot came; the grouped weight gradient is zero there too)."""
     from torch.distributed.tensor import DTensor
 
     gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (module.gate_up_proj, module.down_proj))
+    up_t, down_t = gate_up.transpose(-2, -1), down.transpose(-2, -1)  # [experts, in, out] views
+    if uses_grouped_mm(getattr(module, "experts_impl", "auto"), slots, down_t):
+        offsets = group_offsets(counts)
+        return grouped_linear(module._apply_gate(grouped_linear(slots, up_t, offsets)), down_t, offsets)
     parts = slots.split(splits)
     return torch.cat([F.linear(module._apply_gate(F.linear(p, gate_up[i])), down[i]) for i, p in enumerate(parts)])
