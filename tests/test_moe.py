@@ -224,7 +224,6 @@ def test_the_planning_presets_have_their_published_total_and_active_parameters(p
         (["model.preset=tiny-moe", "parallel.strategy=zero2", "parallel.ep=2"], "DeepSpeed's expert parallel needs its own"),
         (["model.preset=tiny-moe", "parallel.strategy=ddp", "parallel.ep=2"], "accepted: parallel.strategy=fsdp"),
         (["model.preset=tiny", "parallel.strategy=fsdp", "parallel.ep=2"], "model.preset=tiny (dense) has none to split"),
-        (["model.preset=tiny-moe", "parallel.strategy=fsdp", "parallel.ep=2", "parallel.offload_params=cpu"], "not built yet"),
         (["model.preset=tiny-moe", "parallel.strategy=fsdp", "parallel.ep=2", "train.compile=true"], "not built yet"),
     ],
 )
@@ -275,6 +274,9 @@ LAYOUTS = {
     "zero3": ["parallel.strategy=zero3"],
     # Each rank holds 4 of the 8 experts; tokens travel by all-to-all.
     "fsdp-ep2": ["parallel.strategy=fsdp", "parallel.ep=2"],
+    # The same with the parameters (each rank's shard of its 4 experts too) and the
+    # optimizer step on the host: on a CPU nothing moves, the offloaded path runs.
+    "fsdp-ep2-offload": ["parallel.strategy=fsdp", "parallel.ep=2", "parallel.offload_params=cpu"],
     # Attention split over tp 2 (sequence parallel), the experts whole on both ranks, which
     # route the same tokens: one data-parallel rank, so 2 micro-batches of 4.
     "fsdp-tp2": ["parallel.strategy=fsdp", "parallel.tp=2", "train.grad_accum=2"],

@@ -171,14 +171,13 @@ def _splits(model: ModelSpec, ep: int) -> bool:
 
 
 def ep_options(options: list[Setup], model: ModelSpec) -> list[Setup]:
-    """Each option a strategy with expert parallel can take with it (plain or hybrid sharding:
-    config/schema.py refuses ep with parameter offload), at every ep size: under a pipeline
-    over each stage's data-parallel ranks, under tp over those of each tp coordinate, under
-    hybrid sharding within each replica."""
+    """Each option a strategy with expert parallel can take with it (plain or hybrid
+    sharding, and any offload config/schema.py takes with ep), at every ep size: under a
+    pipeline over each stage's data-parallel ranks, under tp over those of each tp
+    coordinate, under hybrid sharding within each replica."""
     out = []
     for o in options:
-        plain = o.offload_params == "none" and o.offload_optimizer == "none"
-        if TABLE[o.strategy].ep and plain:
+        if TABLE[o.strategy].ep:
             out += [replace(o, ep=ep) for ep in ep_sizes(model, o.shard, o.cp)]
     return out
 
