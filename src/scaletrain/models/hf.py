@@ -290,8 +290,6 @@ class HFSpec:
                 f"parallel.ep={ep} must divide model_type {c.model_type}'s {experts} experts per layer; accepted: "
                 f"parallel.ep={accepted}"
             )
-        if self.lora is not None:
-            raise UserError(f"parallel.ep={ep} does not combine with model.lora (not checked yet); accepted: parallel.ep=1")
 
     def split_experts(self, model: nn.Module, ep_mesh: Any) -> list[nn.Module]:
         from scaletrain.models.hf_experts import split_stacked_experts

@@ -162,7 +162,8 @@ def ep_sizes(model: ModelSpec, shard: int, cp: int = 1) -> list[int]:
 
 
 def _splits(model: ModelSpec, ep: int) -> bool:
-    """Whether the model's spec takes `ep` (a Hugging Face model with LoRA does not)."""
+    """Whether the model's spec takes `ep` (a Hugging Face model whose experts transformers
+    does not stack does not)."""
     try:
         model.check_ep(ep)  # type: ignore[attr-defined]  # experts_of found experts: the spec is an ExpertSplit
     except UserError:
