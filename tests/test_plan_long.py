@@ -18,6 +18,7 @@ from scaletrain.config.parallel import dims_for
 from scaletrain.models import model_spec
 from scaletrain.planning.context import cp_comm_bytes_per_step
 from scaletrain.planning.hardware import gpu, this_cpu
+from scaletrain.planning.longest import MAX_TOKENS
 from scaletrain.planning.memory import estimate, ffn_hidden_bytes
 from scaletrain.planning.planner import evaluate
 from scaletrain.planning.setup import Setup
@@ -151,8 +152,8 @@ def test_the_longest_sequence_of_a_hugging_face_model_is_ulysses_at_the_sizes_it
     assert list(rows) == ["fsdp + AC", "fsdp + activations->cpu + AC", "fsdp + cp 4 (ulysses) + AC",
                           "fsdp + cp 4 (ulysses) + activations->cpu + AC"]  # fmt: skip
     plain, ulysses = rows["fsdp + AC"], rows["fsdp + cp 4 (ulysses) + AC"]
-    assert not plain["capped"] and 0 < plain["seq_len"] < 262144 and plain["peak"] > 0.95 * 0.9 * 80 * 2**30
-    assert ulysses["capped"] and ulysses["seq_len"] == 262144 and ulysses["peak"] < 0.9 * 80 * 2**30
+    assert plain["capped"] == "" and 0 < plain["seq_len"] < 262144 and plain["peak"] > 0.95 * 0.9 * 80 * 2**30
+    assert ulysses["capped"] == "positions" and ulysses["seq_len"] == 262144 and ulysses["peak"] < 0.9 * 80 * 2**30
     assert main([*args, "--gpu-memory", "80GiB", "--longest-sequence"]) == 0
     said = capsys.readouterr().out
     assert "262,144 (max)" in said and "the model's max_position_embeddings (262,144) stops it, not memory" in said
@@ -170,3 +171,18 @@ def test_auto_plans_ulysses_for_a_hugging_face_model_whose_sequence_fits_no_rank
     with_cp = [c["strategy"] for c in plan["candidates"] if " cp " in c["strategy"]]
     assert with_cp and all("(ulysses)" in c and "cp 8" not in c for c in with_cp), with_cp
     assert not [c for c in plan["candidates"] if c["fits"] and " cp " not in c["strategy"]]
+
+
+def test_a_row_the_search_ends_says_so(capsys):
+    # The tiny preset under cp 8 with tiles holds more than the search's 33.5M tokens: its
+    # rows stop at MAX_TOKENS, marked, and the summary says memory would hold more.
+    args = ["plan", "model.preset=tiny", "--gpus-per-node", "8", "--longest-sequence"]
+    assert main([*args, "--json"]) == 0
+    rows = {r["layout"]: r for r in json.loads(capsys.readouterr().out)["longest"]}
+    assert (
+        rows["fsdp + cp 8 + tiles 8192 + AC"] | {"capped": "search", "seq_len": MAX_TOKENS}
+        == rows["fsdp + cp 8 + tiles 8192 + AC"]
+    )
+    assert rows["fsdp + AC"]["capped"] == "" and rows["fsdp + AC"]["seq_len"] < MAX_TOKENS
+    assert main(args) == 0
+    assert f"the search ends at {MAX_TOKENS:,} tokens: memory would hold more" in capsys.readouterr().out

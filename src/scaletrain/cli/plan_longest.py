@@ -13,9 +13,10 @@ from scaletrain.config import Config
 from scaletrain.errors import UserError
 from scaletrain.planning import planning_spec
 from scaletrain.planning.hardware import GiB, fmt, gpu, parse_size, this_cpu
-from scaletrain.planning.longest import longest_sequences
+from scaletrain.planning.longest import MAX_TOKENS, longest_sequences
 from scaletrain.telemetry.progress import model_label
 
+MARKS = {"": "", "positions": " (max)", "search": " (limit)"}
 TERMS = ("params", "grads", "optimizer", "activations", "loss", "buffers", "peak", "cpu")
 
 
@@ -46,7 +47,8 @@ def show_longest(cfg: Config, opts: argparse.Namespace) -> int:
     )
     table = Table(
         pad_edge=False,
-        caption="memory in GiB per device at that length; host = held on the host per device; (max): the model's positions stop it",
+        caption="memory in GiB per device at that length; host = held on the host per device; (max): the model's positions "
+        "stop it; (limit): the search's end",
     )
     table.add_column("layout", no_wrap=True)
     table.add_column("tokens", justify="right", no_wrap=True)
@@ -56,7 +58,7 @@ def show_longest(cfg: Config, opts: argparse.Namespace) -> int:
         m = r.candidate.memory
         table.add_row(
             r.layout,
-            (f"{r.seq_len:,}" if r.seq_len else "none") + (" (max)" if r.capped else ""),
+            (f"{r.seq_len:,}" if r.seq_len else "none") + MARKS[r.capped],
             *(f"{getattr(m, k) / GiB:.1f}" for k in TERMS[:-1]),
             f"{m.cpu / GiB:.1f}" if m.cpu else "-",
             f"{r.candidate.step_time:.3g}" if r.seq_len else "-",
@@ -70,8 +72,10 @@ def show_longest(cfg: Config, opts: argparse.Namespace) -> int:
             f"estimated {best.candidate.step_time:.3g} s per step of one sequence per data-parallel rank); its peak: "
             f"{best.limit}"
         )
-        if best.capped:
+        if best.capped == "positions":
             said += f"; the model's max_position_embeddings ({getattr(model, 'max_positions', 0):,}) stops it, not memory"
+        elif best.capped:
+            said += f"; the search ends at {MAX_TOKENS:,} tokens: memory would hold more"
     else:
         least = min(rows, key=lambda r: r.candidate.memory.peak)
         said = (

@@ -54,9 +54,10 @@ class Longest:
     candidate: Candidate  # at the longest length that fits (fits False: not even one GRANULE)
     seq_len: int
     limit: str  # the moment of the peak at that length (planning/memory.py's phases): what stops it
-    # True: the model's positions (a Hugging Face config's max_position_embeddings) stop it
-    # first, memory would hold more; `train` refuses a longer data.seq_len.
-    capped: bool = False
+    # What stops it before memory would: "positions" (a Hugging Face config's
+    # max_position_embeddings: `train` refuses a longer data.seq_len), "search" (MAX_TOKENS),
+    # or "" (memory).
+    capped: str = ""
 
 
 def longest_sequences(
@@ -108,10 +109,12 @@ def _longest(
         return evaluate(model, replace(s, seq_len=tokens), cfg, device, nodes, usable, cpu_per_node)
 
     positions = getattr(model, "max_positions", None)
-    most = max(1, min(MAX_TOKENS, positions or MAX_TOKENS) // step)  # n x step: the lengths searched
+    limit = min(MAX_TOKENS, positions or MAX_TOKENS)
+    stop = "positions" if limit == positions else "search"
+    most = max(1, limit // step)  # n x step: the lengths searched
     first = at(step)
-    if not first.fits or (positions is not None and step > positions):
-        return Longest(first.setup.label, first, 0, first.memory.peak_phase, capped=first.fits)
+    if not first.fits or step > limit:
+        return Longest(first.setup.label, first, 0, first.memory.peak_phase, capped=stop if first.fits else "")
     # The largest n <= most with at(n x step) fitting: doubling, then halving the interval
     # (high: the least n known not to fit, or one past the most searched).
     low, high = 1, 2
@@ -122,7 +125,7 @@ def _longest(
         mid = (low + high) // 2
         low, high = (mid, high) if at(mid * step).fits else (low, mid)
     best = at(low * step)
-    capped = positions is not None and (low + 1) * step > positions
+    capped = stop if (low + 1) * step > limit else ""
     return Longest(best.setup.label, best, low * step, best.memory.peak_phase, capped=capped)
 
 
