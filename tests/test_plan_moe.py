@@ -341,6 +341,10 @@ def test_on_one_node_ep_does_not_fit_and_the_plan_says_so():
     (why,) = [r for r in plan.reasons if "expert parallel" in r]
     assert why.startswith("expert parallel not chosen: no layout with it fits (the smallest, fsdp + ep")
     assert "micro-batch 1, needs" in why
+    # With the parameters on the host (which fsdp takes with ep; no candidate of the plan's)
+    # the same layout fits: said, with the keys that set it.
+    (hint,) = [part for part in why.split("; ") if part.startswith("with the parameters on the host it fits: ")]
+    assert "fsdp + params->cpu + ep " in hint and "parallel.offload_params=cpu parallel.ep=" in hint
 
 
 @pytest.mark.unit

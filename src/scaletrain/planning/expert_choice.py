@@ -12,6 +12,7 @@ from scaletrain.planning.candidate import Candidate
 from scaletrain.planning.experts import Experts, experts_of, off_node_share
 from scaletrain.planning.hardware import fmt
 from scaletrain.planning.setup import Setup
+from scaletrain.strategies import TABLE
 
 
 def why_ep(
@@ -30,7 +31,8 @@ def why_ep(
     fitting = [c for c in with_ep if c.fits]
     if not fitting:
         least = _at_smallest(min(with_ep, key=lambda c: c.memory.peak).setup, judge)
-        return f"expert parallel not chosen: no layout with it fits (the smallest, {least.setup.label}, {least.why_not})"
+        said = f"expert parallel not chosen: no layout with it fits (the smallest, {least.setup.label}, {least.why_not})"
+        return said + _with_offload(least.setup, judge)
     best = min(fitting, key=lambda c: c.step_time)
     return (
         f"expert parallel not chosen: the fastest layout with it, {best.setup.label}, is estimated at "
@@ -61,6 +63,22 @@ def _why_chosen(e: Experts, chosen: Candidate, candidates: list[Candidate], per_
     return text + (
         f"; {chosen.step_time:.3g} s/step against {other.step_time:.3g} for {other.setup.label}, the fastest "
         "without expert parallel"
+    )
+
+
+def _with_offload(s: Setup, judge: Callable[[Setup], Candidate]) -> str:
+    """What the layout would need with its parameters on the host, where its strategy takes
+    that with ep: the planner's candidates leave fsdp's offload out (strategies.py plans
+    none), so a configured one is the user's call."""
+    if s.offload_params != "none" or not TABLE[s.strategy].accepts_offload("none", "cpu"):
+        return ""
+    off = judge(replace(s, offload_params="cpu"))
+    if not off.fits:
+        return ""
+    return (
+        f"; with the parameters on the host it fits: {off.setup.label} needs {fmt(off.memory.peak)} per device, "
+        f"estimated {off.step_time:.3g} s/step (parallel.offload_params=cpu parallel.ep={s.ep}, "
+        f"train.micro_batch={s.micro_batch})"
     )
 
 
