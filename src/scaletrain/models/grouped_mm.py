@@ -55,8 +55,6 @@ def compute_dtype(tokens: Tensor) -> torch.dtype:
 def grouped_swiglu(tokens: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, counts: Tensor) -> Tensor:
     """SwiGLU of expert i on rows [sum(counts[:i]), sum(counts[:i+1])) of `tokens`; rows
     past sum(counts) come out unwritten (garbage), as does their input gradient."""
-    # torch._grouped_mm is on no autocast list: cast as autocast casts the loop's matmuls,
-    # so that both paths compute in the same dtype.
     offsets = group_offsets(counts)
     gate = grouped_linear(tokens, w1, offsets)
     up = grouped_linear(tokens, w3, offsets)
@@ -67,6 +65,8 @@ def grouped_linear(tokens: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     """Rows [offsets[i-1], offsets[i]) of `tokens` times weight[i] ([groups, in, out]: a
     transposed view of transformers' stacked [groups, out, in] serves, as its own kernels
     pass it), in the dtype the loop's matmuls would compute in (autocast's)."""
+    # torch._grouped_mm is on no autocast list: cast as autocast casts the loop's matmuls,
+    # so that both paths compute in the same dtype.
     dtype = compute_dtype(tokens)
     return _mm(tokens.to(dtype), weight.to(dtype), offsets)
 
