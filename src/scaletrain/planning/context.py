@@ -23,9 +23,10 @@ OVERLAP = 0.8  # as planner.OVERLAP: the share of compute a side stream's copies
 
 def cp_options(mp: Setup, model: ModelSpec, world: int, nodes: int, tps: list[int]) -> list[Setup]:
     """Long sequences (LONG_SEQUENCE and more): cp 2, 4 or 8 (x each tp), cp x tp inside a
-    node (each block's key/value gathers need NVLink), and Ulysses at the same sizes where each tp rank's heads divide over cp (a Hugging Face model:
-    Ulysses only, where its spec takes the size); the global batch kept as for tp (dp / (cp x
-    tp) ranks, each accumulating cp x tp times more)."""
+    node (each block's key/value gathers need NVLink), and Ulysses at the same sizes where
+    each tp rank's heads divide over cp (a Hugging Face model: Ulysses only, where its spec
+    takes the size); the global batch kept as for tp (dp / (cp x tp) ranks, each
+    accumulating cp x tp times more)."""
     shape = getattr(model, "shape", None)
     # A Hugging Face model: Ulysses only, at the sizes its spec takes (models/hf.py).
     ulysses_problem = getattr(model, "ulysses_problem", None)
