@@ -58,12 +58,25 @@ def cache_path(file: str) -> Path | None:
     return Path(where or Path.home() / ".cache" / "scaletrain") / file
 
 
+# Each file as this process last read or wrote it, by its size and modification time: a
+# file of the planner's traces grows to megabytes, which every lookup parsed again.
+_SEEN: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}
+
+
 def _read(path: Path) -> dict[str, Any]:
     try:
+        stat = path.stat()
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        seen = _SEEN.get(path)
+        if seen is not None and seen[0] == stamp:
+            return dict(seen[1])
         entries = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return entries if isinstance(entries, dict) else {}
+    if not isinstance(entries, dict):
+        return {}
+    _SEEN[path] = (stamp, entries)
+    return dict(entries)
 
 
 def _write(path: Path, entries: dict[str, Any]) -> None:
@@ -72,5 +85,7 @@ def _write(path: Path, entries: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(entries))
         os.replace(tmp, path)
+        stat = path.stat()
+        _SEEN[path] = ((stat.st_mtime_ns, stat.st_size), dict(entries))
     except OSError:
         tmp.unlink(missing_ok=True)

@@ -9,6 +9,7 @@ refused in one line. Its module is imported when it runs, after its request was 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from collections.abc import Callable
@@ -56,6 +57,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
     )
     b.add_argument("--docs", metavar="FILE.md", help="write the table between the bench markers of FILE.md, and FILE.svg")
     b.add_argument("--json", action="store_true", default=None, help="print the summary as JSON")
+    b.add_argument("--only", help="--suite clock: comma-separated configurations (default: all)")
     b.add_argument("--dry-run", action="store_true", help="print the command of each run, in order, and run nothing")
     return b
 
@@ -100,6 +102,37 @@ def _telemetry(args: argparse.Namespace) -> int:
     return run_suite(args.args, out=Path(args.out), nproc=args.nproc, rounds=args.rounds, steps=args.steps, dry_run=args.dry_run)
 
 
+def _clock(args: argparse.Namespace) -> int:
+    if args.dry_run or args.args:
+        raise UserError("--suite clock runs its own configurations (scaletrain.bench.clock.CASES): no config, no --dry-run")
+    from scaletrain.bench.clock import run_suite, table  # torch, the planner, a run per configuration and round
+
+    only = [n.strip() for n in args.only.split(",")] if args.only else None
+    results = run_suite(args.rounds, args.steps, Path(args.out), only, Path(args.docs) if args.docs else None, _progress)
+    print(table(results, args.rounds, args.steps))
+    return 0
+
+
+def _recorded(args: argparse.Namespace) -> int:
+    """--suite clock-gpu | clock-published: nothing runs; each recorded or published run is planned."""
+    if args.dry_run or args.args:
+        raise UserError(f"--suite {args.suite} plans its own runs: no config, no --dry-run")
+    from scaletrain.bench.clock_recorded import compare_published, compare_recorded, table, write_between
+
+    if args.suite == "clock-gpu":
+        rows, marker, label = compare_recorded(Path(args.out), _progress), "clock-gpu-table", "measured"
+    else:
+        rows, marker, label = compare_published(_progress), "clock-published-table", "published"
+    text = table(rows, label)
+    if args.docs:
+        write_between(Path(args.docs), marker, text)
+    if args.json:
+        print(json.dumps([r.__dict__ | {"error": r.error} for r in rows], indent=1))
+    else:
+        print(text)
+    return 0
+
+
 def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)  # stdout holds the table alone
 
@@ -126,6 +159,10 @@ SUITES = {
     ),
     "checkpoint": Suite({"nproc": 1, "out": "runs/bench/checkpoint"}, _checkpoint),
     "telemetry": Suite({"nproc": 2, "rounds": 3, "steps": 400, "out": "runs/bench/telemetry"}, _telemetry),
+    "clock": Suite({"rounds": 2, "steps": 12, "out": "runs/bench/clock", "docs": None, "only": None}, _clock),
+    # --out: where the recorded runs are (their results.jsonl files), not where anything is written.
+    "clock-gpu": Suite({"out": "docs/gpu", "docs": None, "json": False}, _recorded),
+    "clock-published": Suite({"docs": None, "json": False}, _recorded),
 }
 OPTIONS = tuple(dict.fromkeys(o for suite in SUITES.values() for o in suite.options))
 

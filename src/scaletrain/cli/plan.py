@@ -41,6 +41,18 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
     pl.add_argument("--emit-deepspeed", metavar="PATH", help="write the chosen plan as DeepSpeed JSON for HF Trainer")
     pl.add_argument("--measure", action="store_true", help="run 3 real steps and compare measured with predicted peaks")
     pl.add_argument(
+        "--explain-time",
+        action="store_true",
+        help="the chosen layout's predicted step by phase (data, forward, backward, optimizer, exposed communication, "
+        "bubble, offload, other), each with its largest operations",
+    )
+    pl.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's rates for the planner's clock (a GPU: its table; a CPU: the host's cost per "
+        "operation and gloo's collectives), a few tens of seconds",
+    )
+    pl.add_argument(
         "--longest-sequence",
         action="store_true",
         help="the longest sequence each layout fits (cp designs, tiles, activation offload), with its memory and step time",
@@ -71,6 +83,11 @@ def check_options(opts: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     check_options(args)
     cfg = load_config(*split_args(args.args))
+    if args.calibrate:
+        with startup.heavy_imports():
+            from scaletrain.cli.plan_calibrate import calibrate
+
+        return calibrate(cfg)
     if args.measure:
         check_measurable(cfg)
         with startup.heavy_imports():

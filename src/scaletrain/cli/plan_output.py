@@ -14,15 +14,15 @@ from scaletrain.config import Config
 from scaletrain.config.parallel import dims_for
 from scaletrain.engines.deepspeed_config import build_deepspeed_config
 from scaletrain.errors import UserError
-from scaletrain.planning import Setup, make_plan, planning_spec
+from scaletrain.planning import Setup, planning_spec
 from scaletrain.planning.candidate import Plan
+from scaletrain.planning.clock.explain import print_time
 from scaletrain.planning.goodput import Failures, GoodputEstimate, estimate_goodput
 from scaletrain.planning.hardware import gpu, parse_size, this_cpu
 from scaletrain.planning.report import print_plan
 from scaletrain.strategies import FORMATS, TABLE
 from scaletrain.telemetry.progress import model_label
-from scaletrain.training import defaults
-from scaletrain.training.preflight import accepted, fits_and_time
+from scaletrain.training.preflight import plan_as_trained
 
 
 @dataclass(frozen=True)
@@ -47,17 +47,20 @@ class PlanOptions:
 
 def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
     plan, goodput, model = build_plan(cfg, opts)
+    time = plan.chosen.time if getattr(opts, "explain_time", False) else None
     if opts.json:
-        print(json.dumps(plan.as_dict() | ({"goodput": goodput.as_dict()} if goodput else {}), indent=1))
+        extra = ({"goodput": goodput.as_dict()} if goodput else {}) | ({"time": time.as_dict()} if time else {})
+        print(json.dumps(plan.as_dict() | extra, indent=1))
     else:
         print_plan(console(), plan, model, f"plan for model {model_label(cfg, model)}")
+        if time is not None:
+            print_time(console(), plan.chosen.setup.label, time)
     return 0
 
 
 def build_plan(cfg: Config, opts: PlanOptions | argparse.Namespace) -> tuple[Plan, GoodputEstimate | None, Any]:
     """The plan `scaletrain plan` shows (and scaletrain.plan returns), with its goodput
     estimate where opts asks for one, and the model it planned."""
-    model = planning_spec(cfg)
     device = this_cpu() if (opts.gpu or "").lower() == "cpu" else gpu(opts.gpu, opts.gpu_memory)
     cpu_per_node = parse_size(opts.cpu_memory, "--cpu-memory") if opts.cpu_memory else None
     for name, value in (("--gpus-per-node", opts.gpus_per_node), ("--nodes", opts.nodes)):
@@ -68,21 +71,10 @@ def build_plan(cfg: Config, opts: PlanOptions | argparse.Namespace) -> tuple[Pla
     # with strategy auto, the planner chooses.
     named = "strategy" in cfg.parallel.model_fields_set and cfg.parallel.strategy != "auto"
     all_strategies = cfg.parallel.strategy == "auto" or not opts.configured_only
-
-    def planned(c: Config) -> Any:
-        return make_plan(c, planning_spec(c), world, opts.nodes, device, cpu_per_node, opts.headroom, all_strategies, named)
-
-    # What `train` on such a GPU applies to the keys nobody set (training/defaults.py): planned with
-    # them under --device-defaults, else named, so that the plan and the run can be told apart.
-    target = defaults.Target("cpu") if device.name == this_cpu().name else defaults.Target("cuda", device.name)
-    free = defaults.unset(cfg)
-    dp = dims_for(cfg.parallel, world).dp_size
-    with_defaults, applied = defaults.before_plan(cfg, target, model.vocab_size, dp, free)
-    if opts.device_defaults:
-        cfg = with_defaults
-        cfg, more = defaults.after_plan(cfg, target, free, lambda c: fits_and_time(planned(c)), accepted)
-        applied += more
-    plan, model = planned(cfg), planning_spec(cfg)
+    plan, applied, cfg = plan_as_trained(
+        cfg, device, world, opts.nodes, cpu_per_node, opts.headroom, all_strategies, named, opts.device_defaults
+    )
+    model = planning_spec(cfg)
     if applied:
         say = (
             "planned with the device's defaults"

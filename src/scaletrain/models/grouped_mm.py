@@ -18,21 +18,41 @@ transposed weights, the weight gradient one per group over its rows).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# The planner's clock traces the path a GPU (and this CPU) runs under auto: the grouped one
+# (planning/clock/trace.py); its memory trace keeps the loop (module docstring of moe.py).
+_GROUPED_ON_FAKE = contextvars.ContextVar("grouped_on_fake", default=False)
+
+
+@contextlib.contextmanager
+def grouped_on_fake_tensors() -> Iterator[None]:
+    """Inside: experts_impl=auto runs grouped on fake tensors too (what the clock prices)."""
+    token = _GROUPED_ON_FAKE.set(True)
+    try:
+        yield
+    finally:
+        _GROUPED_ON_FAKE.reset(token)
+
 
 def uses_grouped_mm(impl: str, tokens: Tensor, weight: Tensor) -> bool:
     """Whether the experts run as grouped matrix multiplies: model.moe.experts_impl, and
     for auto where torch runs them without a host sync, or in a compiled block (whose graph
-    the loop's .tolist() would break); never on the planner's fake tensors."""
+    the loop's .tolist() would break); on the planner's fake tensors only where its clock
+    asks (grouped_on_fake_tensors)."""
     if impl != "auto":
         return impl == "grouped"
-    if not hasattr(torch, "_grouped_mm") or isinstance(tokens, torch._subclasses.FakeTensor) or tokens.is_meta:
+    if not hasattr(torch, "_grouped_mm"):
         return False
+    if isinstance(tokens, torch._subclasses.FakeTensor) or tokens.is_meta:
+        return _GROUPED_ON_FAKE.get() and aligned(weight.shape[-2], weight.shape[-1], compute_dtype(tokens))
     dtype = compute_dtype(tokens)
     if not aligned(weight.shape[-2], weight.shape[-1], dtype):
         return False

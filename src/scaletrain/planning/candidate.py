@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from scaletrain.planning.clock.phases import StepTime
 from scaletrain.planning.hardware import Device
 from scaletrain.planning.memory import Memory
 from scaletrain.planning.setup import Setup
@@ -26,6 +27,7 @@ class Candidate:
     smaller: Candidate | None = None
     ep_comm_bytes: float = 0.0  # of comm_bytes: expert parallel's all-to-all of the routed tokens
     cp_comm_bytes: float = 0.0  # of comm_bytes: context parallel's key/value gathers
+    time: StepTime | None = None  # step_time by phase (planning/clock/step.py)
 
     @property
     def dp_bytes(self) -> float:

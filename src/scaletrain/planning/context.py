@@ -10,15 +10,14 @@ from dataclasses import replace
 from scaletrain.models.spec import ModelSpec
 from scaletrain.models.ulysses import heads_problem, kv_repeat
 from scaletrain.planning.candidate import Candidate
-from scaletrain.planning.hardware import Device, fmt
-from scaletrain.planning.memory import ffn_width, kv_width, offloaded_activations
+from scaletrain.planning.hardware import fmt
+from scaletrain.planning.memory import kv_width
 from scaletrain.planning.pipeline import rank_share
 from scaletrain.planning.setup import Setup
 
 # From here on (Llama 3's long-context stage trains 32k-token sequences) the plan says what
 # context parallel would save when activations are a large part of the peak.
 LONG_SEQUENCE = 16384
-OVERLAP = 0.8  # as planner.OVERLAP: the share of compute a side stream's copies can hide behind
 
 
 def cp_options(mp: Setup, model: ModelSpec, world: int, nodes: int, tps: list[int]) -> list[Setup]:
@@ -74,27 +73,6 @@ def cp_comm_bytes_per_step(model: ModelSpec, s: Setup) -> float:
     else:
         per_pass = 2.0 * s.micro_batch * s.seq_len * kv_width(model) / s.tp * act_bytes * ring
     return _rank_blocks(model, s) * s.grad_accum * passes * per_pass
-
-
-def tile_seconds(model: ModelSpec, s: Setup, flops_per_s: float) -> float:
-    """train.tile_tokens: each block's feed-forward runs its forward once more (each tile
-    recomputed in backward): 2 x its three matmuls per token."""
-    shape = getattr(model, "shape", None)
-    if not s.tile_tokens or shape is None:
-        return 0.0
-    tokens = s.micro_batch * s.local_seq_len * s.grad_accum
-    return _rank_blocks(model, s) * tokens * 2 * 3 * shape.dim * ffn_width(shape) / s.tp / flops_per_s
-
-
-def offload_seconds(model: ModelSpec, s: Setup, device: Device, compute: float) -> float:
-    """train.activation_offload: the held activations go to the host on a side stream while
-    the forward computes (a third of the step's compute) and come back on another, each one
-    prefetched while the backward before it computes (the other two thirds): each direction
-    over the host link (its own copy engine), hidden up to OVERLAP of the compute beside it."""
-    if not s.activation_offload:
-        return 0.0
-    moved = offloaded_activations(model, s) * s.grad_accum / device.host_bw
-    return max(0.0, moved - OVERLAP * compute / 3) + max(0.0, moved - OVERLAP * 2 * compute / 3)
 
 
 def _rank_blocks(model: ModelSpec, s: Setup) -> int:

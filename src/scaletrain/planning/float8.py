@@ -4,9 +4,9 @@ The Linear layers float8 converts are models/float8.py's (the engine converts th
 torchao's tensorwise recipe runs all three matmuls of each (forward, input gradient,
 weight gradient) in float8, so:
 
-- time: their 6 x weights FLOPs per token run at the device's float8 peak (at the same
-  assumed MFU as bf16's); the rest (attention scores, head, router, experts) at the bf16
-  peak. The casts to float8 are memory-bound kernels, counted as bytes over the device's
+- time (planning/clock/engines.py float8_change): the converted layers' share of the blocks'
+  matmul time runs at the float8 peak's share of the bf16 one; the rest (attention, head,
+  router, experts) as in bf16. The casts to float8 are memory-bound kernels, counted as bytes over the device's
   memory bandwidth: each cast of a bf16 tensor reads it twice (its amax, then the cast)
   and writes one byte per element, 5 bytes per element, 9 for an fp32 weight. Per token
   a converted Linear casts its input in forward and again in backward (for the weight
@@ -14,7 +14,7 @@ weight gradient) in float8, so:
   output gradient twice in backward (one per gradient matmul): 5 x (2 or 3) x in +
   10 x out bytes. Per micro-batch its fp32 weight is cast in forward and in backward
   (ddp), or (fsdp) each shard once per all-gather. Eager-mode counts: torch.compile fuses
-  some of these, so the estimate is an upper bound on the casts.
+  some of these (each cast's amax read into the kernel that made its input: `compiled`).
 - FSDP all-gathers the converted weights in float8: 1 byte per weight instead of bf16's 2,
   on the wire and in the gathered units.
 - activations: torchao's Float8Linear saves its bf16 input and the weight for backward,
@@ -44,6 +44,8 @@ from scaletrain.strategies import TABLE
 
 CAST_16 = 5.0  # bytes moved per element cast from bf16 to float8: amax read 2, cast read 2, write 1
 CAST_32 = 9.0  # the same from fp32 (the weights' masters): 4 + 4 + 1
+CAST_16_COMPILED = 3.0  # compiled: the amax read fused into the producer, a read of 2 and a write of 1
+CAST_32_COMPILED = 5.0
 
 
 @dataclass(frozen=True)
@@ -89,29 +91,19 @@ def check_device(device: Device) -> None:
         )
 
 
-def compute_saving(model: ModelSpec, s: Setup, device: Device, tokens: int) -> float:
-    """Seconds float8 takes off a step's compute on one rank (0 without it): the converted
-    matmuls at the float8 peak instead of bf16's, less the casts."""
-    if not s.float8 or not device.peak_flops_8:
-        return 0.0
+def cast_bytes(model: ModelSpec, s: Setup, tokens: int, compiled: bool = False) -> float:
+    """Bytes the float8 casts move per optimizer step on one rank (module docstring);
+    `compiled`: inductor folds each cast's amax read into the kernel that made the tensor,
+    leaving its read and its 1-byte write (CAST_16_COMPILED, CAST_32_COMPILED)."""
     c = converted(model)
-    passes = 8 / 6 if s.activation_checkpointing else 1.0
-    split = s.tp * s.pp * s.cp
-    flops = tokens * c.flops_per_token * passes / split
-    matmuls = flops / (device.peak_flops_16 * device.assumed_mfu) - flops / (device.peak_flops_8 * device.assumed_mfu)
-    return matmuls - cast_bytes(model, s, tokens) / device.memory_bw if device.memory_bw else matmuls
-
-
-def cast_bytes(model: ModelSpec, s: Setup, tokens: int) -> float:
-    """Bytes the float8 casts move per optimizer step on one rank (module docstring)."""
-    c = converted(model)
+    c16, c32 = (CAST_16_COMPILED, CAST_32_COMPILED) if compiled else (CAST_16, CAST_32)
     input_casts = 3 if s.activation_checkpointing else 2
-    per_token = CAST_16 * (input_casts * c.in_features + 2 * c.out_features)
+    per_token = c16 * (input_casts * c.in_features + 2 * c.out_features)
     if TABLE[s.strategy].partitions == 3:  # FSDP: each shard cast once per all-gather
         gathers = 1 if not s.reshard_after_forward else 2
-        weights = CAST_32 * c.params / s.shard * gathers
+        weights = c32 * c.params / s.shard * gathers
     else:  # the whole fp32 weight, as often as the input (forward, backward, a recompute)
-        weights = CAST_32 * c.params * input_casts
+        weights = c32 * c.params * input_casts
     return tokens * per_token / (s.tp * s.pp * s.cp) + weights * s.grad_accum
 
 

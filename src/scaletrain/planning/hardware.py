@@ -25,9 +25,6 @@ class Device:
     intra_node_bw: float  # bytes/s per device within a node (NVLink / shared memory)
     inter_node_bw: float  # bytes/s per device across nodes (InfiniBand / Ethernet)
     host_bw: float  # bytes/s device <-> host (offload traffic)
-    # Share of peak a training step reaches: 0.45 on GPUs (torchtitan / llm-foundry report
-    # 34-46% on H100); on a CPU the peak is itself a measured matmul rate, so close to 1.
-    assumed_mfu: float = 0.45
     # Start-up cost of one small collective: what tensor parallel's many per-block
     # reductions pay besides their bytes. NCCL within a node: ~20 us; gloo on a loaded
     # CPU: milliseconds (docs/parallelism.md: tp 2 halved the tiny model's throughput).
@@ -37,6 +34,8 @@ class Device:
     # Device memory bandwidth (bytes/s): what float8's casts of activations and weights,
     # memory-bound kernels, cost (planning/float8.py); 0: unknown, not counted.
     memory_bw: float = 0.0
+    # The kind the clock's rates are kept for (planning/clock/rates.py): a KNOWN_GPUS key, or "cpu".
+    kind: str = ""
 
 
 # Vendor datasheet figures (dense, no sparsity). Inter-node: one 400 Gb/s NIC per GPU
@@ -45,7 +44,7 @@ class Device:
 # H100 SXM and H200 3,958 -> 1,979 TFLOP/s, H100 PCIe 3,026 -> 1,513, L40S 1,466 -> 733;
 # the A100 has none. Memory bandwidth: H100 SXM 3.35 TB/s, PCIe 2.0, H200 4.8, A100 80GB
 # 2.039, 40GB 1.555, L40S 0.864.
-KNOWN_GPUS = {
+_DATASHEETS = {
     "h100": Device("H100 SXM", 80 * GiB, 989e12, 67e12, 450e9, 50e9, 55e9, peak_flops_8=1979e12, memory_bw=3.35e12),
     "h100-pcie": Device("H100 PCIe", 80 * GiB, 756e12, 51e12, 64e9, 25e9, 55e9, peak_flops_8=1513e12, memory_bw=2.0e12),
     "h200": Device("H200", 141 * GiB, 989e12, 67e12, 450e9, 50e9, 55e9, peak_flops_8=1979e12, memory_bw=4.8e12),
@@ -53,6 +52,22 @@ KNOWN_GPUS = {
     "a100-40gb": Device("A100 SXM 40GB", 40 * GiB, 312e12, 19.5e12, 300e9, 25e9, 25e9, memory_bw=1.555e12),
     "l40s": Device("L40S", 48 * GiB, 362e12, 91.6e12, 32e9, 25e9, 25e9, peak_flops_8=733e12, memory_bw=0.864e12),
 }
+KNOWN_GPUS = {key: replace(d, kind=key) for key, d in _DATASHEETS.items()}
+
+
+def gpu_kind(name: str) -> str:
+    """The KNOWN_GPUS kind of a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100"), or the
+    name made a key ("nvidia-rtx-6000") for a GPU without one."""
+    low = name.lower()
+    for kind in ("h200", "l40s"):
+        if kind in low:
+            return kind
+    if "h100" in low:
+        return "h100-pcie" if "pcie" in low else "h100"
+    if "a100" in low:
+        return "a100-40gb" if "40gb" in low else "a100"
+    return re.sub(r"[^a-z0-9]+", "-", low).strip("-")
+
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -121,7 +136,7 @@ def this_cpu(memory: float | None = None) -> Device:
     total = memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = measured_cpu_peak()
     # gloo over loopback / shared memory: a few GB/s is what it sustains here.
-    return Device("CPU (measured)", total, peak, peak, 2e9, 1e9, 10e9, assumed_mfu=0.8, collective_latency=2e-3)
+    return Device("CPU (measured)", total, peak, peak, 2e9, 1e9, 10e9, collective_latency=2e-3, kind="cpu")
 
 
 def is_host(device: Device) -> bool:

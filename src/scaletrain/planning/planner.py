@@ -14,34 +14,29 @@ from typing import Any
 from scaletrain.config import AUTO_MICRO_BATCH, Config
 from scaletrain.config.batch import described, micro_batches, settle
 from scaletrain.config.parallel import dims_for
-from scaletrain.config.stages import SCHEDULES
 from scaletrain.errors import UserError
 from scaletrain.models.capabilities import TensorParallel
 from scaletrain.models.factory import distill_spec
 from scaletrain.models.spec import ModelSpec, with_fields
 from scaletrain.planning.candidate import Candidate, Plan
-from scaletrain.planning.context import cp_comm_bytes_per_step, cp_options, offload_seconds, tile_seconds, what_cp_buys, why_cp
+from scaletrain.planning.clock.step import step_time
+from scaletrain.planning.context import cp_comm_bytes_per_step, cp_options, what_cp_buys, why_cp
 from scaletrain.planning.expert_choice import why_ep
 from scaletrain.planning.experts import (
     a2a_bytes_per_step,
-    a2a_seconds,
     ep_options,
     experts_of,
     moe_note,
     moe_summary,
-    repeated_under_tp,
-    sharded_traffic,
-    tp_split,
 )
-from scaletrain.planning.float8 import bf16_beside, check_device, compute_saving, gather_saving, plannable
+from scaletrain.planning.float8 import bf16_beside, check_device, plannable
 from scaletrain.planning.hardware import Device, fmt, is_host
-from scaletrain.planning.memory import estimate, groups_note, muon_gather_bytes, trainable_share
-from scaletrain.planning.pipeline import bubble, pp_comm_bytes_per_step, pp_options, rank_share, why_pp
+from scaletrain.planning.memory import estimate, groups_note
+from scaletrain.planning.pipeline import pp_comm_bytes_per_step, pp_options, why_pp
 from scaletrain.planning.setup import Setup
+from scaletrain.planning.traffic import comm_bytes_per_step, tp_comm_bytes_per_step
 from scaletrain.strategies import TABLE
 
-OVERLAP = 0.8  # share of the compute time that can hide gradient / parameter traffic
-CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeedCPUAdam, order of magnitude per node
 # The chunk the plan suggests for a large loss: 4096 positions x a 128k vocabulary is 2 GiB
 # of fp32 temporaries, small beside what it replaces, and few enough chunks to stay fast.
 LOSS_CHUNK = 4096
@@ -150,124 +145,16 @@ def evaluate(
     pp_comm = pp_comm_bytes_per_step(model, s)
     ep_comm = a2a_bytes_per_step(model, s)
     cp_comm = cp_comm_bytes_per_step(model, s)
-    time = step_time(model, s, cfg, device, nodes, comm, tp_comm, pp_comm, cp_comm)
+    time = step_time(model, s, cfg, device, nodes)
     comm += tp_comm + pp_comm + ep_comm + cp_comm
     why_not = ""
     if mem.peak > usable:
         why_not = f"needs {fmt(mem.peak)} per device > {fmt(usable)} usable"
     elif cpu_per_node is not None and mem.cpu * (s.reduce_ranks // nodes) > cpu_per_node:
         why_not = f"offload needs {fmt(mem.cpu * (s.reduce_ranks // nodes))} host memory per node > {fmt(cpu_per_node)}"
-    return Candidate(s, mem, comm, time, not why_not, why_not, tp_comm, pp_comm, ep_comm_bytes=ep_comm, cp_comm_bytes=cp_comm)
-
-
-def tp_comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
-    """Tensor parallel: per block two all-reduces of the [tokens, hidden] activations in
-    forward and two in backward (with sequence parallel: reduce-scatter + all-gather, the
-    same bytes), for every micro-batch; each device sends 2 (tp-1)/tp of the buffer."""
-    if s.tp == 1:
-        return 0.0
-    act_bytes = 4 if s.precision == "fp32" else 2
-    buffer = s.micro_batch * s.seq_len * model.hidden_size * act_bytes
-    return _rank_blocks(model, s) * grad_accum * 4 * 2 * (s.tp - 1) / s.tp * buffer
-
-
-def _rank_blocks(model: ModelSpec, s: Setup) -> int:
-    """The blocks this rank runs: all of them, or under a pipeline its stages' only."""
-    return rank_share(model, s.pp, s.pp_schedule, s.seq_len)[1]
-
-
-def tp_collectives(model: ModelSpec, s: Setup) -> int:
-    """Per step: per block and micro-batch two in forward and two in backward, doubled
-    with sequence parallel (each all-reduce becomes a reduce-scatter and an all-gather)."""
-    return _rank_blocks(model, s) * s.grad_accum * 4 * (2 if s.sequence_parallel else 1)
-
-
-def comm_bytes_per_step(model: ModelSpec, s: Setup, grad_accum: int) -> float:
-    """Bytes each device sends per optimizer step over the data-parallel dimension (ring
-    collectives: (n-1)/n of the buffer); each tp rank moves its 1/tp of the states, each
-    pipeline rank those of its stages."""
-    n = s.reduce_ranks
-    if n == 1:
-        return 0.0
-    psi = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0] * tp_split(model, s)
-    # Gradients (and ZeRO-1/2's updated weights) exist for the trained parameters only.
-    train = psi * trainable_share(model)
-    ring = (n - 1) / n
-    row = TABLE[s.strategy]
-    grad_bytes = 4 if row.fp32_module or s.precision == "fp32" else 2  # torch engines reduce in fp32
-    param_bytes = 4 if s.precision == "fp32" else 2
-    if row.partitions == 0:
-        return 2 * ring * train * grad_bytes  # all-reduce = reduce-scatter + all-gather
-    if row.partitions < 3:
-        return ring * train * (grad_bytes + param_bytes)  # reduce-scatter grads, all-gather updated params
-    # Partitioned parameters (zero3, fsdp): all-gathered in forward and again in backward
-    # for every micro-batch (unless kept gathered: shard-grad-op), gradients
-    # reduce-scattered once. Under a pipeline a stage stays gathered for the step: one gather.
-    gathers = 1 if s.pp > 1 else grad_accum * (1 if (row.keeps_gathered and not s.reshard_after_forward) else 2)
-    shard = s.shard
-    muon = muon_gather_bytes(model, s, psi)
-    if s.ep > 1:  # each rank's experts over the ranks holding the same ones (planning/experts.py)
-        total = sharded_traffic(model, s, psi, trainable_share(model), gathers, param_bytes, grad_bytes) + muon
-    else:
-        gathered = psi * param_bytes - gather_saving(model, s, param_bytes)  # train.float8: its weights at 1 byte
-        total = (shard - 1) / shard * (gathered * gathers + train * grad_bytes) + muon
-    if s.dp_replicate > 1:  # hybrid: all-reduce the gradient shards across replicas (under ep too: psi / shard each)
-        r = s.dp_replicate
-        total += 2 * (r - 1) / r * train / shard * grad_bytes
-    return total
-
-
-def step_time(
-    model: ModelSpec,
-    s: Setup,
-    cfg: Config,
-    device: Device,
-    nodes: int,
-    comm: float,
-    tp_comm: float = 0.0,
-    pp_comm: float = 0.0,
-    cp_comm: float = 0.0,
-) -> float:
-    tokens = s.micro_batch * s.seq_len * s.grad_accum
-    # A cp rank computes its 1/cp of each sequence's tokens, each attending over the whole sequence.
-    split = s.tp * s.pp * s.cp
-    # A mixture of experts' MoE layers run whole on every tp rank, over the tp group's tokens.
-    repeated = repeated_under_tp(model) * (s.tp - 1)
-    flops = tokens * (model.flops_per_token(s.seq_len) + repeated) * (8 / 6 if s.activation_checkpointing else 1) / split
-    if s.teacher is not None:  # its forward only: a third of its training FLOPs
-        flops += tokens * s.teacher.flops_per_token(s.seq_len) / 3
-    peak = device.peak_flops_32 if s.precision == "fp32" else device.peak_flops_16
-    # A pipeline rank also idles for the bubble: busy (1 - bubble) of the step.
-    compute = (flops / (peak * device.assumed_mfu) - compute_saving(model, s, device, tokens)) / (1 - bubble(s))
-    per_node = s.dp * s.cp * s.tp * s.pp // nodes
-    # Ranks are laid out tp innermost, then cp, dp, pp outermost (config/parallel.py): the dp group
-    # spans nodes once dp x cp x tp exceeds a node, a pipeline's neighbours once it fills one.
-    bw = device.inter_node_bw if s.dp * s.cp * s.tp > per_node else device.intra_node_bw
-    exposed = max(0.0, comm / bw - OVERLAP * compute)
-    if s.pp > 1:  # activations between stages wait on the schedule: exposed, with each send's start-up
-        pp_bw = device.inter_node_bw if s.dp * s.tp >= per_node and nodes > 1 else device.intra_node_bw
-        exposed += pp_comm / pp_bw + 2 * s.grad_accum * SCHEDULES[s.pp_schedule][1] * device.collective_latency
-    # Tensor parallel's collectives sit on the critical path between matmuls (nothing to
-    # hide them behind): all exposed, over NVLink while tp fits in a node.
-    exposed += tp_comm / (device.intra_node_bw if s.tp <= per_node else device.inter_node_bw)
-    if s.tp > 1:  # and the start-up of each of those many small collectives
-        exposed += tp_collectives(model, s) * device.collective_latency
-    if s.ep > 1:  # the routed tokens' all-to-alls sit between the block's matmuls: exposed too
-        exposed += a2a_seconds(model, s, device, per_node)
-    if s.cp > 1:  # the keys' and values' gathers (Ulysses: all-to-alls) come before each attention: exposed
-        exposed += cp_comm / (device.intra_node_bw if s.cp * s.tp <= per_node else device.inter_node_bw)
-        exposed += _rank_blocks(model, s) * s.grad_accum * 2 * (4 if s.cp_mode == "ulysses" else 2) * device.collective_latency
-    # train.tile_tokens recomputes the feed-forward; train.activation_offload's copies over the host link.
-    compute += tile_seconds(model, s, peak * device.assumed_mfu)
-    exposed += offload_seconds(model, s, device, compute)
-    offload = 0.0
-    psi = model.counts().total
-    if s.offload_optimizer != "none":
-        # gradients down and parameters up over the host link, and the CPU Adam update
-        offload += 2 * 2 * psi / s.reduce_ranks / device.host_bw + psi / s.reduce_ranks / CPU_ADAM_PARAMS_PER_S
-    if s.offload_params != "none":
-        offload += 2 * s.grad_accum * 2 * psi / s.reduce_ranks / device.host_bw
-    return compute + exposed + offload
+    return Candidate(
+        s, mem, comm, time.total, not why_not, why_not, tp_comm, pp_comm, ep_comm_bytes=ep_comm, cp_comm_bytes=cp_comm, time=time
+    )
 
 
 def make_plan(

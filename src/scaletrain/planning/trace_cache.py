@@ -26,9 +26,13 @@ from scaletrain import disk_cache
 FILE = "activation-traces.json"
 
 
-def cached(kind: str, fields: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+# The clock's operation traces (planning/clock/trace.py), larger, in a file of their own.
+OPS_FILE = "clock-traces.json"
+
+
+def cached(kind: str, fields: tuple[Any, ...], compute: Callable[[], Any], file: str = FILE) -> Any:
     """compute(), or its earlier result for the same (kind, fields) and code."""
-    return disk_cache.cached(FILE, [kind, [repr(f) for f in fields], _code()], compute)
+    return disk_cache.cached(file, [kind, [repr(f) for f in fields], _code()], compute)
 
 
 @cache
@@ -38,6 +42,6 @@ def _code() -> str:
 
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256(torch.__version__.encode())
-    for f in sorted([*root.joinpath("models").glob("*.py"), *root.joinpath("planning").glob("*.py")]):
+    for f in sorted([*root.joinpath("models").glob("*.py"), *root.joinpath("planning").rglob("*.py")]):
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()

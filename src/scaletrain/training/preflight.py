@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -12,7 +13,7 @@ from scaletrain.config import AUTO_MICRO_BATCH, Config
 from scaletrain.config.batch import settle, with_micro_batch
 from scaletrain.config.parallel import dims_for
 from scaletrain.errors import UserError
-from scaletrain.launch.distributed import World
+from scaletrain.launch.distributed import World, rank0_first
 from scaletrain.models import ModelSpec
 from scaletrain.planning.candidate import Plan
 from scaletrain.planning.hardware import KNOWN_GPUS, Device, this_cpu
@@ -62,6 +63,33 @@ def plan_run(
     def planned(c: Config) -> Plan:
         return make_plan(c, model, world.world_size, nodes, device, all_strategies=auto, as_configured=not auto)
 
+    def resolve() -> tuple[Config, list[str]]:
+        return _plan_and_resolve(cfg, planned, target, free, auto, auto_batch, decide, device)
+
+    import torch.distributed as dist
+
+    if not (world.distributed and dist.is_initialized()) or not (auto or auto_batch or decide):
+        return resolve()
+    # Every rank needs the choice, and on a CPU the plan's step times are measured on the
+    # machine (planning/clock/rates.py): rank 0 plans first, measuring and keeping the rates
+    # (disk_cache.py), then the others plan with the same numbers; a choice that still
+    # differs (the cache off, ranks on several machines measuring their own) is one line.
+    first = rank0_first(world, resolve, "planning the layout", 600.0, "see rank 0's output")
+    resolved = first if first is not None else resolve()
+    _same_everywhere(world, resolved[0])
+    return resolved
+
+
+def _plan_and_resolve(
+    cfg: Config,
+    planned: Any,
+    target: defaults.Target,
+    free: frozenset[str],
+    auto: bool,
+    auto_batch: bool,
+    decide: bool,
+    device: Device,
+) -> tuple[Config, list[str]]:
     try:
         plan = planned(cfg)
     except UserError as e:
@@ -74,6 +102,58 @@ def plan_run(
             plan = planned(cfg)
             return _resolved(cfg, plan, auto, auto_batch, device, [f"defaults: {a}" for a in applied])
     return _resolved(cfg, plan, auto, auto_batch, device, [])
+
+
+def _same_everywhere(world: World, cfg: Config) -> None:
+    """Each rank's resolved layout against rank 0's, through the group's store."""
+    import torch.distributed as dist
+
+    p, t = cfg.parallel, cfg.train
+    mine = f"{p.strategy} tp={p.tp} pp={p.pp} ep={p.ep} AC={p.activation_checkpointing} mb={t.micro_batch} accum={t.grad_accum} compile={t.compile}"
+    store = dist.distributed_c10d._get_default_store()
+    key = "scaletrain/plan-choice"
+    if world.is_main:
+        store.set(key, mine)
+        return
+    theirs = store.get(key).decode()
+    if theirs != mine:
+        raise UserError(
+            f"rank {world.rank} planned {mine} where rank 0 planned {theirs} (their measured step times differ: another "
+            "machine, or SCALETRAIN_CACHE=off); accepted: the layout set in the config (parallel.strategy, train.micro_batch), "
+            "or one cache directory every rank reads"
+        )
+
+
+def plan_as_trained(
+    cfg: Config,
+    device: Device,
+    world: int,
+    nodes: int,
+    cpu_per_node: float | None,
+    headroom: float,
+    all_strategies: bool,
+    named: bool,
+    device_defaults: bool,
+) -> tuple[Plan, list[str], Config]:
+    """`scaletrain plan`'s plan on `world` x `device` (`named`: the configured strategy as the
+    plan, the rest beside it), and what train applies on such a device to the keys nobody
+    set (training/defaults.py): planned with them under `device_defaults`, else only named.
+    The lines saying what was applied, and the config planned."""
+    from scaletrain.planning import planning_spec
+
+    def planned(c: Config) -> Plan:
+        return make_plan(c, planning_spec(c), world, nodes, device, cpu_per_node, headroom, all_strategies, named)
+
+    model = planning_spec(cfg)
+    target = defaults.Target("cpu") if device.kind == "cpu" else defaults.Target("cuda", device.name)
+    free = defaults.unset(cfg)
+    dp = dims_for(cfg.parallel, world).dp_size
+    with_defaults, applied = defaults.before_plan(cfg, target, model.vocab_size, dp, free)
+    if device_defaults:
+        cfg = with_defaults
+        cfg, more = defaults.after_plan(cfg, target, free, lambda c: fits_and_time(planned(c)), accepted)
+        applied += more
+    return planned(cfg), applied, cfg
 
 
 def fits_and_time(plan: Plan) -> tuple[bool, float]:

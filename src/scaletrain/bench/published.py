@@ -1,0 +1,101 @@
+"""Published multi-GPU training throughputs with their exact settings, for the planner's clock
+to predict (`scaletrain bench --suite clock-published`; bench/clock_recorded.py compares).
+
+Each entry is the published run as scaletrain would configure it: the model's shape, the
+sequence, the micro-batch and the global batch, the layout (FSDP degree, tp, cp), activation
+checkpointing, torch.compile and float8 where the source names them; the measured figure is
+the source's tokens per second per GPU, turned into seconds per optimizer step (global batch
+x sequence / (tokens/s/GPU x GPUs)). What scaletrain cannot configure as the source ran it is
+said in `differs` (the table prints it).
+
+Sources (read in the stored public repositories; the settings as each states them):
+- torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (commit 820504e) and
+  benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (8b6770a): Llama 3.1 8B and 70B on
+  H100 with 96 GB HBM2e at a 500 W power limit, NVLink in a node, 400 Gb/s RDMA per GPU;
+  sequence 8192 (the presets of the benchmarked commit), bf16 unless float8 is named.
+- llm-foundry, scripts/train/benchmarking/README.md (commit 8c8dd48), "H100 80GB BF16": MPT
+  models (vocabulary 50368, tied embeddings, multi-head attention, a GELU MLP of 4 x d_model,
+  learned positions, biases) under FSDP (FULL_SHARD), amp_bf16, flash attention.
+- NeMo AutoModel, docs/performance-summary.mdx (NVIDIA-NeMo/Automodel 36044ad): Llama 3.1 70B
+  pretraining on 64 DGX-H100 GPUs, FSDP2 32 x cp 2, bf16, torch.compile, activation checkpointing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Published:
+    source: str
+    name: str
+    gpus: int
+    tokens_per_gpu_s: float
+    global_batch: int  # sequences per optimizer step
+    seq_len: int
+    overrides: tuple[str, ...]
+    memory_gib: int = 80  # per GPU
+    differs: str = ""  # what scaletrain cannot configure as the source ran it
+
+    @property
+    def step_s(self) -> float:
+        return self.global_batch * self.seq_len / (self.tokens_per_gpu_s * self.gpus)
+
+
+def _mpt(d: int, layers: int, heads: int) -> tuple[str, ...]:
+    """An MPT shape as the built-in decoder: the same parameters and FLOPs per token, its GELU MLP
+    of 2 matrices of d x 4d as a SwiGLU of 3 matrices of d x 8d/3."""
+    return (
+        "model.preset=7b",
+        f"model.dim={d}",
+        f"model.n_layers={layers}",
+        f"model.n_heads={heads}",
+        f"model.n_kv_heads={heads}",
+        f"model.ffn_dim={round(8 * d / 3)}",
+        "model.vocab_size=50368",
+        "model.tie_embeddings=true",
+    )
+
+
+TITAN = "torchtitan llama3_h100_202412"
+ASYNC_TP = "torchtitan asyncTP_llama3_h100_2025-06"
+FOUNDRY = "llm-foundry H100 80GB BF16"
+TITAN_H100 = "H100 96 GB HBM2e at 500 W (below the SXM datasheet's clock: the planner's H100 is the 700 W SXM)"
+SAC = "selective (per-op) activation checkpointing: recomputes part of each block; planned without"
+BF16 = ("precision=bf16", "parallel.strategy=fsdp")
+L8B = ("model.preset=8b", "data.seq_len=8192", *BF16)
+NO_TP_COMPILE = "compiled in the source; scaletrain compiles without tp only: planned eager"
+MPT = "MPT's GELU MLP as a SwiGLU of equal FLOPs, learned positions and biases left out"
+
+PUBLISHED = (
+    Published(TITAN, "Llama 3.1 8B, FSDP 8, eager", 8, 5762, 16, 8192, (*L8B, "train.micro_batch=2", "train.global_batch=16",
+              "train.compile=false"), 96, f"{TITAN_H100}; {SAC}"),
+    Published(TITAN, "Llama 3.1 8B, FSDP 8, compiled", 8, 6667, 16, 8192, (*L8B, "train.micro_batch=2", "train.global_batch=16",
+              "train.compile=true"), 96, f"{TITAN_H100}; {SAC}"),
+    Published(TITAN, "Llama 3.1 8B, FSDP 8, compiled, float8", 8, 8532, 16, 8192, (*L8B, "train.micro_batch=2",
+              "train.global_batch=16", "train.compile=true", "train.float8=true"), 96, f"{TITAN_H100}; {SAC}"),
+    Published(TITAN, "Llama 3.1 8B, FSDP 128, compiled", 128, 6514, 256, 8192, (*L8B, "train.micro_batch=2",
+              "train.global_batch=256", "train.compile=true"), 96, f"{TITAN_H100}; {SAC}"),
+    Published(ASYNC_TP, "Llama 3 8B, FSDP 8 x TP 8, compiled", 64, 4378, 96, 8192, (*L8B, "parallel.tp=8", "train.micro_batch=12",
+              "train.global_batch=96", "train.compile=false"), 96, f"{TITAN_H100}; {SAC}; {NO_TP_COMPILE}"),
+    Published(ASYNC_TP, "Llama 3 70B, FSDP 32 x TP 8, compiled, full AC", 256, 597.3, 512, 8192, ("model.preset=70b",
+              "data.seq_len=8192", *BF16, "parallel.tp=8", "parallel.activation_checkpointing=true", "train.micro_batch=16",
+              "train.global_batch=512", "train.compile=false"), 96, f"{TITAN_H100}; {NO_TP_COMPILE}"),
+    Published(FOUNDRY, "MPT-1b, 8 GPUs, seq 2048", 8, 45455, 112, 2048, (*_mpt(2048, 24, 16), "data.seq_len=2048", *BF16,
+              "train.micro_batch=14", "train.global_batch=112"), 80, MPT),
+    Published(FOUNDRY, "MPT-7b, 8 GPUs, seq 2048", 8, 10643, 48, 2048, (*_mpt(4096, 32, 32), "data.seq_len=2048", *BF16,
+              "train.micro_batch=6", "train.global_batch=48"), 80, MPT),
+    Published(FOUNDRY, "MPT-13b, 8 GPUs, seq 2048", 8, 4792, 16, 2048, (*_mpt(5120, 40, 40), "data.seq_len=2048", *BF16,
+              "train.micro_batch=2", "train.global_batch=16"), 80, MPT),
+    Published(FOUNDRY, "MPT-30b, 8 GPUs, seq 2048, AC", 8, 2002, 504, 2048, (*_mpt(7168, 48, 56), "data.seq_len=2048", *BF16,
+              "parallel.activation_checkpointing=true", "train.micro_batch=3", "train.global_batch=504"), 80, MPT),
+    Published(FOUNDRY, "MPT-70b, 64 GPUs, seq 2048, AC", 64, 1039, 2048, 2048, (*_mpt(8192, 80, 64), "data.seq_len=2048", *BF16,
+              "parallel.activation_checkpointing=true", "train.micro_batch=8", "train.global_batch=2048"), 80, MPT),
+    Published(FOUNDRY, "MPT-7b, 8 GPUs, seq 8192, AC", 8, 6935, 128, 8192, (*_mpt(4096, 32, 32), "data.seq_len=8192", *BF16,
+              "parallel.activation_checkpointing=true", "train.micro_batch=8", "train.global_batch=128"), 80, MPT),
+    Published("NeMo AutoModel performance summary", "Llama 3.1 70B, FSDP2 32 x cp 2, compiled, AC", 64, 866.77, 128, 8192, (
+              "model.preset=70b", "data.seq_len=8192", *BF16, "parallel.cp=2", "parallel.activation_checkpointing=true",
+              "train.micro_batch=1", "train.global_batch=128", "train.compile=false"), 80,
+              "Transformer Engine's context parallel (a ring of key/value passes) as scaletrain's all-gather design; compiled in "
+              "the source, scaletrain compiles without cp only: planned eager"),
+)  # fmt: skip

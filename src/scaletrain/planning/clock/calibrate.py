@@ -1,0 +1,303 @@
+"""Microbenchmarks behind the clock's rates (clock/rates.py): what `scaletrain plan
+--calibrate` measures, and what the CPU's rates measure on first use.
+
+- the host's cost per dispatched operation of an eager training pass (autograd and the
+  module calls included): a small built-in block run forward and backward for real, less
+  the time of its operations replayed alone, over the operations it dispatched;
+- memory bandwidth: one large copy;
+- AdamW's step (fused where torch has the kernel) with gradient clipping, at a given size;
+- collectives over this machine's backend (gloo on a CPU, NCCL on GPUs) by size, in a pair
+  of processes (or every local GPU);
+- on a GPU: matmuls at the shapes the presets use, attention by length and head size,
+  bandwidth by transfer size (the GPU's committed table, clock/tables/<kind>.json).
+
+Every figure is a median of repeats. A machine busy with other work measures slow: the
+calibration measures the same matmul before and after and says so when they differ by
+more than `BUSY`.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from scaletrain.planning.clock import rates
+from scaletrain.planning.clock.measure import (
+    _plain_block,
+    _tp_block,
+    copy_bandwidth,
+    host_op_seconds,
+    matmul_rate,
+    median_seconds,
+    optimizer_seconds,
+)
+from scaletrain.planning.clock.trace import block_work, head_work
+
+BUSY = 0.15  # a matmul's rate moving more than this between the start and the end of a calibration
+
+
+def busy(before: float, after: float) -> str:
+    """A line when the machine's matmul rate moved during the calibration, else ''."""
+    if min(before, after) <= 0 or abs(after / before - 1) <= BUSY:
+        return ""
+    return (
+        f"the machine looks busy: a matmul ran at {before / 1e9:.3g} GFLOP/s at the calibration's start and "
+        f"{after / 1e9:.3g} at its end; the rates measured in between are kept, calibrate again on a quiet machine"
+    )
+
+
+# The collectives timed by size on this machine's backend: what the engines call (gloo has
+# no reduce-scatter: FSDP2 and DeepSpeed all-reduce there instead, clock/rates.py).
+COLLECTIVES = ("all_reduce", "all_gather", "all_to_all", "send")
+SIZES = [1 << k for k in range(14, 26, 2)]  # 16 KiB to 32 MiB: the full buffer of one call
+
+
+def _collectives_rank(rank: int, world: int, store_path: str, out: dict[str, Any]) -> None:
+    """A collective as a training step meets it: between two stretches of compute, each
+    rank arriving when its own compute ends. On a CPU that costs more than the same call
+    back to back (gloo's threads wake up on cores the compute keeps busy: a 1 MiB
+    all-reduce took 1.4 ms back to back and 5.4 ms more than the compute alone when each
+    followed 5 ms of matmuls, on this project's 2-core CPU), so each is timed as the
+    difference between compute followed by the call and the compute alone."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    table: dict[str, list[list[float]]] = {k: [] for k in COLLECTIVES}
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+
+    def compute() -> None:
+        for _ in range(4):
+            a @ b
+
+    try:
+        # Two passes over every size and kind, each point the median of its passes' medians,
+        # the compute alone timed again before each pass: this machine's speed drifts by
+        # tens of percent over a minute (docs/planner.md).
+        passes: dict[tuple[str, int], list[float]] = {}
+        for _ in range(2):
+            dist.barrier()
+            alone = median_seconds(compute, repeats=15)
+            for size in SIZES:
+                calls = _calls(dist, rank, world, size)
+                for kind in COLLECTIVES:
+                    call = calls[kind]
+
+                    def both() -> None:
+                        compute()
+                        call()  # noqa: B023 - called within this iteration
+
+                    dist.barrier()
+                    passes.setdefault((kind, size), []).append(max(0.0, median_seconds(both, repeats=11) - alone))
+        for (kind, size), values in passes.items():
+            table[kind].append([float(size), statistics.median(values)])
+        if rank == 0:
+            out.update(table)
+    finally:
+        dist.destroy_process_group()
+
+
+def _calls(dist: Any, rank: int, world: int, size: int) -> dict[str, Callable[[], Any]]:
+    """Each collective of COLLECTIVES on a full buffer of `size` bytes."""
+    full = torch.zeros(size // 4)
+    part = torch.zeros(size // 4 // world)
+    return {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+        "all_to_all": lambda: dist.all_to_all_single(full, full.clone()),
+        "send": lambda: _exchange(dist, rank, full),
+    }
+
+
+def _exchange(dist: Any, rank: int, t: torch.Tensor) -> None:
+    """One pipeline hop: rank 0 sends, rank 1 receives (the others idle)."""
+    if rank == 0:
+        dist.send(t, 1)
+    elif rank == 1:
+        dist.recv(t, 0)
+
+
+def gloo_collectives(world: int = 2) -> dict[str, dict[str, Any]]:
+    """Each collective's seconds by the bytes of its full buffer, over `world` gloo
+    processes on this machine (one thread each, as a CPU run's ranks): see `monotone`."""
+    return {kind: {"ranks": world, "rows": monotone(rows)} for kind, rows in _gloo_sweep(world).items()}
+
+
+def monotone(rows: list[list[float]]) -> list[list[float]]:
+    """A sweep of [bytes, seconds] made non-decreasing in time: each point the least time of
+    itself and every larger size's (a single point of a sweep on a shared CPU jitters by
+    2-4x; a larger buffer never takes less time)."""
+    out: list[list[float]] = []
+    best = float("inf")
+    for size, t in sorted(rows, reverse=True):
+        best = min(best, t)
+        out.append([size, best])
+    return sorted(out)
+
+
+def _gloo_sweep(world: int) -> dict[str, list[list[float]]]:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        manager = mp.get_context("spawn").Manager()
+        out = manager.dict()
+        mp.start_processes(_spawned, args=(world, os.path.join(tmp, "store"), out), nprocs=world, start_method="spawn")
+        return dict(out)
+
+
+def _spawned(rank: int, world: int, store: str, out: Any) -> None:
+    torch.set_num_threads(1)
+    _collectives_rank(rank, world, store, out)
+
+
+def calibrate_cpu(world: int = 2) -> tuple[dict[str, Any], list[str]]:
+    """This machine's CPU: the host's cost per operation and the copy bandwidth at each
+    thread count a run uses (all cores for one process, one for each of several), and gloo's
+    collectives between `world` processes; with the lines to print."""
+    before = matmul_rate()
+    values: dict[str, Any] = {}
+    lines = []
+    for threads in sorted({torch.get_num_threads(), 1}):
+        replayed = lambda c: rates.replayed_seconds(c, threads)  # noqa: B023, E731 - used within this iteration
+        with rates.Threads(threads):
+            host, bw = host_op_seconds(replayed), copy_bandwidth()
+            host_tp = host_op_seconds(replayed, tensor_parallel=True) if threads == 1 else None
+        values[f"host_op_{threads}"], values[f"bandwidth_{threads}"] = host, bw
+        line = f"{threads} thread{'s' * (threads > 1)}: {host * 1e6:.1f} us per operation, copies at {bw / 1e9:.1f} GB/s"
+        if host_tp is not None:
+            values[f"host_op_tp_{threads}"] = host_tp
+            line += f"; under tensor parallel (DTensor) {host_tp * 1e6:.1f} us per operation"
+        lines.append(line)
+    values["collectives"] = gloo_collectives(world)
+    for kind, entry in values["collectives"].items():
+        rows = entry["rows"]
+        lines.append(
+            f"gloo {kind.replace('_', '-')} ({world} processes): {rows[0][1] * 1e3:.2f} ms at {rows[0][0] / 1024:.0f} KiB, "
+            f"{rows[-1][1] * 1e3:.1f} ms at {rows[-1][0] / 2**20:.0f} MiB"
+        )
+    after = matmul_rate()
+    warning = busy(before, after)
+    return values, [*lines, *([warning] if warning else [])]
+
+
+def save_calibration(values: dict[str, Any]) -> Any:
+    """Keep `values` as this machine's calibration (clock/rates.py reads it); the path, or None
+    where the cache is off (the values then hold for this process only)."""
+    import json
+
+    from scaletrain import disk_cache
+
+    rates.set_calibration(values)
+    path = disk_cache.cache_path(rates.CALIBRATION_FILE)
+    key = rates._cpu_key("calibration")
+    if path is None or key is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": key, "measured": time.strftime("%Y-%m-%d"), "values": values}))
+    tmp.replace(path)
+    return path
+
+
+# -- a GPU's table (clock/tables/<kind>.json) --------------------------------------------------
+ATTENTION_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+ATTENTION_HEADS_DIMS = (64, 128)
+BANDWIDTH_SIZES = [1 << k for k in range(20, 31, 2)]  # 1 MiB to 1 GiB
+
+
+def matmul_shapes(models: list[Any], tokens: tuple[int, ...] = (2048, 16384)) -> list[tuple[int, int, int]]:
+    """The (M, N, K) of every matmul the models' blocks and heads run forward and backward,
+    at each of `tokens` tokens per micro-batch: the shapes a plan of them prices."""
+    shapes: set[tuple[int, int, int]] = set()
+    for model in models:
+        for n in tokens:
+            for work in (block_work(model, 1, n, "pure16"), head_work(model, 1, n, "pure16")):
+                for p in (work.forward, work.backward):
+                    shapes.update((c.shape[1], c.shape[2], c.shape[3]) for c in p.of("matmul") if len(c.shape) == 4)
+    return sorted(shapes)
+
+
+def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, Any]:
+    """This GPU's table: matmuls at the models' shapes (bf16 and fp32), FlashAttention by
+    length and head size through SDPA, copy bandwidth by size, the host's cost per operation
+    (plain and under tensor parallel over a mesh of one), the shortest kernel, AdamW's
+    bytes per second; within about a minute."""
+    import datetime
+
+    from torch.nn.functional import scaled_dot_product_attention
+
+    device = "cuda"
+    sync = torch.cuda.synchronize
+    before = matmul_rate(4096, device, torch.bfloat16)
+    table: dict[str, Any] = {
+        "device_name": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "measured": datetime.date.today().isoformat(),
+        "matmul": {},
+        "attention": {"forward": [], "backward": []},
+    }
+    shapes = matmul_shapes(models)
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = []
+        for m, n, k in shapes:
+            a = torch.randn(m, k, device=device, dtype=dtype)
+            b = torch.randn(k, n, device=device, dtype=dtype)
+            seconds = median_seconds(lambda: a @ b, repeats=5, sync=sync)  # noqa: B023 - called within this iteration
+            rows.append([m, n, k, 2.0 * m * n * k / seconds])
+        table["matmul"][str(dtype).removeprefix("torch.")] = rows
+    say(f"matmuls: {len(shapes)} shapes in bf16 and fp32")
+    for d in ATTENTION_HEADS_DIMS:
+        for t in ATTENTION_LENGTHS:
+            heads = max(1, (1 << 16) // t)  # about the same work at each length
+            q, key, v = (torch.randn(1, heads, t, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            flops = 2 * 2.0 * heads * t * (t + 1) / 2 * d  # the causal kernel's two products
+
+            def forward() -> torch.Tensor:
+                return scaled_dot_product_attention(q, key, v, is_causal=True)  # noqa: B023 - called within this iteration
+
+            seed = torch.ones_like(q)
+            fwd = median_seconds(forward, repeats=5, sync=sync)
+            both = median_seconds(lambda: forward().backward(seed), repeats=5, sync=sync)  # noqa: B023
+            table["attention"]["forward"].append([t, d, flops / fwd])
+            table["attention"]["backward"].append([t, d, 2.5 * flops / max(both - fwd, 1e-9)])
+    say("attention: SDPA by length and head size")
+    rows = []
+    for size in BANDWIDTH_SIZES:
+        src = torch.empty(size // 2, dtype=torch.bfloat16, device=device)
+        dst = torch.empty_like(src)
+        rows.append([2 * size, 2 * size / median_seconds(lambda: dst.copy_(src), sync=sync)])  # noqa: B023
+    table["bandwidth"] = rows
+    table["memory_bytes_per_s"] = rows[-1][1]
+    tiny = torch.empty(1, device=device)
+    table["launch_s"] = median_seconds(lambda: [tiny.add_(1) for _ in range(100)], sync=sync) / 100
+    params = 100_000_000
+    table["optimizer_bytes_per_s"] = 40.0 * params / optimizer_seconds(params, 64, device)
+    table["host_op_s"], table["host_op_tp_s"] = _cuda_host_op(False), _cuda_host_op(True)
+    say(f"host: {table['host_op_s'] * 1e6:.1f} us per operation ({table['host_op_tp_s'] * 1e6:.1f} under tensor parallel)")
+    after = matmul_rate(4096, device, torch.bfloat16)
+    warning = busy(before, after)
+    if warning:
+        say(warning)
+    return table
+
+
+def _cuda_host_op(tensor_parallel: bool) -> float:
+    """The host's cost per dispatched operation of a training pass on the GPU: the tiny
+    preset's block at 8 tokens, whose kernels take less than their launch, forward and
+    backward, over its dispatched count (the host's whole share: a GPU's kernels run beside it)."""
+    from scaletrain.config import load_config
+    from scaletrain.models import model_spec
+
+    spec = model_spec(load_config([], ["model.preset=tiny"]), 256)
+    work = block_work(spec, 1, 8, "fp32")
+    with torch.device("cuda"):
+        run = _tp_block(spec, 8, "cuda") if tensor_parallel else _plain_block(spec, 8)
+    real = median_seconds(run, repeats=31, sync=torch.cuda.synchronize)
+    return real / (work.forward.dispatched + work.backward.dispatched)

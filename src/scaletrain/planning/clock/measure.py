@@ -1,0 +1,125 @@
+"""The microbenchmarks the clock's rates are measured with (clock/rates.py measures a CPU's
+on first use, clock/calibrate.py a machine's for `scaletrain plan --calibrate`): each a
+median of repeats after a warm-up."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from scaletrain.planning.clock.trace import block_work
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int = 7, sync: Callable[[], None] = lambda: None) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: str = "cpu") -> float:
+    """Bytes per second (read and write counted) of copying 64 MiB."""
+    n = 16 << 20
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    return 2 * 4 * n / median_seconds(lambda: dst.copy_(src), sync=sync)
+
+
+def optimizer_seconds(params: int, tensors: int, device: str = "cpu") -> float:
+    """One AdamW step (fused where torch has the kernel) and gradient clipping over `params`
+    fp32 parameters in `tensors` equal tensors; past 32M parameters measured at 32M and
+    scaled (the step is a pass over memory: linear in the parameters)."""
+    from torch.utils import _foreach_utils
+
+    cap = 32 << 20
+    scale = max(1.0, params / cap)
+    n = max(1, int(params / scale))
+    k = max(1, min(tensors, n))
+    ps = [torch.nn.Parameter(torch.randn(n // k + (i < n % k), device=device)) for i in range(k)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    fused = torch.device(device).type in _foreach_utils._get_fused_kernels_supported_devices()
+    opt = torch.optim.AdamW(ps, lr=1e-4, fused=fused or None)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+        opt.step()
+
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    return median_seconds(step, repeats=5, sync=sync) * scale
+
+
+def host_op_seconds(replayed: Callable[[Any], float], tensor_parallel: bool = False) -> float:
+    """The host's cost per dispatched operation of an eager training pass beyond the
+    operations' own calls: the tiny preset's block at 8 tokens forward and backward for
+    real, less its replayed operations, over its dispatched count (module docstring). With
+    `tensor_parallel`, the block split by the tensor-parallel plan over a mesh of one rank
+    (DTensor's dispatch: the same traced operations cost the host more), in a gloo group of
+    one made for it where none exists."""
+    from scaletrain.config import load_config
+    from scaletrain.models import model_spec
+
+    spec = model_spec(load_config([], ["model.preset=tiny"]), 256)
+    tokens = 8
+    work = block_work(spec, 1, tokens, "fp32")
+    ops = sum(replayed(c) * c.count for p in (work.forward, work.backward) for c in p.calls)
+    dispatched = work.forward.dispatched + work.backward.dispatched
+    run = _tp_block(spec, tokens, "cpu") if tensor_parallel else _plain_block(spec, tokens)
+    real = median_seconds(run, repeats=31)
+    return max(0.0, real - ops) / dispatched
+
+
+def _plain_block(spec: Any, tokens: int) -> Callable[[], None]:
+    block, extra = spec.traced_block(tokens)
+    x = torch.randn(1, tokens, spec.hidden_size, requires_grad=True)
+    seed = torch.ones(1, tokens, spec.hidden_size)
+
+    def run() -> None:
+        block(x.clone(), *extra).backward(seed)
+
+    return run
+
+
+def _tp_block(spec: Any, tokens: int, device_type: str) -> Callable[[], None]:
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_initialized():
+        store = dist.FileStore(tempfile.mkstemp()[1], 1)
+        dist.init_process_group("gloo" if device_type == "cpu" else "nccl", store=store, rank=0, world_size=1)
+    mesh = DeviceMesh(device_type, [dist.get_rank()]) if dist.get_world_size() == 1 else None
+    if mesh is None:  # a job's rank: its group spans others, so a mesh of one needs a group of its own
+        mesh = DeviceMesh(device_type, [dist.get_rank()], _init_backend=False)
+    model = spec.build_meta(tokens)
+    spec.apply_tp(model, mesh, True, True)
+    spec.materialize(model, torch.device(device_type), 0)
+    block = next(iter(spec.blocks(model).children()))
+    cos, sin = model.rope_cos[:tokens], model.rope_sin[:tokens]
+    # The residual stream between blocks is each rank's local shard of the sequence (the
+    # plan's layers return local tensors), as in the model.
+    x = torch.randn(1, tokens, spec.hidden_size, requires_grad=True)
+    seed = torch.ones(1, tokens, spec.hidden_size)
+
+    def run() -> None:
+        block(x.clone(), cos, sin).backward(seed)
+
+    return run
+
+
+def matmul_rate(n: int = 1024, device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    return 2 * n**3 / median_seconds(lambda: a @ b, sync=sync)

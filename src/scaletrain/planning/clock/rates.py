@@ -1,0 +1,471 @@
+"""What each operation costs on a device kind: the clock's rates, measured, never fitted.
+
+Three sources, in the order the clock takes them (`rates_for`):
+
+- this machine's CPU (the device a CPU plan trains on): every traced call is replayed for
+  real at its exact shapes and timed (clock/replay.py), once per machine, thread count,
+  kernel family and torch, then kept (disk_cache.py, as the CPU's matmul rate always was);
+  the host's cost per dispatched operation and the collectives over gloo come from
+  `scaletrain plan --calibrate` (clock/calibrate.py), or, uncalibrated, from stated
+  assumptions that the plan names.
+- a GPU kind's committed table (clock/tables/<kind>.json), written by `scaletrain plan
+  --calibrate` on such a GPU (the device command runs it): matmul times at the shapes it
+  swept, attention times by length and head size, memory bandwidth by transfer size, the
+  host's cost per operation, the optimizer's rate and, on more than one device, each
+  collective's latency and bus bandwidth.
+- a GPU kind nobody measured: the datasheet's peaks times the stated factors below, said
+  in the plan's output.
+
+A table measured with another torch, or on another device than its name, is used with a
+line saying so; nothing is solved backwards from a training run.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scaletrain import disk_cache
+from scaletrain.planning.clock.measure import copy_bandwidth, host_op_seconds, optimizer_seconds
+from scaletrain.planning.clock.trace import Call
+from scaletrain.planning.hardware import Device, is_host, measured_cpu_peak
+
+TABLES = Path(__file__).parent / "tables"
+# A CPU call past these is priced at the CPU's measured matmul rate or copy bandwidth, not
+# replayed: a second or more of one core each (a 70B block's matmuls at 16k tokens).
+REPLAY_FLOPS = 2e10
+REPLAY_BYTES = 1 << 28
+
+# Datasheet fallback (a GPU kind with no table): the share of each peak a kernel reaches.
+# Matmuls: cuBLAS's bf16 GEMMs at transformer shapes ran at 72% of the H100's and H200's
+# dense peak in the profiled 1b steps of docs/gpu.md ("Device time by kind of kernel":
+# 716 and 714 TFLOP/s of matmul kernels); attention: 2.4x the FLOPs the causal kernel runs
+# per second in the same profiles... counted here as the kernel's own FLOPs: 26% of peak;
+# memory-bound kernels: 80% of the datasheet bandwidth (a large copy's share on HBM3);
+# host: 12 us per dispatched operation of an eager training step (PyTorch's eager
+# overhead per op, forward with autograd and backward, on a server CPU).
+DATASHEET_MATMUL = 0.72
+DATASHEET_ATTENTION = 0.26
+DATASHEET_MEMORY = 0.80
+DATASHEET_HOST_OP = 12e-6
+DATASHEET_HOST_OP_TP = 60e-6  # DTensor's Python dispatch: 8-9x the plain cost, as measured on this project's CPU
+DATASHEET_LAUNCH = 3e-6  # the shortest kernel a GPU runs, start to end
+# Collectives where none were measured: NCCL's ring over NVLink or the network reaches
+# about 80% of the link's bandwidth at large sizes, after a start-up of `collective_latency`.
+DATASHEET_BUS = 0.80
+# Under tensor parallel where `--calibrate` has not measured it: this project's 2-core CPU
+# measured 72 us per traced operation of the tiny block split over a mesh of one (docs/planner.md).
+CPU_HOST_OP_TP = 72e-6
+# gloo on this machine's loopback where `--calibrate` has not measured it: the start-up of
+# one collective and the bytes per second of its ring (an all-reduce between a pair of
+# gloo processes on this project's 2-core CPU measured 0.9 ms and 0.86 GB/s: docs/planner.md).
+GLOO_LATENCY = 0.9e-3
+GLOO_BANDWIDTH = 0.86e9
+
+
+@dataclass
+class Rates:
+    """The clock's prices on one device kind (module docstring)."""
+
+    kind: str  # "cpu", "h100", ...
+    source: str  # one phrase: where the rates come from, for the plan's output
+    asynchronous: bool  # a GPU: the host queues kernels ahead; a CPU runs each op as it is dispatched
+    host_op: float  # host seconds per dispatched aten operation in a training pass (autograd included)
+    host_op_tp: float  # the same under tensor parallel, each operation dispatched through DTensor
+    launch: float  # device seconds of the shortest kernel
+    memory_bw: float  # bytes/s of a large memory-bound kernel
+    notes: list[str] = field(default_factory=list)  # what was assumed, one line each
+    _table: dict[str, Any] = field(default_factory=dict)
+    _device: Device | None = None
+    _threads: int = 1
+
+    # -- compute ------------------------------------------------------------------
+    def call(self, c: Call) -> float:
+        """Device seconds of one call."""
+        if self.kind == "cpu":
+            if c.flops > REPLAY_FLOPS or c.nbytes > REPLAY_BYTES:
+                # Too large to time here in passing: this CPU's measured matmul rate or bandwidth.
+                return c.flops / measured_cpu_peak() if c.flops else c.nbytes / self.memory_bw
+            return _replayed(c.op, c.args, self._threads)
+        if c.kind == "matmul":
+            return max(self.launch, c.flops / self._matmul_rate(c))
+        if c.kind == "attention":
+            return max(self.launch, c.flops / self._attention_rate(c))
+        return self.launch + c.nbytes / self._bandwidth(c.nbytes)
+
+    def fused(self, nbytes: float, kernels: int) -> float:
+        """Device seconds of `kernels` fused memory-bound kernels moving `nbytes` in all."""
+        per = nbytes / max(1, kernels)
+        return kernels * self.launch + nbytes / self._bandwidth(per)
+
+    def copy(self, nbytes: float) -> float:
+        """One memory-bound pass over `nbytes` (read and write counted): engines' copies and casts."""
+        if nbytes <= 0:
+            return 0.0
+        return self.launch + nbytes / self._bandwidth(nbytes)
+
+    def optimizer(self, params: float, tensors: int) -> float:
+        """AdamW's step over `params` fp32 parameters in `tensors` tensors, gradient
+        clipping's norm and scaling included: fused AdamW reads the weight, gradient and two
+        moments and writes three (28 bytes per parameter), clipping reads the gradients
+        twice and writes them once (12)."""
+        if params <= 0:
+            return 0.0
+        if self.kind == "cpu":
+            return _measured_optimizer(int(params), tensors, self._threads)
+        rate = self._table.get("optimizer_bytes_per_s") or self.memory_bw
+        return 40.0 * params / rate + 6 * tensors * self.launch
+
+    def engine(self, strategy: str) -> dict[str, float]:
+        """The engine's own host seconds per unit it wraps (`scaletrain plan --calibrate`'s
+        probe, cli/plan_calibrate.py): {"forward_backward_s", "step_s"} or {} unmeasured."""
+        return dict(self._table.get("engines", {}).get(strategy, {}))
+
+    # -- communication --------------------------------------------------------------
+    def collective(self, kind: str, nbytes: float, ranks: int, inter_node: bool) -> float:
+        """Seconds of one collective of `kind` (all_reduce, all_gather, reduce_scatter,
+        all_to_all, send) whose full buffer is `nbytes`, over `ranks` ranks: a measured
+        start-up and cost per byte (a calibrated machine: scaled from the ranks it was
+        measured at by the ring's share of the buffer each rank moves), else the link's
+        datasheet bandwidth at DATASHEET_BUS after `collective_latency`."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        if kind == "reduce_scatter" and self.kind == "cpu":
+            kind = "all_reduce"  # gloo has none: FSDP2 and DeepSpeed all-reduce the whole buffer instead
+        ring = _WIRE[kind](ranks)
+        measured = self._table.get("collectives", {}).get("inter" if inter_node else "intra", {}).get(kind)
+        if measured:
+            # The measured curve at the bytes each rank moves here, as many as at its own ranks.
+            return _interpolate(measured["rows"], nbytes * ring / _WIRE[kind](float(measured.get("ranks", 2))))
+        latency, bus = self._link(inter_node)
+        return latency + ring * nbytes / bus
+
+    def latency(self, inter_node: bool = False) -> float:
+        measured = self._table.get("collectives", {}).get("inter" if inter_node else "intra", {}).get("all_to_all")
+        return float(measured["rows"][0][1]) if measured else self._link(inter_node)[0]
+
+    def _link(self, inter_node: bool) -> tuple[float, float]:
+        if self.kind == "cpu":
+            return GLOO_LATENCY, GLOO_BANDWIDTH
+        assert self._device is not None
+        bw = self._device.inter_node_bw if inter_node else self._device.intra_node_bw
+        return self._device.collective_latency, DATASHEET_BUS * bw
+
+    # -- GPU tables -------------------------------------------------------------------
+    def _matmul_rate(self, c: Call) -> float:
+        dtype = c.dtype
+        entries = self._table.get("matmul", {}).get(dtype)
+        if entries:
+            return _nearest_rate(entries, c.shape[1:4] if len(c.shape) >= 4 else (1, 1, 1))
+        assert self._device is not None
+        peak = self._device.peak_flops_32 if dtype == "float32" else self._device.peak_flops_16
+        return DATASHEET_MATMUL * peak * _size_efficiency(c)
+
+    def _attention_rate(self, c: Call) -> float:
+        entries = self._table.get("attention", {})
+        direction = "backward" if "backward" in c.op else "forward"
+        rows = entries.get(direction)
+        if rows:
+            bh, tq, tk, d, causal = c.shape
+            return _nearest_rate(rows, (tq, d))
+        assert self._device is not None
+        return DATASHEET_ATTENTION * self._device.peak_flops_16
+
+    def _bandwidth(self, nbytes: float) -> float:
+        curve = self._table.get("bandwidth")
+        if curve:
+            sizes, rates = zip(*sorted((float(s), float(r)) for s, r in curve))
+            i = bisect.bisect_left(sizes, nbytes)
+            return rates[min(i, len(rates) - 1)]
+        return self.memory_bw
+
+
+# The share of a collective's full buffer each rank sends over a ring of n ranks.
+_WIRE = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+}
+
+
+def _interpolate(rows: list[list[float]], x: float) -> float:
+    """Seconds at `x` bytes on a measured [bytes, seconds] curve: linear between its points,
+    the first point's below it, the last segment's cost per byte past it."""
+    if x <= rows[0][0]:
+        return float(rows[0][1])
+    for (x0, y0), (x1, y1) in zip(rows, rows[1:]):
+        if x <= x1:
+            return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    (x0, y0), (x1, y1) = rows[-2], rows[-1]
+    return float(y1 + (y1 - y0) / (x1 - x0) * (x - x1))
+
+
+def _size_efficiency(c: Call) -> float:
+    """A small matmul reaches less of the peak: its tiles fill fewer of the GPU's units.
+    Each dimension below 1024 costs in proportion (a stated shape of the datasheet
+    fallback, not a measurement: the calibrated table replaces it)."""
+    if len(c.shape) < 4:
+        return 1.0
+    _, m, n, k = c.shape
+    return min(1.0, m / 1024) ** 0.5 * min(1.0, n / 1024) ** 0.5 * min(1.0, k / 1024) ** 0.3
+
+
+def _nearest_rate(entries: list[list[float]], key: tuple[int, ...]) -> float:
+    """The rate of the measured entry nearest `key` in log space ([*key, rate] rows)."""
+    best, rate = math.inf, 1.0
+    for row in entries:
+        d = sum(math.log(max(1, a) / max(1, b)) ** 2 for a, b in zip(row[:-1], key))
+        if d < best:
+            best, rate = d, row[-1]
+    return rate
+
+
+# -- this CPU -------------------------------------------------------------------------
+CALLS_FILE = "clock-calls.json"
+
+
+def _cpu_key(*fields: Any) -> list[Any] | None:
+    cpu = disk_cache.cpu_identity()
+    if cpu is None:
+        return None
+    return [*cpu, torch.__version__, os.environ.get("ATEN_CPU_CAPABILITY", ""), *fields]
+
+
+def replayed_seconds(c: Call, threads: int) -> float:
+    """One call's seconds replayed on this CPU at `threads` threads (kept: _replayed)."""
+    return _replayed(c.op, c.args, threads)
+
+
+@lru_cache(maxsize=65536)
+def _replayed(op: str, args: str, threads: int) -> float:
+    from scaletrain.planning.clock.replay import seconds
+
+    def measure() -> float:
+        with Threads(threads):
+            try:
+                return seconds(op, args)
+            except Exception:  # noqa: BLE001 - an operation that cannot be rebuilt is priced by its bytes below
+                return -1.0
+
+    key = _cpu_key("call", threads, op, args)
+    value = float(measure() if key is None else disk_cache.cached(CALLS_FILE, key, measure))
+    if value < 0:
+        from scaletrain.planning.clock.replay import call_bytes
+
+        return call_bytes(args) * 2 / cpu_bandwidth(threads)
+    return value
+
+
+@lru_cache(maxsize=256)
+def _measured_optimizer(params: int, tensors: int, threads: int) -> float:
+    def measure() -> float:
+        with Threads(threads):
+            return optimizer_seconds(params, tensors)
+
+    key = _cpu_key("optimizer", threads, params, tensors)
+    return float(measure() if key is None else disk_cache.cached(CALLS_FILE, key, measure))
+
+
+@lru_cache(maxsize=16)
+def cpu_host_op(threads: int) -> float:
+    def measure() -> float:
+        with Threads(threads):
+            return host_op_seconds(lambda c: _replayed(c.op, c.args, threads))
+
+    key = _cpu_key("host-op", threads)
+    return float(measure() if key is None else disk_cache.cached(CALLS_FILE, key, measure))
+
+
+@lru_cache(maxsize=16)
+def cpu_bandwidth(threads: int) -> float:
+    def measure() -> float:
+        with Threads(threads):
+            return copy_bandwidth()
+
+    key = _cpu_key("bandwidth", threads)
+    return float(measure() if key is None else disk_cache.cached(CALLS_FILE, key, measure))
+
+
+class Threads:
+    """torch's intra-op threads set to `n` inside (the ranks' count, not the planner's)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self) -> None:
+        self.old = torch.get_num_threads()
+        if self.n != self.old:
+            torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: Any) -> None:
+        if torch.get_num_threads() != self.old:
+            torch.set_num_threads(self.old)
+
+
+# -- choosing -------------------------------------------------------------------------
+CALIBRATION_FILE = "clock-calibration.json"
+
+
+def rates_for(device: Device, ranks_per_node: int = 1) -> Rates:
+    """The rates the clock prices `device` with (module docstring): one object per device
+    and rank count in a process, so that what is priced with it can be kept (compute.py)."""
+    if is_host(device):
+        return _cpu_rates(cpu_threads(ranks_per_node), ranks_per_node > 1)
+    return _gpu_rates(device)
+
+
+def cpu_threads(ranks_per_node: int) -> int:
+    """The intra-op threads each rank of a CPU run has: torch's own count for one process;
+    for several, OMP_NUM_THREADS, which torchrun sets to 1 where it is unset."""
+    if ranks_per_node <= 1:
+        return torch.get_num_threads()
+    threads = os.environ.get("OMP_NUM_THREADS", "1").split(",")[0]
+    return int(threads) if threads.isdigit() and int(threads) > 0 else 1
+
+
+@lru_cache(maxsize=64)
+def _cpu_rates(threads: int, several: bool) -> Rates:
+    calibrated = calibration()
+    host_op = cpu_host_op(threads)
+    host_op_tp = calibrated.get(f"host_op_tp_{threads}")
+    notes = []
+    if host_op_tp is None:
+        host_op_tp = CPU_HOST_OP_TP
+        if several:
+            notes.append(
+                f"DTensor's cost per operation is not calibrated on this machine: {CPU_HOST_OP_TP * 1e6:.0f} us assumed "
+                "(scaletrain plan --calibrate measures it)"
+            )
+    table: dict[str, Any] = {}
+    links = calibrated.get("collectives")
+    if links:
+        table["collectives"] = {"intra": links}
+    if calibrated.get("engines"):
+        table["engines"] = calibrated["engines"]
+    elif several:
+        notes.append(
+            f"gloo's collectives are not calibrated on this machine: {GLOO_LATENCY * 1e3:.1f} ms and "
+            f"{GLOO_BANDWIDTH / 1e9:.1f} GB/s assumed (scaletrain plan --calibrate measures them)"
+        )
+    return Rates(
+        "cpu",
+        f"measured on this CPU ({threads} thread{'s' * (threads > 1)} per rank)",
+        False,
+        float(host_op),
+        float(host_op_tp),
+        0.0,
+        cpu_bandwidth(threads),
+        notes,
+        table,
+        None,
+        threads,
+    )
+
+
+_CALIBRATED: dict[str, Any] = {}  # this process's own calibration, where the cache is off
+
+
+def set_calibration(values: dict[str, Any]) -> None:
+    _CALIBRATED.clear()
+    _CALIBRATED.update(values)
+    _cpu_rates.cache_clear()
+
+
+def calibration() -> dict[str, Any]:
+    """What `scaletrain plan --calibrate` measured on this machine (empty if never run)."""
+    if _CALIBRATED:
+        return dict(_CALIBRATED)
+    path = disk_cache.cache_path(CALIBRATION_FILE)
+    key = _cpu_key("calibration")
+    if path is None or key is None or not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return raw.get("values", {}) if raw.get("key") == key else {}
+
+
+@lru_cache(maxsize=64)
+def _gpu_rates(device: Device) -> Rates:
+    kind = device.kind
+    table, notes = load_table(kind)
+    if table:
+        return Rates(
+            kind,
+            f"the {kind} table measured {table.get('measured', '')} (torch {table.get('torch', '?')})",
+            True,
+            float(table.get("host_op_s", DATASHEET_HOST_OP)),
+            float(table.get("host_op_tp_s", DATASHEET_HOST_OP_TP)),
+            float(table.get("launch_s", DATASHEET_LAUNCH)),
+            float(table.get("memory_bytes_per_s", DATASHEET_MEMORY * device.memory_bw)),
+            notes,
+            table,
+            device,
+        )
+    notes.append(
+        f"no measured table for {device.name}: its datasheet peaks x stated factors (matmuls {DATASHEET_MATMUL:.0%}, attention "
+        f"{DATASHEET_ATTENTION:.0%}, memory {DATASHEET_MEMORY:.0%}; docs/planner.md), {DATASHEET_HOST_OP * 1e6:.0f} us of host per "
+        "operation; scaletrain plan --calibrate on such a GPU measures them"
+    )
+    return Rates(
+        kind or device.name,
+        f"{device.name} datasheet x stated factors",
+        True,
+        DATASHEET_HOST_OP,
+        DATASHEET_HOST_OP_TP,
+        DATASHEET_LAUNCH,
+        DATASHEET_MEMORY * (device.memory_bw or 2e12),
+        notes,
+        {},
+        device,
+    )
+
+
+def _table_file(kind: str) -> Path | None:
+    """Where `scaletrain plan --calibrate` keeps a GPU kind's table on this machine."""
+    return disk_cache.cache_path(f"clock-table-{kind}.json")
+
+
+def save_table(kind: str, table: dict[str, Any]) -> Path | None:
+    path = _table_file(kind)
+    if path is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table | {"kind": kind}, indent=1) + "\n")
+    tmp.replace(path)
+    _read_table.cache_clear()
+    return path
+
+
+@lru_cache(maxsize=16)
+def _read_table(kind: str) -> dict[str, Any]:
+    """The kind's table measured on this machine, else the committed one, else {}."""
+    for path in (_table_file(kind), TABLES / f"{kind}.json"):
+        if not kind or path is None or not path.is_file():
+            continue
+        try:
+            return dict(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return {}
+
+
+def load_table(kind: str) -> tuple[dict[str, Any], list[str]]:
+    """A kind's table and what to say of it (another torch: used, said)."""
+    table = _read_table(kind)
+    notes = []
+    if table and table.get("torch") and str(table["torch"]).split("+")[0] != torch.__version__.split("+")[0]:
+        notes.append(f"the {kind} table was measured with torch {table['torch']}, this is {torch.__version__}: used as it is")
+    return table, notes

@@ -1,0 +1,121 @@
+"""One traced operation run for real on this machine and timed: how the clock measures a
+CPU's rates at exactly the shapes a model uses (clock/rates.py keeps the answers).
+
+The call's arguments are rebuilt from its trace (clock/trace.py): each tensor with the
+traced shape, stride and dtype (floating point: standard normal; integers: zeros, valid
+indices for any gather; booleans: true), everything else as traced. A grouped matmul's
+offsets are rebuilt balanced (each group the same number of rows: the planner's routing).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+
+# Timing: repeats until this much time has passed (at least 3 calls, at most 50), after one warm-up.
+MIN_SECONDS = 0.02
+# A call whose tensors would take more than this is timed at a share of its rows and scaled.
+MAX_BYTES = 1 << 30
+
+
+def resolve(op: str) -> Any:
+    """'aten.mm.default' -> torch.ops.aten.mm.default."""
+    ns, name, overload = op.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
+def _tensor(spec: list[Any], generator: torch.Generator) -> torch.Tensor:
+    shape, stride, dtype_name = spec
+    dtype = getattr(torch, dtype_name)
+    t = torch.empty_strided(shape, stride, dtype=dtype)
+    if dtype.is_floating_point:
+        base = torch.randn(t.untyped_storage().nbytes() // t.element_size(), generator=generator)
+        t.set_(base.to(dtype).untyped_storage(), 0, shape, stride)
+    elif dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.zero_()
+    return t
+
+
+def _decode(value: Any, generator: torch.Generator) -> Any:
+    if isinstance(value, dict):
+        if "t" in value:
+            return _tensor(value["t"], generator)
+        if "dtype" in value:
+            return getattr(torch, value["dtype"])
+        if "device" in value:
+            return torch.device("cpu")
+        if "enum" in value:
+            return getattr(torch, value["enum"])
+        raise ValueError(f"cannot rebuild an argument of type {value.get('unknown')}")
+    if isinstance(value, list):
+        return [_decode(v, generator) for v in value]
+    if value in ("inf", "-inf", "nan"):
+        return float(value)
+    return value
+
+
+def arguments(op: str, args_json: str) -> tuple[list[Any], dict[str, Any]]:
+    """The call's positional and keyword arguments, rebuilt on this machine."""
+    generator = torch.Generator().manual_seed(0)
+    args, kwargs = json.loads(args_json)
+    args, kwargs = _decode(args, generator), {k: _decode(v, generator) for k, v in kwargs.items()}
+    func = resolve(op)
+    if func.__name__.startswith("_grouped_mm"):
+        _balance_offsets(func, args, kwargs)
+    return args, kwargs
+
+
+def _balance_offsets(func: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
+    names = [a.name for a in func._schema.arguments]
+    if "offs" not in names:
+        return
+    i = names.index("offs")
+    offs = args[i] if i < len(args) else kwargs.get("offs")
+    if offs is None:
+        return
+    rows = args[0].shape[0] if args[0].dim() == 2 else args[0].shape[-2]
+    groups = offs.numel()
+    offs.copy_(torch.arange(1, groups + 1, dtype=offs.dtype) * (rows // groups))
+
+
+def call_bytes(args_json: str) -> int:
+    """Bytes of the tensors a call's arguments hold."""
+    total = 0
+
+    def walk(v: Any) -> None:
+        nonlocal total
+        if isinstance(v, dict) and "t" in v:
+            shape, _, dtype = v["t"]
+            total += math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+
+    walk(json.loads(args_json))
+    return total
+
+
+def seconds(op: str, args_json: str) -> float:
+    """The median time of one call on this machine, on this thread count."""
+    func = resolve(op)
+    args, kwargs = arguments(op, args_json)
+    func(*args, **kwargs)  # warm-up: first-touch page faults, lazy kernel initialisation
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < 3 or (spent < MIN_SECONDS and len(times) < 50):
+        t0 = time.perf_counter()
+        func(*args, **kwargs)
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        spent += dt
+    return statistics.median(times)

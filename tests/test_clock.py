@@ -1,0 +1,215 @@
+"""The planner's clock (planning/clock): the traced operations, the rates they are priced at,
+and the step they add up to, phase by phase."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from scaletrain.config import ModelConfig, load_config
+from scaletrain.config.batch import settle
+from scaletrain.config.parallel import dims_for
+from scaletrain.errors import UserError
+from scaletrain.models import LlamaSpec, resolve_shape
+from scaletrain.planning import planning_spec
+from scaletrain.planning.clock import rates as rates_module
+from scaletrain.planning.clock.calibrate import monotone
+from scaletrain.planning.clock.compute import tp_rank_model
+from scaletrain.planning.clock.rates import _interpolate, load_table, rates_for
+from scaletrain.planning.clock.replay import arguments, seconds
+from scaletrain.planning.clock.step import step_time
+from scaletrain.planning.clock.trace import block_work, embedding_work, head_work
+from scaletrain.planning.hardware import KNOWN_GPUS, gpu, gpu_kind, this_cpu
+from scaletrain.planning.planner import setups_for
+from scaletrain.planning.setup import Setup
+
+from helpers import scaletrain
+
+pytestmark = pytest.mark.unit
+
+TINY = LlamaSpec(resolve_shape(ModelConfig(preset="tiny"), 512))
+H100 = gpu("h100", None)
+
+
+def _block_params(spec: LlamaSpec) -> int:
+    return spec.counts().block
+
+
+def test_a_blocks_matmuls_are_its_weights_times_the_tokens_forward_and_twice_backward():
+    # 2 FLOPs per multiply-add: forward x @ W^T is 2 x weights per token; backward the input's
+    # and the weight's gradients, twice that. The norms' gains are not matmul weights.
+    work = block_work(TINY, 2, 16, "fp32")
+    matmul_weights = _block_params(TINY) - 2 * TINY.shape.dim
+    forward = sum(c.flops * c.count for c in work.forward.of("matmul"))
+    backward = sum(c.flops * c.count for c in work.backward.of("matmul"))
+    assert forward == 2 * matmul_weights * 2 * 16
+    assert backward == 2 * forward
+
+
+def test_causal_attention_counts_the_lower_triangle_and_backward_five_products():
+    work = block_work(TINY, 2, 16, "fp32")
+    (fwd,) = work.forward.of("attention")
+    (bwd,) = work.backward.of("attention")
+    heads, d, t = TINY.shape.n_heads, TINY.shape.head_dim, 16
+    pairs = t * (t + 1) / 2  # is_causal: the kernel runs the diagonal and below
+    assert fwd.shape == (2 * heads, t, t, d, 1)
+    assert fwd.flops == 2 * 2.0 * 2 * heads * pairs * d
+    assert bwd.flops == pytest.approx(fwd.flops * 5 / 2)
+
+
+def test_the_head_holds_the_output_projection_and_the_embedding_its_dense_gradient():
+    head = head_work(TINY, 2, 16, "fp32")
+    vocab, dim, tokens = TINY.vocab_size, TINY.hidden_size, 32
+    assert sum(c.flops * c.count for c in head.forward.of("matmul")) == 2 * vocab * dim * tokens
+    emb = embedding_work(TINY, 2, 16, "fp32")
+    assert not emb.forward.of("matmul")
+    # The gradient of the whole table is written (vocab x dim fp32) whatever the tokens.
+    assert max(c.nbytes for c in emb.backward.calls) >= vocab * dim * 4
+
+
+def test_compiled_passes_move_less_than_eager_ones_and_in_fewer_kernels():
+    work = block_work(TINY, 4, 64, "pure16")
+    for p in (work.forward, work.backward):
+        eager = sum(c.nbytes * c.count for c in p.of("memory"))
+        assert 0 < p.fused_bytes < eager
+        assert 0 < p.fused_kernels < sum(c.count for c in p.of("memory"))
+
+
+def test_a_replayed_call_is_rebuilt_with_the_traced_shapes_and_timed():
+    work = block_work(TINY, 2, 16, "fp32")
+    mm = work.forward.of("matmul")[0]
+    args, _ = arguments(mm.op, mm.args)
+    assert [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)] == [tuple(t["t"][0]) for t in json.loads(mm.args)[0]]
+    assert seconds(mm.op, mm.args) > 0
+
+
+def test_measured_curves_interpolate_and_never_fall_with_size():
+    rows = monotone([[1024, 2.0], [4096, 1.0], [16384, 3.0]])  # a jittery small point: the larger one's time bounds it
+    assert rows == [[1024, 1.0], [4096, 1.0], [16384, 3.0]]
+    assert _interpolate(rows, 512) == 1.0
+    assert _interpolate(rows, 10240) == pytest.approx(2.0)
+    assert _interpolate(rows, 28672) == pytest.approx(5.0)  # past the end: the last segment's cost per byte
+
+
+def test_a_collective_scales_with_the_bytes_each_rank_moves_and_gloo_reduces_scatters_as_all_reduces():
+    table = {"collectives": {"intra": {kind: {"ranks": 2, "rows": [[1.0, 0.0], [1e6, 1.0]]} for kind in ("all_reduce", "all_gather")}}}
+    r = replace(rates_for(this_cpu(), 1), _table=table)
+    # At 4 ranks each rank sends 3/4 of an all-gather's buffer, at 2 ranks 1/2: 1.5x the bytes.
+    assert r.collective("all_gather", 1e5, 4, False) == pytest.approx(r.collective("all_gather", 1.5e5, 2, False))
+    assert r.collective("reduce_scatter", 1e5, 2, False) == r.collective("all_reduce", 1e5, 2, False)
+    assert r.collective("all_reduce", 1e5, 1, False) == 0.0
+
+
+def test_gpu_names_map_to_their_kinds():
+    assert gpu_kind("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_kind("NVIDIA H100 PCIe") == "h100-pcie"
+    assert gpu_kind("NVIDIA H200") == "h200"
+    assert gpu_kind("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+    assert gpu_kind("NVIDIA RTX 6000 Ada Generation") == "nvidia-rtx-6000-ada-generation"
+    assert {d.kind for d in KNOWN_GPUS.values()} == set(KNOWN_GPUS)
+
+
+def test_an_unmeasured_gpu_kind_says_it_was_priced_from_its_datasheet(monkeypatch):
+    monkeypatch.setattr(rates_module, "_read_table", lambda kind: {})
+    r = rates_for(gpu("l40s", None))
+    assert "datasheet" in r.source
+    assert any("no measured table for L40S" in n and "--calibrate" in n for n in r.notes)
+
+
+def test_a_table_of_another_torch_is_used_and_said(monkeypatch):
+    monkeypatch.setattr(rates_module, "_read_table", lambda kind: {"torch": "1.0.0", "matmul": {}})
+    table, notes = load_table("h100")
+    assert table and notes == [f"the h100 table was measured with torch 1.0.0, this is {torch.__version__}: used as it is"]
+
+
+def _setup(**changes) -> Setup:
+    return replace(Setup("fsdp", 1, 4, 64, "fp32"), **changes)
+
+
+def _time(spec, s: Setup, device=H100, nodes: int = 1, **train):
+    cfg = load_config([], [f"train.{k}={v}" for k, v in train.items()])
+    return step_time(spec, s, cfg, device, nodes)
+
+
+def test_phases_add_up_to_the_step_and_activation_checkpointing_repeats_each_blocks_forward():
+    plain = _time(TINY, _setup())
+    ac = _time(TINY, _setup(activation_checkpointing=True))
+    assert plain.total == pytest.approx(sum(plain.phases.values()))
+    assert ac.phases["forward"] == pytest.approx(plain.phases["forward"])
+    # The recompute is every block's forward once more, host included.
+    block = block_work(TINY, 4, 64, "fp32")
+    from scaletrain.planning.clock.compute import price
+
+    r = rates_for(H100)
+    assert ac.phases["backward"] - plain.phases["backward"] == pytest.approx(TINY.n_blocks * price(block.forward, r, False).seconds)
+
+
+def test_one_rank_has_no_communication_and_a_pipeline_a_bubble():
+    one = _time(TINY, _setup())
+    assert one.phases["comm"] == 0 and one.phases["bubble"] == 0
+    untied = LlamaSpec(replace(TINY.shape, tie_embeddings=False))
+    pp = _time(untied, _setup(pp=2, dp=1, grad_accum=4, reshard_after_forward=False), nodes=1)
+    # 1f1b: (pp - 1) / (m + pp - 1) of the step idles: 1/5 of it at 4 micro-batches.
+    busy = pp.phases["forward"] + pp.phases["backward"]
+    assert pp.phases["bubble"] == pytest.approx(busy * (1 / 5) / (4 / 5))
+    assert pp.phases["comm"] > 0
+
+
+def test_tensor_parallel_prices_a_ranks_split_block_and_dtensors_host():
+    split = tp_rank_model(TINY, 2)
+    assert split is not None and split.shape.n_heads == TINY.shape.n_heads // 2 and split.shape.head_dim == TINY.shape.head_dim
+    flops = lambda spec: sum(c.flops * c.count for c in block_work(spec, 4, 64, "fp32").forward.of("matmul"))  # noqa: E731
+    assert flops(split) == pytest.approx(flops(TINY) / 2)
+    tp = _time(TINY, _setup(tp=2, dp=1))
+    assert tp.phases["comm"] > 0
+    assert any("tensor parallel" in label for label, _ in tp.largest["comm"])
+
+
+def test_more_data_parallel_ranks_add_exposed_communication_on_a_cpu():
+    cpu = this_cpu()
+    one = _time(TINY, _setup(), device=cpu)
+    two = _time(TINY, _setup(dp=2), device=cpu)
+    assert one.phases["comm"] == 0 < two.phases["comm"]
+
+
+def test_float8_pays_where_its_weight_casts_spread_over_enough_tokens():
+    # Each FSDP gather casts the whole converted weight (9 bytes a parameter eager): at one
+    # sequence of 2048 tokens that takes back the matmuls' saving, at 16 it does not, and
+    # compiled (the amax folded into the producer's kernel) float8 pays more.
+    spec = LlamaSpec(resolve_shape(ModelConfig(preset="1b"), None))
+    h200 = gpu("h200", None)
+    ratio = lambda mb, **train: _time(spec, Setup("fsdp", 1, mb, 2048, "bf16"), h200, **train).total / _time(  # noqa: E731
+        spec, Setup("fsdp", 1, mb, 2048, "bf16", float8=True), h200, **train
+    ).total
+    assert ratio(1) < 1.01 and 1.05 < ratio(16) < ratio(16, compile="true")
+
+
+def test_the_plan_uses_the_clock_and_explains_it(tmp_path):
+    proc = scaletrain(["plan", "model.preset=tiny", "parallel.strategy=fsdp", "--gpus-per-node", "1", "--explain-time", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    chosen = next(c for c in plan["candidates"] if c["strategy"] == plan["chosen"])
+    assert plan["time"]["seconds"] == pytest.approx(chosen["step_time_s"])
+    assert set(plan["time"]["phases"]) == {"data", "forward", "backward", "optimizer", "comm", "bubble", "offload", "other"}
+    assert plan["time"]["largest"]["forward"]
+    text = scaletrain(["plan", "model.preset=tiny", "parallel.strategy=fsdp", "--gpus-per-node", "1", "--explain-time"]).stdout
+    assert "predicted step of fsdp" in text and "forward" in text and "datasheet" in text
+
+
+def test_cpu_plans_price_what_this_machine_runs():
+    cfg = load_config([], ["model.preset=tiny", "data.seq_len=64", "train.micro_batch=2", "run.device=cpu"])
+    cfg = settle(cfg, dims_for(cfg.parallel, 1).dp_size)
+    spec = planning_spec(cfg)
+    s = setups_for(cfg, 1, 1, False, spec)[0]
+    t = step_time(spec, s, cfg, this_cpu(), 1)
+    assert "measured on this CPU" in t.source and t.total > 0
+
+
+def test_an_unknown_suite_configuration_is_one_line():
+    from scaletrain.bench.clock import run_suite
+
+    with pytest.raises(UserError, match="--only nope: no such configuration; accepted: tiny ddp mb16 s128"):
+        run_suite(1, 4, __import__("pathlib").Path("/nonexistent"), ["nope"], None, print)
