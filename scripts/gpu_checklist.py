@@ -128,6 +128,14 @@ planner_check = lambda n, part: Check(n, part, "the planner's peak against a mea
 # in gpu_checklist_times.GPU_S (else UNKNOWN_S is planned); --list shows where it falls in the budget.
 # fmt: off
 MORE_CHECKS = [
+    # The planner's clock (issue 55): this GPU's table (matmuls at the presets' shapes, attention by
+    # length and head size, bandwidth, the host's cost per operation: scaletrain plan --calibrate, about a
+    # minute), kept in OUT as clock-table-<kind>.json to commit; then every run recorded under docs/gpu/
+    # predicted with it (scaletrain bench --suite clock-gpu), the table in OUT as clock-gpu.md.
+    Check("clock-calibrate", 5, "the clock's rates on this GPU (its table)", ("scaletrain", "plan", "--calibrate"),
+          "calibrate", CUDA),
+    Check("clock-gpu", 5, "every run under docs/gpu/ predicted with this GPU's table against its measured step",
+          ("scaletrain", "bench", "--suite", "clock-gpu", "--out", str(ROOT / "docs" / "gpu"), "--json"), "clock_gpu", CUDA),
     # A mixture of experts (issue 27): on CUDA in bf16 its experts run as one torch._grouped_mm; the
     # small preset with 8 experts, top-2 (model.moe={}); its MFU counts the active experts only. With the
     # host reads inside a step counted for real (issue 38, docs/gpu.md "Host reads": torch's CUDA sync debug
@@ -238,7 +246,7 @@ def command(c: Check, name: str, ctx: Context, extra: list[str]) -> list[str]:
     if c.steps:  # train.resume=never: a rerun into the same WORK must not resume the last one and train zero steps
         words += [f"train.steps={c.steps}", "checkpoint.every=0", "train.resume=never", f"run.dir={WORK / 'runs' / name}"]
     if words[1:2] in (["train"], ["plan"]):  # --set: after the other overrides, so that it wins
-        at = max(i for i, w in enumerate(words) if "=" in w and not w.startswith("-")) + 1
+        at = max((i for i, w in enumerate(words) if "=" in w and not w.startswith("-")), default=1) + 1
         words[at:at] = extra
     return PROGRAMS.get(words[0], words[:1]) + words[1:] if words else []
 
@@ -377,6 +385,37 @@ def judge_micro_batch(proc, ctx):
     ctx["facts"] |= {"micro-batch", "no-ac-needed"} if without else {"micro-batch"}
     detail = f"micro-batch {mb} x 2048 tokens, activation checkpointing {ctx['ac']}"
     return "PASS", f"{detail} (the planner: up to {without} without AC, {with_ac} with)", None
+
+
+def judge_calibrate(proc, ctx):
+    """The table `scaletrain plan --calibrate` wrote (its last line names it), copied into OUT."""
+    where = json.loads(proc.stdout.strip().splitlines()[-1])
+    table = json.loads(Path(where["path"]).read_text())
+    shutil.copy(where["path"], OUT / f"clock-table-{where['kind']}.json")
+    mm = [row[-1] for row in table["matmul"].get("bfloat16", [])]
+    detail = (
+        f"{where['kind']}: {len(mm)} matmul shapes in bf16 at {min(mm) / 1e12:.0f}-{max(mm) / 1e12:.0f} TFLOP/s, "
+        f"memory {table['memory_bytes_per_s'] / 1e12:.2f} TB/s, host {table['host_op_s'] * 1e6:.1f} us per operation"
+    )
+    return (
+        "PASS",
+        detail,
+        {"kind": where["kind"], "host_op_s": table["host_op_s"], "memory_bytes_per_s": table["memory_bytes_per_s"]},
+    )
+
+
+def judge_clock_gpu(proc, ctx):
+    """Each recorded run predicted with this GPU's table: the table (clock-gpu.md) and how many within 15%."""
+    rows = json.loads(proc.stdout[proc.stdout.index("[") :])
+    lines = ["| run | measured s | predicted s | error |", "|---|---|---|---|"]
+    lines += [
+        f"| {r['name']} ({r['where']}) | {r['measured_s']:.4g} | {r['predicted_s']:.4g} | {r['error']:+.1%} |" for r in rows
+    ]
+    (OUT / "clock-gpu.md").write_text("\n".join(lines) + "\n")
+    within = sum(abs(r["error"]) <= 0.15 for r in rows)
+    errors = sorted(abs(r["error"]) for r in rows)
+    detail = f"{within} of {len(rows)} runs within 15%, median |error| {errors[len(errors) // 2]:.1%}, largest {errors[-1]:.1%}"
+    return ("PASS" if within == len(rows) else "WARN"), detail, {"within_15": within, "runs": len(rows)}
 
 
 JUDGES = {name.removeprefix("judge_"): f for name, f in list(globals().items()) if name.startswith("judge_")}

@@ -48,6 +48,9 @@ GPU_S = {
     # issue 40's pair, not yet run: moe-small-bf16's 12 s for 4 steps of 8 experts, guessed up for 10 steps
     # of 64 (the loop: 64 matmuls and a host read per layer and forward)
     "moe-v3-grouped-bf16": 25, "moe-v3-loop-bf16": 40,
+    # issue 55's pair, not yet run (ESTIMATED): the calibration's sweep is bounded at about a minute; the
+    # comparison plans the ~30 recorded runs (40 s on this project's CPU, the GPU host's faster)
+    "clock-calibrate": 75, "clock-gpu": 30,
     # issue 42's pair, not yet run: 10 steps of 32k tokens of the 1b preset (~6 GFLOPs/token with attention:
     # ~2 PFLOPs a step, ~4 s at 40% of an H100's bf16) after ~20 s of start-up, the offload's copies beside
     "long-1b-32k-AC": 60, "long-1b-32k-AC-host-tiles": 75,
@@ -58,7 +61,7 @@ GPU_S = {
 }
 # Checks no GPU run has timed yet (added since): their figures above are estimates.
 ESTIMATED: frozenset[str] = frozenset(
-    {"moe-v3-grouped-bf16", "moe-v3-loop-bf16", "long-1b-32k-AC", "long-1b-32k-AC-host-tiles"}
+    {"moe-v3-grouped-bf16", "moe-v3-loop-bf16", "long-1b-32k-AC", "long-1b-32k-AC-host-tiles", "clock-calibrate", "clock-gpu"}
 )
 # The CPU stand-ins, measured (docs/gpu.md's transcript: 2 cores, torch 2.13.0+cpu, 10 steps each).
 CPU_S = {"nvidia-smi": 0, "scaletrain CLI": 1, "python/torch/deepspeed": 2,

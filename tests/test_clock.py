@@ -95,7 +95,9 @@ def test_measured_curves_interpolate_and_never_fall_with_size():
 
 
 def test_a_collective_scales_with_the_bytes_each_rank_moves_and_gloo_reduces_scatters_as_all_reduces():
-    table = {"collectives": {"intra": {kind: {"ranks": 2, "rows": [[1.0, 0.0], [1e6, 1.0]]} for kind in ("all_reduce", "all_gather")}}}
+    table = {
+        "collectives": {"intra": {kind: {"ranks": 2, "rows": [[1.0, 0.0], [1e6, 1.0]]} for kind in ("all_reduce", "all_gather")}}
+    }
     r = replace(rates_for(this_cpu(), 1), _table=table)
     # At 4 ranks each rank sends 3/4 of an all-gather's buffer, at 2 ranks 1/2: 1.5x the bytes.
     assert r.collective("all_gather", 1e5, 4, False) == pytest.approx(r.collective("all_gather", 1.5e5, 2, False))
@@ -144,7 +146,9 @@ def test_phases_add_up_to_the_step_and_activation_checkpointing_repeats_each_blo
     from scaletrain.planning.clock.compute import price
 
     r = rates_for(H100)
-    assert ac.phases["backward"] - plain.phases["backward"] == pytest.approx(TINY.n_blocks * price(block.forward, r, False).seconds)
+    assert ac.phases["backward"] - plain.phases["backward"] == pytest.approx(
+        TINY.n_blocks * price(block.forward, r, False).seconds
+    )
 
 
 def test_one_rank_has_no_communication_and_a_pipeline_a_bubble():
@@ -181,9 +185,12 @@ def test_float8_pays_where_its_weight_casts_spread_over_enough_tokens():
     # compiled (the amax folded into the producer's kernel) float8 pays more.
     spec = LlamaSpec(resolve_shape(ModelConfig(preset="1b"), None))
     h200 = gpu("h200", None)
-    ratio = lambda mb, **train: _time(spec, Setup("fsdp", 1, mb, 2048, "bf16"), h200, **train).total / _time(  # noqa: E731
-        spec, Setup("fsdp", 1, mb, 2048, "bf16", float8=True), h200, **train
-    ).total
+    ratio = lambda mb, **train: (
+        _time(spec, Setup("fsdp", 1, mb, 2048, "bf16"), h200, **train).total
+        / _time(  # noqa: E731
+            spec, Setup("fsdp", 1, mb, 2048, "bf16", float8=True), h200, **train
+        ).total
+    )
     assert ratio(1) < 1.01 and 1.05 < ratio(16) < ratio(16, compile="true")
 
 
@@ -213,3 +220,23 @@ def test_an_unknown_suite_configuration_is_one_line():
 
     with pytest.raises(UserError, match="--only nope: no such configuration; accepted: tiny ddp mb16 s128"):
         run_suite(1, 4, __import__("pathlib").Path("/nonexistent"), ["nope"], None, print)
+
+
+@pytest.mark.unit
+def test_a_run_that_only_checks_its_configured_layout_is_planned_without_the_clock(monkeypatch):
+    # scaletrain train plans its configured layout for the memory lines it logs; pricing a
+    # step would replay its operations on a CPU (seconds for each new shape) for nothing.
+    import math
+
+    from scaletrain.planning import planner
+
+    cfg = load_config([], ["model.preset=tiny", "run.device=cpu", "parallel.strategy=ddp"])
+    monkeypatch.setattr(planner, "step_time", lambda *a, **k: pytest.fail("the clock ran"))
+    plan = planner.make_plan(cfg, planning_spec(cfg), 1, 1, this_cpu(), all_strategies=False, as_configured=True, timed=False)
+    assert plan.chosen.time is None and math.isnan(plan.chosen.step_time) and plan.chosen.fits
+    assert plan.reasons[0].startswith("ddp as configured: needs ") and "estimated" not in plan.reasons[0]
+    # A choice needs the clock, untimed or not: auto plans every layout with it.
+    monkeypatch.undo()
+    auto = load_config([], ["model.preset=tiny", "run.device=cpu", "parallel.strategy=auto", "data.seq_len=32"])
+    chosen = planner.make_plan(auto, planning_spec(auto), 1, 1, this_cpu(), timed=False).chosen
+    assert chosen.time is not None and chosen.step_time > 0

@@ -19,7 +19,7 @@ import pytest
 
 from scaletrain.cli import main
 from scaletrain.config import load_config
-from scaletrain.diagnose import compare, diagnose, write_report
+from scaletrain.diagnose import compare, diagnose, load_run, write_report
 
 import helpers
 from helpers import one_line_error, scaletrain
@@ -172,8 +172,10 @@ def figure(page: str, plot_id: str) -> str:
 @pytest.mark.unit
 def test_healthy_run_has_no_warnings(make_run):
     findings = diagnose(make_run())
-    assert [f.code for f in findings] == ["summary"], [(f.code, f.title) for f in findings]
-    text = " | ".join([findings[0].title, *findings[0].evidence])
+    assert [f.code for f in findings] == ["clock", "summary"], [(f.code, f.title) for f in findings]
+
+    summary = findings[-1]
+    text = " | ".join([summary.title, *summary.evidence])
     for fragment in (
         "ddp",
         "world 8",
@@ -186,6 +188,24 @@ def test_healthy_run_has_no_warnings(make_run):
         "final loss",
     ):
         assert fragment in text, (fragment, text)
+
+
+@pytest.mark.unit
+def test_the_plans_clock_beside_the_measured_phases_names_the_term_that_missed(make_run):
+    from scaletrain.diagnose.clock import predicted_step
+
+    run = load_run(make_run())
+    t = predicted_step(run)
+    assert t is not None and "H100" in t.source  # the run's GPU, from run.json's device name
+    (f,) = [f for f in diagnose(run.root) if f.code == "clock"]
+    assert f.severity == "info" and f.title.startswith(f"predicted step {t.total:.4g} s against 1 s measured")
+    passes = sum(t.phases[k] for k in ("forward", "backward", "comm", "bubble", "offload"))
+    (line,) = [e for e in f.evidence if e.startswith("forward and backward: ")]
+    assert line.startswith(f"forward and backward: predicted {passes:.4g} s, measured ")
+    # The synthetic run's measured step is 1 s, the tiny model's predicted step milliseconds:
+    # the passes miss most.
+    (missed,) = [e for e in f.evidence if e.startswith("the term that missed most: ")]
+    assert missed.startswith("the term that missed most: forward and backward (-") and "block: " in missed
 
 
 # Each problem alone: its rule fires, and only its rule (they do not overlap).
@@ -301,6 +321,7 @@ def test_report_is_self_contained_and_escaped(make_run):
         "hang",
         "comm_bound",
         "straggler",
+        "clock",
         "summary",
     }
     # Host names (in titles and evidence) are text, not markup.
@@ -355,7 +376,7 @@ def test_cli_diagnose_and_compare(make_run, capsys):
     run = make_run(data=0.3)
     assert main(["diagnose", str(run), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert [f["code"] for f in out] == ["data_bound", "summary"]
+    assert [f["code"] for f in out] == ["data_bound", "clock", "summary"]
     assert set(out[0]) == {"severity", "code", "title", "evidence", "advice"} and out[0]["severity"] == "warning"
     assert (run / "report.html").is_file()
     (run / "report.html").unlink()

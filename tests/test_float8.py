@@ -19,12 +19,12 @@ from scaletrain.engines.float8 import apply_float8, convert
 from scaletrain.errors import UserError
 from scaletrain.models import model_spec
 from scaletrain.planning import make_plan
-from scaletrain.planning.float8 import CAST_16, CAST_32, cast_bytes, converted
-from scaletrain.planning.hardware import KNOWN_GPUS, gpu
-from scaletrain.planning.memory import engine_buffers, estimate
 from scaletrain.planning.clock.compute import micro_batch
 from scaletrain.planning.clock.rates import rates_for
 from scaletrain.planning.clock.step import step_time
+from scaletrain.planning.float8 import CAST_16, CAST_32, cast_bytes, converted
+from scaletrain.planning.hardware import KNOWN_GPUS, gpu
+from scaletrain.planning.memory import engine_buffers, estimate
 from scaletrain.planning.planner import comm_bytes_per_step
 from scaletrain.planning.setup import Setup
 

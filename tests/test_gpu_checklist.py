@@ -39,8 +39,10 @@ FIVE = ("ddp", "fsdp", "zero2", "zero3", "zero3-offload")  # part 2 in bf16; par
 MB = ("plan 1b AC=false", "plan 1b AC=true", "MFU 1b")  # part 3: the micro-batch the planner allows
 RUNS_1B = ("1b-eager-mb{mb}{ac_tag}", "1b-compiled-mb{mb}{ac_tag}", "1b-float8-compiled-mb{mb}{ac_tag}")  # part 3
 PLANNER = ("1b-fsdp-bf16-AC-mb4", "1b-fsdp-bf16-mb2", "1b-zero3-bf16-AC-mb4", "small-zero2-bf16")  # part 4
-# part 5: issues 27, 28, 29, 26, 40
+# part 5: issues 55, 27, 28, 29, 26, 40, 42
 MORE = (
+    "clock-calibrate",
+    "clock-gpu",
     "moe-small-bf16",
     "document-mask-bf16",
     "cp-attention-kernels",
@@ -115,7 +117,7 @@ def test_the_list_runs_in_the_issues_order(checklist):
         6: [*LEFT, *FP16],
     }
     assert [c.part for c in checklist.CHECKS] == sorted(c.part for c in checklist.CHECKS)
-    assert checklist.CHECKS[-19:-11] == checklist.MORE_CHECKS and {c.part for c in checklist.MORE_CHECKS} == {5}
+    assert checklist.CHECKS[-21:-11] == checklist.MORE_CHECKS and {c.part for c in checklist.MORE_CHECKS} == {5}
     checks = {c.name: c for c in checklist.CHECKS}
     assert len(checks) == len(checklist.CHECKS), "check names are unique"
     # Every check has an expected time: GPU mode's table holds exactly the checks GPU mode runs, CPU_S the CPU mode's.
@@ -135,6 +137,7 @@ def test_the_list_runs_in_the_issues_order(checklist):
         # CUDA-only: what runs on the device, uses the DeepSpeed optimizer found for it, or plans for it.
         on_cuda = "run.device=cuda" in c.argv or checklist.DS in c.argv or "--configured-only" in c.argv
         on_cuda |= c.judge in ("ds_optimizer", "micro_batch") or any(w.endswith("cp_kernels.py") for w in c.argv)
+        on_cuda |= c.judge in ("calibrate", "clock_gpu")  # the clock's table of this GPU, and its use
         assert ("cuda" in c.needs) == on_cuda, c.name
         assert ("no-cuda" in c.needs) == ("run.device=cpu" in c.argv), c.name  # the CPU stand-ins
         assert (c.steps > 0) == (c.judge in ("trains", "host_syncs", "mfu")), c.name
@@ -205,12 +208,12 @@ def test_list_prints_every_command_its_expected_time_and_where_the_budget_cuts(c
         "train.compile=true train.float8=true train.steps=20 checkpoint.every=0 train.resume=never "
         f"'run.dir={runs}/1b-float8-compiled-mb{{mb}}{{ac_tag}}'",
         "[5] moe-small-bf16 (needs cuda): a mixture of experts trains in bf16 on CUDA (the grouped matmul), no host sync "
-        "in a step; judge: host_syncs; ~12 s, measured, 572 s in all\n"
+        "in a step; judge: host_syncs; ~12 s, measured, 678 s in all\n"
         f"       $ {ST} train model.preset=small run.device=cuda train.log_every=1 'model.moe={{}}' parallel.strategy=fsdp "
         "precision=bf16 telemetry.host_syncs=true train.log_every=2 train.steps=4 checkpoint.every=0 train.resume=never "
         f"run.dir={runs}/moe-small-bf16",
         f"       $ {sys.executable} {SCRIPT.parent / 'cp_kernels.py'}",
-        "[6] fsdp-offload-bf16 (needs cuda): fsdp-offload trains in bf16 on CUDA; judge: trains; ~8 s, measured, 944 s "
+        "[6] fsdp-offload-bf16 (needs cuda): fsdp-offload trains in bf16 on CUDA; judge: trains; ~8 s, measured, 1050 s "
         "in all: skipped under --budget 540\n"
         f"       $ {ST} train model.preset=small run.device=cuda train.log_every=1 parallel.strategy=fsdp "
         f"parallel.offload_params=cpu precision=bf16 train.steps=3 checkpoint.every=0 train.resume=never "
@@ -257,7 +260,7 @@ def test_list_prints_every_command_its_expected_time_and_where_the_budget_cuts(c
         "MFU_MAX_MB; activation checkpointing (a recompute of each block) only where nothing fits without; "
         "judge: micro_batch; ~0 s, measured, 186 s in all",  # 45.5 + 0.5 = 46 of 55 fit: not skipped
     ]
-    assert out.rstrip().endswith("GPU mode: 706 s expected for every check; 46 s of them run under --budget 60")
+    assert out.rstrip().endswith("GPU mode: 746 s expected for every check; 46 s of them run under --budget 60")
     assert (
         f"       $ {ST} train model.preset=small run.device=cuda train.log_every=1 parallel.strategy=fsdp precision=bf16 "
         f"train.steps=3 checkpoint.every=0 train.resume=never run.dir={work}/runs/fsdp-bf16 data.dir=/scratch\n"
@@ -336,6 +339,14 @@ def fake_gpu(checklist, monkeypatch, tmp_path):
             plan = {"chosen": "fsdp", "max_micro_batch": mb, "candidates": [{"strategy": "fsdp", "fits": True,
                                                                              "memory": {"peak": 2**34}}]}  # fmt: skip
             return done(json.dumps(plan))
+        if "--calibrate" in argv:  # the clock's table for this GPU, named on the last line
+            table = tmp_path / "clock-table.json"
+            mm = {"bfloat16": [[4096, 4096, 4096, 7.0e14], [2048, 8192, 2048, 6.5e14]]}
+            table.write_text(json.dumps({"matmul": mm, "memory_bytes_per_s": 3.3e12, "host_op_s": 1.1e-5}))
+            return done("calibrating\n" + json.dumps({"kind": "h100", "path": str(table)}) + "\n")
+        if "clock-gpu" in argv:  # every recorded run predicted with that table
+            rows = [{"name": "1b eager", "where": "2026-11-28-h200", "measured_s": 0.672, "predicted_s": 0.70, "error": 0.042}]
+            return done("planning 1 run\n" + json.dumps(rows, indent=1) + "\n")
         if "--measure" in argv:
             measured = {"peak": 1.9e9, "cuda_max_allocated": 1.6e9}
             out = {"strategy": o["parallel.strategy"], "world": 1, "predicted": {"peak": 2e9}, "measured": measured}
@@ -443,6 +454,13 @@ def test_gpu_mode_with_faked_processes(checklist, fake_gpu, capsys, tmp_path):
     assert "train.global_batch=64 train.micro_batch=64 train.steps=3" in got["oom-1b-mb64"]["cmd"]
     assert got["document-mask-bf16"]["status"] == "PASS" and "data.document_mask=true" in got["document-mask-bf16"]["cmd"]
     assert got["cp-attention-kernels"]["status"] == "PASS" and "FLASH_ATTENTION" in got["cp-attention-kernels"]["detail"]
+    # The clock's table copied into OUT beside its summary, and every recorded run judged with it.
+    assert got["clock-calibrate"]["detail"] == (
+        "h100: 2 matmul shapes in bf16 at 650-700 TFLOP/s, memory 3.30 TB/s, host 11.0 us per operation (1 s)"
+    )
+    assert json.loads((out / "clock-table-h100.json").read_text())["host_op_s"] == 1.1e-5
+    assert got["clock-gpu"]["detail"] == "1 of 1 runs within 15%, median |error| 4.2%, largest 4.2% (1 s)"
+    assert "| 1b eager (2026-11-28-h200) | 0.672 | 0.7 | +4.2% |" in (out / "clock-gpu.md").read_text()
     # Every run once, in order (the 1b eager one twice: the retry).
     run_dirs = [Path(dict(w.split("=", 1) for w in argv if "=" in w)["run.dir"]).name for argv, _ in commands if "train" in argv]
     assert run_dirs == [
@@ -450,10 +468,10 @@ def test_gpu_mode_with_faked_processes(checklist, fake_gpu, capsys, tmp_path):
         "moe-small-bf16", "document-mask-bf16", "oom-1b-mb64", "moe-v3-grouped-bf16", "moe-v3-loop-bf16", "long-1b-32k-AC",
         "long-1b-32k-AC-host-tiles", "zero1-bf16", "fsdp-offload-bf16", "1b-eager-mb8-AC", *FP16,
     ]  # fmt: skip
-    assert sum(1 for argv, _ in commands if "plan" in argv) == 2 + 4 + 3
+    assert sum(1 for argv, _ in commands if "plan" in argv) == 2 + 4 + 3 + 1  # + the clock's calibration
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# scaletrain GPU checklist: NVIDIA H100 80GB HBM3 (GPU mode)")
-    assert "Wall time of the checklist: 37 s.\n" in summary  # the faked clock: 37 commands of a second
+    assert "Wall time of the checklist: 39 s.\n" in summary  # the faked clock: 39 commands of a second
     assert "| 2 | zero2-bf16 | PASS | loss 11.700 -> 11.500, 40,000 tok/s, MFU 42.0%, peak 60.00 GiB (1 s) |" in summary
     assert "| small-zero3-bf16 | zero3 | 1.86 GiB | 1.77 GiB | +5.3% | 1.49 GiB | +25.0% |" in summary
     assert "| 1b-compiled-mb8 | 40,000 | 42.0% | 400.0 | 60.00 GiB | 989 TFLOP/s (table) | PASS |" in summary
@@ -468,7 +486,7 @@ def test_gpu_mode_with_faked_processes(checklist, fake_gpu, capsys, tmp_path):
     assert "| 1b-eager-mb8-AC | - | 100.0 (25%) | 250.0 (62%) | 50.0 (12%) | - | - | 400.0 |" in summary
     assert "| ddp-fp16 | ddp | none (one process, no DDP wrapper) | 11.700 | 10.800 |" in summary
     assert "| fsdp-bf16 | fsdp | nccl (group of one) |" in summary
-    assert printed.rstrip().endswith(f"summary: {out}/summary.md (GPU mode, 37 s, 1 failed)\nFAIL: 1 check(s) failed")
+    assert printed.rstrip().endswith(f"summary: {out}/summary.md (GPU mode, 39 s, 1 failed)\nFAIL: 1 check(s) failed")
 
 
 @pytest.mark.unit
@@ -591,7 +609,7 @@ def test_results_and_summary_are_on_disk_before_the_next_command_starts(checklis
     assert checklist.main([str(out), "--work", str(work), "--budget", "3000"]) == 1
     got = results(out)
     names, cmds = list(got), [r["cmd"] for r in got.values()]
-    assert len(seen) == len(commands) == 37
+    assert len(seen) == len(commands) == 39
     for cmd, in_results, in_summary, summary, members in seen:
         before = names[: cmds.index(cmd)]  # every result before this command's check
         assert in_results == before and in_summary == before, cmd
@@ -601,7 +619,14 @@ def test_results_and_summary_are_on_disk_before_the_next_command_starts(checklis
         run_files = {f"runs/{n}/{f}" for n in wrote for f in ("config.yaml", "metrics.jsonl", "run.json")}
         assert members == logs | run_files, cmd
     assert "so far" not in (out / "summary.md").read_text()
-    assert sorted(p.name for p in out.iterdir()) == ["env.json", "logs.tar.gz", "results.jsonl", "summary.md"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "clock-gpu.md",  # the clock's comparison and its table (issue 55)
+        "clock-table-h100.json",
+        "env.json",
+        "logs.tar.gz",
+        "results.jsonl",
+        "summary.md",
+    ]
     assert (work / "logs" / "1b-eager-mb8.log").read_text().startswith("torch.OutOfMemoryError")
 
     # Killed partway, as the zero3 run starts: what was known until then stays, complete.

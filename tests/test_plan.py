@@ -4,6 +4,7 @@ answers for 7B/8B/70B on 8 x 80 GiB, the choice and its reasons, and clear impos
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -251,7 +252,9 @@ def test_70b_on_4_nodes_auto_picks_tp_2_inside_each_node_and_pp_4_across_at_the_
     assert tp_only and all(c.comm_bytes > plan.chosen.comm_bytes and c.step_time > plan.chosen.step_time for c in tp_only)
     # tp 8 with a pipeline fits too, but each rank's eighth of a block is less work than the
     # host's dispatch of its operations through DTensor: its step waits on the host.
-    eight = [c for c in plan.candidates if c.setup.tp == 8 and c.setup.pp == 2 and c.fits and not c.setup.activation_checkpointing]
+    eight = [
+        c for c in plan.candidates if c.setup.tp == 8 and c.setup.pp == 2 and c.fits and not c.setup.activation_checkpointing
+    ]
     assert eight and all(c.step_time > plan.chosen.step_time for c in eight)
     assert all(c.time is not None and c.time.phases["forward"] > 0 for c in eight)
     # tp stays inside a node: no candidate splits a block across nodes.
@@ -286,7 +289,11 @@ def test_long_sequences_plan_context_parallel_and_say_why():
     (note,) = [n for n in plan.notes if "context parallel" in n]
     best = min((c for c in plan.candidates if c.setup.cp > 1), key=lambda c: (not c.fits, c.step_time))
     assert note.startswith(f"sequences of 16384 tokens: context parallel, {best.setup.label}, needs {fmt(best.memory.peak)}")
-    assert best.fits and best.step_time > plan.chosen.step_time * 1.02 and note.endswith(f"slower, against {plan.chosen.setup.label}")
+    assert (
+        best.fits
+        and best.step_time > plan.chosen.step_time * 1.02
+        and note.endswith(f"slower, against {plan.chosen.setup.label}")
+    )
     # Below 16k tokens cp is not planned at all.
     short = plan_for("8b", seq=4096)
     assert all(c.setup.cp == 1 for c in short.candidates) and not [n for n in short.notes if "context parallel" in n]
@@ -395,3 +402,16 @@ def test_the_cpus_measured_peak_is_kept_per_machine(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
         hardware.measured_cpu_peak.cache_clear()
+
+
+@pytest.mark.unit
+def test_a_pipeline_of_one_data_parallel_rank_names_no_traffic_ratio():
+    from scaletrain.planning.pipeline import why_pp
+
+    s = Setup("fsdp", 32, 1, 4096, "bf16", pp=32, grad_accum=512)
+    # Every rank a stage of its own: no data-parallel bytes to divide by (it printed 271459982592x).
+    text = why_pp(13.4, s, "zero3 + AC", 14.6, math.inf)
+    assert text.endswith(
+        "13.4 s/step against 14.6 for zero3 + AC, with data-parallel traffic this layout has none of (one data-parallel rank)"
+    )
+    assert why_pp(13.4, s, "zero3 + AC", 14.6, 9.2).endswith("whose data-parallel traffic is 9x this layout's")

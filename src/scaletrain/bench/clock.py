@@ -9,7 +9,7 @@ after round, each configuration is predicted and at once run: the prediction rep
 configuration's operations afresh (the round's replays are dropped before it), so that
 prediction and run see the machine in the same state; the run is `scaletrain train` (world 1)
 or `torchrun --nproc-per-node 2 -m scaletrain train` (world 2), its measured step the median
-of its log intervals after the first. Per configuration: the medians over the rounds of the
+of its log intervals after the first (each at least INTERVAL_S as predicted). Per configuration: the medians over the rounds of the
 predicted and the measured step, the error of each round's prediction against its own run
 (their median is the configuration's error), and the spread of the measured steps over the
 rounds ((max - min) / median), which says how far this machine lets a check go.
@@ -18,6 +18,7 @@ rounds ((max - min) / median), which says how far this machine lets a check go.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -97,6 +98,7 @@ class Result:
 
 
 RUN = ("train.resume=never", "checkpoint.every=0", "run.device=cpu")
+INTERVAL_S = 0.5  # the least predicted length of a log interval
 
 
 def predict(case: Case) -> Any:
@@ -144,11 +146,13 @@ def measure(case: Case, steps: int, log_every: int, run_dir: Path) -> tuple[floa
 
 def calibrate(say: Say) -> None:
     """`scaletrain plan --calibrate` into this process's cache."""
+    from scaletrain.bench.engine_overhead import engine_overheads
     from scaletrain.planning.clock.calibrate import calibrate_cpu, save_calibration
 
     values, lines = calibrate_cpu()
     for line in lines:
         say(f"calibrated: {line}")
+    values["engines"] = engine_overheads(lambda line: say(f"calibrated: {line}"))
     save_calibration(values)
 
 
@@ -157,7 +161,14 @@ def forget_replays() -> None:
     from scaletrain import disk_cache
     from scaletrain.planning.clock import compute, rates
 
-    for cached in (rates._replayed, rates._measured_optimizer, rates.cpu_host_op, rates.cpu_bandwidth, rates._cpu_rates):
+    for cached in (
+        rates._replayed,
+        rates._measured_optimizer,
+        rates.cpu_host_op,
+        rates.cpu_bandwidth,
+        rates.cpu_in_sequence,
+        rates._cpu_rates,
+    ):
         cached.cache_clear()
     compute.forget()
     path = disk_cache.cache_path(rates.CALLS_FILE)
@@ -181,7 +192,12 @@ def run_suite(rounds: int, steps: int, out: Path, only: list[str] | None, docs: 
         for res in results:
             forget_replays()
             predicted = predict(res.case)
-            step, phases = measure(res.case, steps, log_every, out / "runs" / f"{_slug(res.case.name)}-w{res.case.world}-{r}")
+            # A step of milliseconds is timed over more of them: each log interval at least
+            # INTERVAL_S long as predicted, so that one slow moment of the machine is a small
+            # part of it (the tiny preset at micro-batch 1: 20 ms steps).
+            every = max(log_every, math.ceil(INTERVAL_S / max(predicted.total, 1e-3)))
+            run_dir = out / "runs" / f"{_slug(res.case.name)}-w{res.case.world}-{r}"
+            step, phases = measure(res.case, max(steps, 4 * every + 1), every, run_dir)
             res.predicted.append(predicted.total)
             res.measured.append(step)
             res.phases, res.measured_phases = predicted.phases, phases

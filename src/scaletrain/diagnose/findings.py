@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from scaletrain.diagnose.clock import clock
 from scaletrain.diagnose.experts import router_collapse
 from scaletrain.diagnose.groups import replica_groups
 from scaletrain.diagnose.run import Finding, Run, gib, hours_unit, median_of, pct
@@ -461,6 +462,7 @@ RULES: tuple[Callable[[Run], list[Finding]], ...] = (
     replica_groups,
     checkpoint_blocking,
     profile,
+    clock,
     summary,
 )
 

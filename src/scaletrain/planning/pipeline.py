@@ -114,10 +114,13 @@ def why_pp(chosen_time: float, s: Setup, other_label: str | None, other_time: fl
     )
     if other_label is None:
         return text + "; no layout without pipeline parallel fits"
-    return text + (
-        f"; {chosen_time:.3g} s/step against {other_time:.3g} for {other_label}, whose data-parallel traffic is "
-        + (f"{traffic_ratio:.0f}x this layout's" if traffic_ratio >= 1 else "smaller but paid per micro-batch")
-    )
+    if traffic_ratio == float("inf"):  # one data-parallel rank: no such traffic at all
+        traffic = "with data-parallel traffic this layout has none of (one data-parallel rank)"
+    elif traffic_ratio >= 1:
+        traffic = f"whose data-parallel traffic is {traffic_ratio:.0f}x this layout's"
+    else:
+        traffic = "whose data-parallel traffic is smaller but paid per micro-batch"
+    return text + f"; {chosen_time:.3g} s/step against {other_time:.3g} for {other_label}, {traffic}"
 
 
 def gathered_stage_bytes(params: int, precision: str) -> float:

@@ -7,6 +7,7 @@ point is a ranking between strategies on the same model, not a promise of wall t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import is_dataclass, replace
 from typing import Any
@@ -135,8 +136,18 @@ def _tp_sizes(model: ModelSpec, world: int, nodes: int) -> list[int]:
 
 
 def evaluate(
-    model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: int, usable: float, cpu_per_node: float | None
+    model: ModelSpec,
+    s: Setup,
+    cfg: Config,
+    device: Device,
+    nodes: int,
+    usable: float,
+    cpu_per_node: float | None,
+    timed: bool = True,
 ) -> Candidate:
+    """The setup's memory, traffic and (`timed`) step time. Untimed, the step time is NaN:
+    the clock traces a step and, on a CPU, replays its operations (seconds for a shape not
+    seen before), which a run that only checks its configured layout's memory does not need."""
     if s.activation_offload and is_host(device):
         s = replace(s, activation_offload=False)  # a CPU's host memory is its device memory: nothing moves
     mem = estimate(model, s)
@@ -145,7 +156,7 @@ def evaluate(
     pp_comm = pp_comm_bytes_per_step(model, s)
     ep_comm = a2a_bytes_per_step(model, s)
     cp_comm = cp_comm_bytes_per_step(model, s)
-    time = step_time(model, s, cfg, device, nodes)
+    time = step_time(model, s, cfg, device, nodes) if timed else None
     comm += tp_comm + pp_comm + ep_comm + cp_comm
     why_not = ""
     if mem.peak > usable:
@@ -153,7 +164,17 @@ def evaluate(
     elif cpu_per_node is not None and mem.cpu * (s.reduce_ranks // nodes) > cpu_per_node:
         why_not = f"offload needs {fmt(mem.cpu * (s.reduce_ranks // nodes))} host memory per node > {fmt(cpu_per_node)}"
     return Candidate(
-        s, mem, comm, time.total, not why_not, why_not, tp_comm, pp_comm, ep_comm_bytes=ep_comm, cp_comm_bytes=cp_comm, time=time
+        s,
+        mem,
+        comm,
+        time.total if time else math.nan,
+        not why_not,
+        why_not,
+        tp_comm,
+        pp_comm,
+        ep_comm_bytes=ep_comm,
+        cp_comm_bytes=cp_comm,
+        time=time,
     )
 
 
@@ -167,26 +188,29 @@ def make_plan(
     headroom: float = 0.1,
     all_strategies: bool = True,
     as_configured: bool = False,
+    timed: bool = True,
 ) -> Plan:
     """Evaluate the configured setup (and, with all_strategies, every alternative).
 
     The fastest that fits is chosen, unless `as_configured` (a strategy the user named):
     then the configured setup is the plan, the alternatives shown beside it, and the
-    planner's own pick named when it would be faster."""
+    planner's own pick named when it would be faster. Untimed (only `as_configured`): no
+    step time anywhere, no comparison with the planner's pick."""
     if world < 1 or nodes < 1 or world % nodes:
         raise UserError(f"{world} devices cannot be split over {nodes} nodes; accepted: devices per node x nodes")
     usable = device.memory * (1 - headroom)
     if cfg.train.float8:
         check_device(device)
     cfg = settle(cfg, dims_for(cfg.parallel, world).dp_size)  # the global batch every layout keeps
-    judge = lambda s: evaluate(model, s, cfg, device, nodes, usable, cpu_per_node)  # noqa: E731
+    as_configured = as_configured and cfg.parallel.strategy != "auto"
+    timed = timed or not as_configured
+    judge = lambda s: evaluate(model, s, cfg, device, nodes, usable, cpu_per_node, timed)  # noqa: E731
     setups = setups_for(cfg, world, nodes, all_strategies, model)
     candidates = _micro_batch_search([judge(s) for s in setups], judge, cfg.train.micro_batch == AUTO_MICRO_BATCH)
     fitting = [c for c in candidates if c.fits]
-    as_configured = as_configured and cfg.parallel.strategy != "auto"
     if not fitting and not (as_configured and all_strategies):
         raise UserError(_nothing_fits(model, cfg, candidates, device, nodes, world, usable, cpu_per_node))
-    best = _fastest(fitting) if fitting else None
+    best = _fastest(fitting) if fitting and timed else None
     if as_configured:
         chosen = candidates[0]
         reasons = _as_configured(chosen, best, candidates)
@@ -198,12 +222,13 @@ def make_plan(
     plan = Plan(world, nodes, device, usable, candidates, chosen, reasons + batch_choice, 0)
     plan.batch_choice = batch_choice[0] if batch_choice else ""
     plan.max_micro_batch = largest_micro_batch(model, chosen.setup, usable)
-    plan.notes += what_cp_buys(chosen, candidates, cfg.data.seq_len)
+    plan.notes += what_cp_buys(chosen, candidates, cfg.data.seq_len) if timed else []
     plan.notes += _what_chunking_buys(model, chosen)
     plan.notes += moe_note(model, cfg.data.seq_len) + groups_note(cfg.train)
     plan.moe = moe_summary(model, cfg.data.seq_len)
-    float8_notes, plan.float8 = bf16_beside(chosen, judge)
-    plan.notes += float8_notes
+    if timed:
+        float8_notes, plan.float8 = bf16_beside(chosen, judge)
+        plan.notes += float8_notes
     return plan
 
 
@@ -292,9 +317,9 @@ def _fastest(fitting: list[Candidate]) -> Candidate:
 
 
 def _as_configured(chosen: Candidate, best: Candidate | None, candidates: list[Candidate]) -> list[str]:
-    text = (
-        f"{chosen.setup.label} as configured: needs {fmt(chosen.memory.peak)} per device, estimated {chosen.step_time:.3g} s/step"
-    )
+    text = f"{chosen.setup.label} as configured: needs {fmt(chosen.memory.peak)} per device"
+    if chosen.time is not None:
+        text += f", estimated {chosen.step_time:.3g} s/step"
     if not chosen.fits:
         text += f"; does not fit ({chosen.why_not})"
     reasons = [text]
@@ -338,7 +363,8 @@ def _reasons(chosen: Candidate, candidates: list[Candidate], expert_reasons: lis
     if chosen.setup.pp > 1:
         plain = [c for c in candidates if c.setup.pp == 1 and c.fits]
         other = min(plain, key=lambda c: c.step_time) if plain else None
-        ratio = other.dp_bytes / max(chosen.dp_bytes, 1.0) if other else 0.0
+        # A layout of one data-parallel rank moves no data-parallel bytes: no ratio to give.
+        ratio = (other.dp_bytes / chosen.dp_bytes if chosen.dp_bytes > 0 else math.inf) if other else 0.0
         reasons.append(
             why_pp(chosen.step_time, chosen.setup, other.setup.label if other else None, other.step_time if other else 0, ratio)
         )

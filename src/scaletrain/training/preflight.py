@@ -61,14 +61,16 @@ def plan_run(
         return cfg, []
 
     def planned(c: Config) -> Plan:
-        return make_plan(c, model, world.world_size, nodes, device, all_strategies=auto, as_configured=not auto)
+        # The step time only where a choice needs it (the clock costs seconds for a shape
+        # it has not priced before): auto's layout, and the defaults that depend on it.
+        return make_plan(c, model, world.world_size, nodes, device, all_strategies=auto, as_configured=not auto, timed=decide)
 
     def resolve() -> tuple[Config, list[str]]:
         return _plan_and_resolve(cfg, planned, target, free, auto, auto_batch, decide, device)
 
     import torch.distributed as dist
 
-    if not (world.distributed and dist.is_initialized()) or not (auto or auto_batch or decide):
+    if not (world.distributed and dist.is_initialized()) or not (auto or decide):
         return resolve()
     # Every rank needs the choice, and on a CPU the plan's step times are measured on the
     # machine (planning/clock/rates.py): rank 0 plans first, measuring and keeping the rates

@@ -95,8 +95,11 @@ def engine_work(model: ModelSpec, s: Setup, rates: Rates, mb: MicroBatch, per_no
 
 def _hooks(work: EngineWork, model: ModelSpec, s: Setup, rates: Rates) -> None:
     """The engine's own host work per unit it wraps, as measured on a model too small to
-    compute (rates.engine): FSDP per block and root, DeepSpeed per parameter tensor."""
+    compute (rates.engine): FSDP per block and root, DeepSpeed and DDP (several ranks) per
+    parameter tensor."""
     per = rates.engine(s.strategy)
+    if not TABLE[s.strategy].partitions and s.reduce_ranks == 1:
+        return  # the plain engine wraps nothing at one rank
     if not per:
         if TABLE[s.strategy].partitions and rates.kind == "cpu":
             work.notes.append(f"{s.strategy}'s own cost per unit is not calibrated on this machine (scaletrain plan --calibrate)")
@@ -132,6 +135,9 @@ def _optimizer(work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, parti
         work.add(
             "optimizer", f"AdamW and clipping ({share / 1e6:.3g}M parameters, {tensors} tensors)", rates.optimizer(share, tensors)
         )
+    if partitions and s.reduce_ranks > 1:
+        # The gradient norm of sharded gradients: each rank's sum of squares all-reduced (clipping).
+        work.add("optimizer", "the gradient norm's all-reduce", rates.collective("all_reduce", 8.0, s.reduce_ranks, False))
     if s.optimizer == "muon":
         work.notes.append("train.optimizer=muon: its step priced as AdamW's (Newton-Schulz not in the clock yet)")
 
@@ -217,7 +223,8 @@ def _zero12(work: EngineWork, s: Setup, rates: Rates, mb: MicroBatch, params: fl
     reduce = rates.collective("reduce_scatter", train * low, n, inter)
     shown = reduce if TABLE[s.strategy].partitions < 2 else _hidden(rates, reduce, mb.backward)
     work.add("comm", f"ZeRO's gradient reduction ({train * low / 2**20:.0f} MiB)", shown)
-    work.add("comm", "ZeRO's all-gather of the updated weights", rates.collective("all_gather", params * low, n, inter))
+    # Inside DeepSpeed's step (telemetry's optimizer phase): the updated weights gathered.
+    work.add("optimizer", "ZeRO's all-gather of the updated weights", rates.collective("all_gather", params * low, n, inter))
 
 
 def _model_parallel(work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, per_node: int, nodes: int) -> None:

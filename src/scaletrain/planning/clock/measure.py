@@ -123,3 +123,30 @@ def matmul_rate(n: int = 1024, device: str = "cpu", dtype: torch.dtype = torch.f
     b = torch.randn(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     return 2 * n**3 / median_seconds(lambda: a @ b, sync=sync)
+
+
+def in_sequence(replayed: Callable[[Any], float], host_op: float) -> float:
+    """How much slower a block's operations run one after another in a training pass than
+    each replayed alone (the least of its repeats), its host's share taken out: the small
+    preset's block at 4 x 256 tokens forward and backward for real (the median of its
+    repeats), less its dispatched operations' host cost, over the sum of its operations
+    replayed (an operation alone finds its inputs in the caches its predecessor left and its
+    output pages already mapped; in a pass it does not, and a pass meets the machine's
+    usual interference, where a replay's least time does not)."""
+    from scaletrain.config import load_config
+    from scaletrain.models import model_spec
+
+    spec = model_spec(load_config([], ["model.preset=small"]), 4096)
+    tokens, batch = 256, 4
+    work = block_work(spec, batch, tokens, "fp32")
+    ops = sum(replayed(c) * c.count for p in (work.forward, work.backward) for c in p.calls)
+    dispatched = work.forward.dispatched + work.backward.dispatched
+    block, extra = spec.traced_block(tokens)  # type: ignore[attr-defined]  # the built-in spec traces
+    x = torch.randn(batch, tokens, spec.hidden_size, requires_grad=True)
+    seed = torch.ones(batch, tokens, spec.hidden_size)
+
+    def run() -> None:
+        block(x.clone(), *extra).backward(seed)
+
+    real = median_seconds(run, repeats=15)
+    return max(0.5, (real - dispatched * host_op) / ops) if ops > 0 else 1.0

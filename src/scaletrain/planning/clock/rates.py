@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from scaletrain import disk_cache
-from scaletrain.planning.clock.measure import copy_bandwidth, host_op_seconds, optimizer_seconds
+from scaletrain.planning.clock.measure import copy_bandwidth, host_op_seconds, in_sequence, optimizer_seconds
 from scaletrain.planning.clock.trace import Call
 from scaletrain.planning.hardware import Device, is_host, measured_cpu_peak
 
@@ -86,6 +86,8 @@ class Rates:
     _table: dict[str, Any] = field(default_factory=dict)
     _device: Device | None = None
     _threads: int = 1
+    # A CPU: its operations one after another in a pass against each replayed alone (measure.in_sequence).
+    _sequence: float = 1.0
 
     # -- compute ------------------------------------------------------------------
     def call(self, c: Call) -> float:
@@ -94,7 +96,7 @@ class Rates:
             if c.flops > REPLAY_FLOPS or c.nbytes > REPLAY_BYTES:
                 # Too large to time here in passing: this CPU's measured matmul rate or bandwidth.
                 return c.flops / measured_cpu_peak() if c.flops else c.nbytes / self.memory_bw
-            return _replayed(c.op, c.args, self._threads)
+            return _replayed(c.op, c.args, self._threads) * self._sequence
         if c.kind == "matmul":
             return max(self.launch, c.flops / self._matmul_rate(c))
         if c.kind == "attention":
@@ -287,6 +289,16 @@ def cpu_host_op(threads: int) -> float:
 
 
 @lru_cache(maxsize=16)
+def cpu_in_sequence(threads: int) -> float:
+    def measure() -> float:
+        with Threads(threads):
+            return in_sequence(lambda c: _replayed(c.op, c.args, threads), cpu_host_op(threads))
+
+    key = _cpu_key("in-sequence", threads)
+    return float(measure() if key is None else disk_cache.cached(CALLS_FILE, key, measure))
+
+
+@lru_cache(maxsize=16)
 def cpu_bandwidth(threads: int) -> float:
     def measure() -> float:
         with Threads(threads):
@@ -369,6 +381,7 @@ def _cpu_rates(threads: int, several: bool) -> Rates:
         table,
         None,
         threads,
+        cpu_in_sequence(threads),
     )
 
 

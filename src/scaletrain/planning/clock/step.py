@@ -53,7 +53,7 @@ def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: in
         "comm": work.comm,
         "bubble": busy * bubble(s) / (1 - bubble(s)) if s.pp > 1 else 0.0,
         "offload": work.offload,
-        "other": OTHER_S,
+        "other": OTHER_S + _flush(rates, s, cfg.train.log_every, per_node, nodes),
     }
     largest: dict[str, tuple[tuple[str, float], ...]] = {"forward": mb.largest_forward, "backward": mb.largest_backward}
     for phase, items in work.largest.items():
@@ -64,6 +64,15 @@ def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: in
             (f"{s.pp - 1} of {v * m + s.pp - 1} slots idle ({s.pp_schedule}, {m} micro-batches)", phases["bubble"]),
         )
     return StepTime(phases, largest, rates.source, tuple(rates.notes + work.notes))
+
+
+def _flush(rates: Rates, s: Setup, log_every: int, per_node: int, nodes: int) -> float:
+    """The metrics' flush every train.log_every steps, per step: with several ranks, each
+    rank's figures gathered by object (its size, then its pickle: two small all-gathers)."""
+    ranks = s.dp * s.cp * s.tp * s.pp
+    if ranks == 1:
+        return 0.0
+    return 2 * rates.collective("all_gather", 4096.0 * ranks, ranks, nodes > 1) / max(1, log_every)
 
 
 def rates_of(device: Device, s: Setup, nodes: int) -> Rates:

@@ -36,8 +36,11 @@ from scaletrain.models.spec import ModelSpec
 from scaletrain.planning.trace_cache import OPS_FILE, cached
 
 aten = torch.ops.aten
-# Matrix products and how many multiply-adds each does, from its tensor arguments.
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
+# Matrix products and how many multiply-adds each does, from its tensor arguments;
+# scaletrain::grouped_mm is torch._grouped_mm behind a custom op (models/grouped_mm.py), which
+# fake tensors dispatch whole.
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm"}
+_NAMESPACES = ("aten", "scaletrain")
 # Kernels that allocate only: no bytes move (their cost is the dispatch).
 _ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
 # Operations that return a view or metadata without a kernel though their schema says otherwise.
@@ -126,11 +129,12 @@ def _named(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 def _matmul_shape(name: str, named: dict[str, Any], out: torch.Tensor) -> tuple[int, int, int, int]:
     """(groups, M, N, K) of a matrix product."""
-    if name == "_grouped_mm":
+    if name in ("_grouped_mm", "grouped_mm"):
         # Offsets on the rows ([M, K] x [G, K, N] -> [M, N]: each row through its group's
         # weight): 2 M N K. On the reduction ([K, S] x [S, N] -> [G, K, N], a weight gradient,
         # each group over its own slots S_g): 2 K N S, the slots summed over the groups.
-        a = named["self"]
+        a = named.get("self", named.get("a"))
+        assert a is not None
         if out.dim() == 3:
             return 1, out.shape[-2], out.shape[-1], a.shape[-1]
         return 1, out.shape[0], out.shape[-1], a.shape[-1]
@@ -170,7 +174,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.namespace != "aten":
+        if func.namespace not in _NAMESPACES:
             return out
         self.dispatched += 1
         name = _name(func)
