@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scaletrain.bench.clock_recorded import largest_phases, write_between
 from scaletrain.bench.runner import run_logged
 
 Say = Callable[[str], None]
@@ -214,7 +215,7 @@ def _slug(name: str) -> str:
     return name.replace(" ", "-")
 
 
-BEGIN, END = "<!-- clock-cpu-table -->", "<!-- /clock-cpu-table -->"
+MARKER = "clock-cpu-table"  # docs/planner.md's table sits between <!-- MARKER --> and <!-- /MARKER -->
 
 
 def table(results: list[Result], rounds: int, steps: int) -> str:
@@ -223,10 +224,9 @@ def table(results: list[Result], rounds: int, steps: int) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for x in results:
-        top = sorted(((k, v) for k, v in x.phases.items() if v > 0), key=lambda kv: -kv[1])[:3]
         rows.append(
             f"| {x.case.name} | {x.case.world} | {statistics.median(x.predicted):.3f} | {statistics.median(x.measured):.3f} "
-            f"| {x.error:+.1%} | {x.spread:.0%} | {', '.join(f'{k} {v:.3f}' for k, v in top)} |"
+            f"| {x.error:+.1%} | {x.spread:.0%} | {largest_phases(x.phases, lambda v: f'{v:.3f}')} |"
         )
     errors = [abs(x.error) for x in results]
     rows.append("")
@@ -238,14 +238,7 @@ def table(results: list[Result], rounds: int, steps: int) -> str:
 
 
 def write_table(docs: Path, results: list[Result], rounds: int, steps: int) -> None:
-    text = docs.read_text()
-    if BEGIN not in text or END not in text:
-        from scaletrain.errors import UserError
-
-        raise UserError(f"--docs {docs}: it has no {BEGIN} ... {END} markers to write the table between")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    docs.write_text(f"{head}{BEGIN}\n{table(results, rounds, steps)}\n{END}{tail}")
+    write_between(docs, MARKER, table(results, rounds, steps))
 
 
 def summary(results: list[Result]) -> dict[str, Any]:

@@ -103,10 +103,9 @@ def table(rows: list[Compared], measured_label: str = "measured") -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        top = sorted(((k, v) for k, v in r.phases.items() if v > 0), key=lambda kv: -kv[1])[:3]
         lines.append(
             f"| {r.name} | {r.where} | {r.device} | {_seconds(r.measured_s)} | {_seconds(r.predicted_s)} | {r.error:+.1%} "
-            f"| {', '.join(f'{k} {_seconds(v)}' for k, v in top)} |"
+            f"| {largest_phases(r.phases, _seconds)} |"
         )
     errors = [abs(r.error) for r in rows]
     if errors:
@@ -118,6 +117,12 @@ def table(rows: list[Compared], measured_label: str = "measured") -> str:
     notes = sorted({n for r in rows for n in r.notes})
     lines += [f"- {n}" for n in notes]
     return "\n".join(lines)
+
+
+def largest_phases(phases: dict[str, float], fmt: Callable[[float], str], n: int = 3) -> str:
+    """A prediction's `n` largest phases, "backward 1.2 s, forward ...", for a table's cell."""
+    top = sorted(((k, v) for k, v in phases.items() if v > 0), key=lambda kv: -kv[1])[:n]
+    return ", ".join(f"{k} {fmt(v)}" for k, v in top)
 
 
 def _seconds(s: float) -> str:

@@ -75,7 +75,7 @@ def _is_weight_cast(t: torch.Tensor) -> bool:
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     # Constructing in the target dtype: converting fake parameters afterwards (.to) trips
     # over weak references that other tooling (MemTracker) may hold on parameters.
     old = torch.get_default_dtype()
@@ -86,7 +86,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def _dtypes(regime: str, low: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+def regime_dtypes(regime: str, low: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
     """(parameter dtype, residual-stream dtype) for a regime."""
     return (low, low) if regime == "pure16" else (torch.float32, torch.float32)
 
@@ -117,10 +117,10 @@ def block_activations(
             one, two = _at(model, BLOCK_TRACE, regime, low)
             weights = _linear(one[1], two[1], micro_batch)
             saved = t + int((t - h) * (seq_len - BLOCK_TRACE) / (BLOCK_TRACE // 2))
-            block_input = micro_batch * seq_len * model.hidden_size * _dtypes(regime, low)[1].itemsize
+            block_input = micro_batch * seq_len * model.hidden_size * regime_dtypes(regime, low)[1].itemsize
             return BlockActivations(saved=saved, weight_copies=weights, block_input=block_input)
     saved, weights = (_linear(a, b, micro_batch) for a, b in zip(*_at(model, seq_len, regime, low)))
-    block_input = micro_batch * seq_len * model.hidden_size * _dtypes(regime, low)[1].itemsize
+    block_input = micro_batch * seq_len * model.hidden_size * regime_dtypes(regime, low)[1].itemsize
     return BlockActivations(saved=saved, weight_copies=weights, block_input=block_input)
 
 
@@ -149,9 +149,9 @@ def _traced_block(model: ModelSpec, micro_batch: int, seq_len: int, regime: str,
 
 
 def _trace_block(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> tuple[int, int]:
-    param_dtype, act_dtype = _dtypes(regime, low)
+    param_dtype, act_dtype = regime_dtypes(regime, low)
     with FakeTensorMode():
-        with _default_dtype(param_dtype):
+        with default_dtype(param_dtype):
             block, extra = _traceable(model).traced_block(seq_len)
         _WEIGHT_SHAPES.clear()
         _WEIGHT_SHAPES.update(tuple(p.shape) for p in block.parameters() if p.dim() == 2)
@@ -181,9 +181,9 @@ def _traced_head(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, 
 
 
 def _trace_head(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> int:
-    param_dtype, act_dtype = _dtypes(regime, low)
+    param_dtype, act_dtype = regime_dtypes(regime, low)
     with FakeTensorMode():
-        with _default_dtype(param_dtype):
+        with default_dtype(param_dtype):
             head = _traceable(model).traced_head()
         _WEIGHT_SHAPES.clear()
         _WEIGHT_SHAPES.update(tuple(p.shape) for p in head.parameters() if p.dim() == 2)

@@ -19,8 +19,7 @@ so this is the least traffic a compiled pass can have.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -33,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 from scaletrain.models.capabilities import Traceable, capability
 from scaletrain.models.grouped_mm import grouped_on_fake_tensors
 from scaletrain.models.spec import ModelSpec
+from scaletrain.planning.activations import default_dtype, regime_dtypes
 from scaletrain.planning.trace_cache import OPS_FILE, cached
 
 aten = torch.ops.aten
@@ -280,20 +280,6 @@ def _passes(run: Callable[[], torch.Tensor]) -> Traced:
     )
 
 
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-def _regime_dtypes(regime: str, low: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
-    return (low, low) if regime == "pure16" else (torch.float32, torch.float32)
-
-
 def _autocast(regime: str, low: torch.dtype) -> Any:
     return torch.autocast("cpu", dtype=low) if regime == "autocast" else torch.autocast("cpu", enabled=False)
 
@@ -368,10 +354,10 @@ def _from_json(raw: dict[str, Any]) -> Traced:
 
 
 def _trace_block(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> Traced:
-    param_dtype, act_dtype = _regime_dtypes(regime, low)
+    param_dtype, act_dtype = regime_dtypes(regime, low)
     # A mixture of experts' experts as the devices run them under experts_impl=auto: grouped.
     with FakeTensorMode(), grouped_on_fake_tensors():
-        with _default_dtype(param_dtype):
+        with default_dtype(param_dtype):
             block, extra = _traceable(model).traced_block(seq_len)
         x = torch.empty(micro_batch, seq_len, model.hidden_size, dtype=act_dtype, requires_grad=True).clone()
         with _autocast(regime, low):
@@ -379,9 +365,9 @@ def _trace_block(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, 
 
 
 def _trace_head(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> Traced:
-    param_dtype, act_dtype = _regime_dtypes(regime, low)
+    param_dtype, act_dtype = regime_dtypes(regime, low)
     with FakeTensorMode():
-        with _default_dtype(param_dtype):
+        with default_dtype(param_dtype):
             head = _traceable(model).traced_head()
         x = torch.empty(micro_batch, seq_len, model.hidden_size, dtype=act_dtype, requires_grad=True).clone()
         targets = torch.zeros(micro_batch, seq_len, dtype=torch.long)
@@ -390,9 +376,9 @@ def _trace_head(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, l
 
 
 def _trace_embedding(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> Traced:
-    param_dtype, _ = _regime_dtypes(regime, low)
+    param_dtype, _ = regime_dtypes(regime, low)
     with FakeTensorMode():
-        with _default_dtype(param_dtype):
+        with default_dtype(param_dtype):
             table = torch.nn.Embedding(model.vocab_size, model.hidden_size)
         tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         return _passes(lambda: table(tokens))
