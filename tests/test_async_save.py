@@ -48,7 +48,7 @@ def test_background_saves_copy_into_the_buffers_of_the_first(tmp_path):
     from scaletrain.engines.base import MicroBatch
     from scaletrain.launch.distributed import init_distributed, shutdown
     from scaletrain.models import model_spec
-    from scaletrain.training.optim import decay_groups
+    from scaletrain.optim.optimizers import decay_groups
 
     world = init_distributed("cpu", None, 60)
     try:

@@ -1,7 +1,7 @@
-"""The package's layering, read from the source: imports never go round in a circle (lazy
-imports inside functions included), the planner is pure arithmetic (no process group,
-engine, trainer or CLI), checkpoints know formats but never import an engine, and no module
-grows past ~600 lines."""
+"""The package's layering, read from the source: imports never go round in a circle, between
+modules or between packages (lazy imports inside functions included), nor up a layer; the
+planner is pure arithmetic (no process group, engine, trainer or CLI), checkpoints know
+formats but never import an engine, and no module grows past ~600 lines."""
 
 from __future__ import annotations
 
@@ -91,6 +91,55 @@ def test_the_cycle_finder_finds_one():
     assert ["scaletrain.models.lora", "scaletrain.models.params"] in cycles(graph)
 
 
+# The packages from the bottom up (docs/architecture.md): a module imports only from its own
+# layer or those below, lazily or not. The root's shared modules are below everything; its
+# entry points (the package itself, __main__, api) are on top.
+LAYERS = [
+    {"errors", "files", "disk_cache", "strategies"},
+    {"launch", "config"},
+    {"models"},
+    {"data"},
+    {"optim", "planning"},
+    {"resilience"},
+    {"checkpoint"},
+    {"engines"},
+    {"telemetry"},
+    {"training"},
+    {"diagnose", "bench"},
+    {"cli", "api", "__main__", ""},
+]
+
+
+def package_of(module: str) -> str:
+    """scaletrain.engines.fsdp -> engines; scaletrain.api -> api; scaletrain -> ''."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    packages: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        mine = package_of(module)
+        packages.setdefault(mine, set()).update(p for m in imported if (p := package_of(m)) != mine)
+    return packages
+
+
+def test_no_package_cycle_and_no_import_up_a_layer():
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    packages = package_graph(GRAPH)
+    assert set(packages) <= set(layer), f"put {sorted(set(packages) - set(layer))} in LAYERS"
+    assert cycles(packages) == []
+    upward = sorted((a, b) for a, imported in packages.items() for b in imported if layer[b] > layer[a])
+    assert upward == []
+
+
+def test_a_package_cycle_is_found():
+    # As checkpoint and resilience once were: checkpoint/manager.py met resilience's fault
+    # points, and resilience/oom.py wrote its records with checkpoint's write_atomic.
+    graph = {**GRAPH, "scaletrain.resilience.oom": GRAPH["scaletrain.resilience.oom"] | {"scaletrain.checkpoint"}}
+    assert ["checkpoint", "resilience"] in cycles(package_graph(graph))
+    assert cycles(graph) == []  # the modules alone go round in no circle: only their packages do
+
+
 def closure(start: str) -> set[str]:
     seen, todo = set(), [m for m in GRAPH if m == start or m.startswith(start + ".")]
     while todo:
@@ -121,8 +170,8 @@ def test_checkpoints_never_import_an_engine():
 # The package root holds the entry points and what every package needs without torch; every
 # other module lives in the package that names its part of the architecture
 # (docs/architecture.md: api is the Python API; disk_cache serves the planner, the engines
-# and the CLI alike).
-ROOT_MODULES = {"__init__", "__main__", "api", "strategies", "errors", "disk_cache"}
+# and the CLI alike; files writes whole files for checkpoints, resilience and reports).
+ROOT_MODULES = {"__init__", "__main__", "api", "strategies", "errors", "disk_cache", "files"}
 
 
 def test_the_root_holds_only_the_entry_points_and_the_shared_torch_free_modules():

@@ -8,7 +8,7 @@ import pytest
 
 from scaletrain.config import TrainConfig, load_config
 from scaletrain.errors import UserError
-from scaletrain.training.optim import lr_at
+from scaletrain.optim.schedule import lr_at
 
 pytestmark = pytest.mark.unit
 

@@ -118,7 +118,7 @@ def test_swap_files_hold_what_deepspeed_offloads_and_what_the_planner_counts(run
     cfg = load_config([str(run / "config.yaml")])
     spec = model_spec(cfg, VOCAB)
     params = list(spec.build_meta(cfg.data.seq_len).parameters())  # a tied weight once, as DeepSpeed
-    # DeepSpeed's rules (runtime/zero/stage3.py, swap_tensor/): per AdamW group (training/optim.py:
+    # DeepSpeed's rules (runtime/zero/stage3.py, swap_tensor/): per AdamW group (optim/optimizers.py:
     # matrices decay, vectors do not) one flat fp32 partition per rank, swapped whole when
     # >= 1 MiB as 3 files (master, exp_avg, exp_avg_sq); each parameter partition >= 1 MiB in
     # the run's dtype (fp32) as one file, and its fp32 gradient partition as another.

@@ -1,4 +1,4 @@
-"""train.param_groups (training/optim.py): parameters matched by name get their own learning
+"""train.param_groups (optim/optimizers.py): parameters matched by name get their own learning
 rate multiplier and weight decay in the engine's optimizer, on every engine, and say so."""
 
 from __future__ import annotations

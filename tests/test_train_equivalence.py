@@ -67,10 +67,16 @@ def test_ddp_with_accumulation_matches_one_process(small_dataset, reference_run,
 
 
 # point -> (extra overrides, complete checkpoints left by the kill, where the resume starts)
+# A kill between two saves finds step_5 complete only if its asynchronous writing (a thread:
+# checkpoint/manager.py's PendingSave) ended before the kill, which on a loaded machine it
+# need not (CI saw step_5 without its marker at metrics:10): there the save is synchronous,
+# so the kill meets a known state. save:10 and prune:6 are met after the next save has
+# waited for the pending one, so they keep the asynchronous default.
+SYNC = "checkpoint.async_save=false"
 KILLS = {
-    "step:7": ([], [5], 5),
+    "step:7": ([SYNC], [5], 5),
     "save:10": ([], [5], 5),  # step_10 holds everything but its COMPLETE marker
-    "metrics:10": ([], [5], 5),  # the flush before the save of step 10, cut mid-row
+    "metrics:10": ([SYNC], [5], 5),  # the flush before the save of step 10, cut mid-row
     # keep=1 prunes step_3 after saving step_6; killed with step_3's marker gone, files not.
     "prune:6": (["checkpoint.every=3", "checkpoint.keep=1"], [6], 6),
 }
@@ -112,7 +118,14 @@ def test_killed_run_resumes_bit_exactly(small_dataset, reference_run, tmp_path, 
 @pytest.mark.timeout(300)
 def test_killed_ddp_world_2_resumes_bit_exactly(small_dataset, ddp2_run, tmp_path):
     run = tmp_path / "killed"
-    args = [*base_overrides(small_dataset, run), "train.micro_batch=2", "checkpoint.every=5", *eval_overrides(small_dataset)]
+    # Synchronous saves, as at step:7 above: the kill then finds step_5 complete on any machine.
+    args = [
+        *base_overrides(small_dataset, run),
+        "train.micro_batch=2",
+        "checkpoint.every=5",
+        SYNC,
+        *eval_overrides(small_dataset),
+    ]
     proc = train(args, nproc=2, env={"SCALETRAIN_KILL_AT": "step:7"})
     assert proc.returncode == 1 and "failed with signal SIGKILL" in proc.stderr, proc.stderr[-3000:]
     assert completed(run) == [5]

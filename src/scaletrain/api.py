@@ -100,8 +100,8 @@ def plan(
     """The plan `scaletrain plan` shows, as data: every candidate layout with its memory and
     step time, the chosen one and why (`.as_dict()` is the command's --json). The options
     are the command's flags: `gpu` h100 (default), h200, a100, ..., or cpu (this machine)."""
-    from scaletrain.cli.plan import check_options
-    from scaletrain.cli.plan_output import PlanOptions, build_plan
+    from scaletrain.training.plan_options import PlanOptions, check_options
+    from scaletrain.training.planned import build_plan
 
     opts = PlanOptions(
         gpus_per_node=gpus_per_node,

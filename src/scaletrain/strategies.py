@@ -81,7 +81,7 @@ class Strategy:
     # converted on the meta model before the engine wraps it.
     float8: bool = False
     # train.optimizer=muon: Newton-Schulz needs each whole matrix, which this engine's ranks
-    # hold or gather (fsdp: one all-gather per matrix and step, training/muon.py).
+    # hold or gather (fsdp: one all-gather per matrix and step, optim/muon.py).
     muon: bool = False
     no_float8_why: str = ""  # why a strategy without it has none, for the refusal
     teacher: bool = True  # model.teacher (engines/teacher.py holds it like the model)

@@ -14,7 +14,7 @@ from scaletrain.config.parallel import dims_for
 from scaletrain.engines import Engine, build_engine
 from scaletrain.launch.distributed import init_distributed, shutdown
 from scaletrain.models import ModelSpec, distill_spec, model_spec
-from scaletrain.training.optim import decay_groups
+from scaletrain.optim.optimizers import decay_groups
 
 Z3_PARTITION_ALL = "parallel.deepspeed_extra={zero_optimization: {stage3_param_persistence_threshold: 0}}"
 SMALL_MODEL = ["model.vocab_size=67", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",

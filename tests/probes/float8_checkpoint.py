@@ -27,7 +27,7 @@ from scaletrain.engines import build_engine
 from scaletrain.engines.float8 import convert
 from scaletrain.launch.distributed import init_distributed
 from scaletrain.models import model_spec
-from scaletrain.training.optim import decay_groups
+from scaletrain.optim.optimizers import decay_groups
 
 from common import SMALL_MODEL
 

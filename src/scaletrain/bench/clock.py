@@ -177,7 +177,13 @@ def forget_replays() -> None:
         path.unlink()
 
 
-def run_suite(rounds: int, steps: int, out: Path, only: list[str] | None, docs: Path | None, say: Say) -> list[Result]:
+def run_suite(
+    rounds: int, steps: int, out: Path, only: list[str] | None, docs: Path | None, say: Say, refresh: bool = True
+) -> list[Result]:
+    """Each configuration predicted, then run at once. `refresh`: its operations replayed
+    afresh just before (the bench: prediction and run under the same state of the machine);
+    without it, a shape an earlier configuration replayed keeps its time, as a user's cache
+    keeps it (the suite's test: the same shapes are not replayed again)."""
     cases = [c for c in CASES if not only or c.name in only or f"{c.name} w{c.world}" in only]
     unknown = sorted(set(only or ()) - {c.name for c in CASES} - {f"{c.name} w{c.world}" for c in CASES})
     if unknown:
@@ -191,7 +197,8 @@ def run_suite(rounds: int, steps: int, out: Path, only: list[str] | None, docs: 
     log_every = max(1, steps // 4)
     for r in range(rounds):
         for res in results:
-            forget_replays()
+            if refresh:
+                forget_replays()
             predicted = predict(res.case)
             # A step of milliseconds is timed over more of them: each log interval at least
             # INTERVAL_S long as predicted, so that one slow moment of the machine is a small

@@ -55,7 +55,8 @@ def measured() -> dict[str, dict[str, float]]:
     from scaletrain.engines import build_engine, preload
     from scaletrain.launch.distributed import init_distributed
     from scaletrain.models import model_spec
-    from scaletrain.training.optim import decay_groups, lr_at
+    from scaletrain.optim.optimizers import decay_groups
+    from scaletrain.optim.schedule import lr_at
 
     torch.set_num_threads(1)
     # One rank as a launcher would describe it (DeepSpeed asks for LOCAL_RANK; FSDP's group

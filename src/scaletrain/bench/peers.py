@@ -37,8 +37,8 @@ from scaletrain.config import Config, load_config
 from scaletrain.config.batch import global_batch
 from scaletrain.data import PackedTokens, resolve_dataset_dir
 from scaletrain.models import model_spec
+from scaletrain.optim.schedule import lr_at
 from scaletrain.strategies import strategy
-from scaletrain.training.optim import lr_at
 
 
 class Windows(torch.utils.data.Dataset):

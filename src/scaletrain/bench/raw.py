@@ -42,8 +42,8 @@ from scaletrain.config import Config, load_config
 from scaletrain.data import PackedTokens, RankBatches, resolve_dataset_dir
 from scaletrain.launch.env import use_build_environment
 from scaletrain.models import model_spec
+from scaletrain.optim.schedule import lr_at
 from scaletrain.strategies import strategy
-from scaletrain.training.optim import lr_at
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

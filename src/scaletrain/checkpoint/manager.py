@@ -18,7 +18,6 @@ Layout of `checkpoints/step_<N>/`:
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -36,6 +35,7 @@ import torch
 from scaletrain.checkpoint.disks import Disks, shared
 from scaletrain.checkpoint.state import FILE, TrainerState
 from scaletrain.errors import UserError
+from scaletrain.files import write_atomic
 from scaletrain.launch.distributed import ALONE, World, barrier, gather_objects, side_group
 from scaletrain.resilience import faults
 
@@ -276,12 +276,3 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

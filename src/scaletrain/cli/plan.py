@@ -9,12 +9,12 @@ plan_output.py; --measure is plan_measure.py.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from scaletrain.config import AUTO_MICRO_BATCH, Config, load_config, split_args
 from scaletrain.errors import UserError
 from scaletrain.launch import startup
 from scaletrain.strategies import STRATEGIES
+from scaletrain.training.plan_options import check_options
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
@@ -67,17 +67,6 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
     pl.add_argument("--ft-groups", type=int, help="with --mtbf-hours: replica groups (default: one per node, at least 2)")
     pl.add_argument("--save-seconds", type=float, help="with --mtbf-hours: what a save blocks (default: estimated)")
     return pl
-
-
-def check_options(opts: Any) -> None:
-    """The numbers among the plan's options, checked before anything heavy is imported."""
-    if not 0 <= opts.headroom < 1:
-        raise UserError(f"--headroom {opts.headroom} is invalid; accepted: a fraction in [0, 1)")
-    if opts.mtbf_hours is not None and not 0 < opts.mtbf_hours < float("inf"):
-        raise UserError(f"--mtbf-hours {opts.mtbf_hours} is invalid; accepted: a finite number of hours > 0")
-    for flag, value in (("--restart-minutes", opts.restart_minutes), ("--save-seconds", opts.save_seconds)):
-        if value is not None and not 0 <= value < float("inf"):
-            raise UserError(f"{flag} {value} is invalid; accepted: a finite number >= 0")
 
 
 def run(args: argparse.Namespace) -> int:

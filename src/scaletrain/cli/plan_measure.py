@@ -18,11 +18,12 @@ from scaletrain.config.parallel import dims_for
 from scaletrain.engines import build_engine
 from scaletrain.launch.distributed import init_distributed, shutdown
 from scaletrain.models import ModelSpec
+from scaletrain.optim.optimizers import decay_groups
+from scaletrain.optim.schedule import lr_at
 from scaletrain.planning import planning_spec
 from scaletrain.planning.hardware import gpu, this_cpu
 from scaletrain.planning.planner import evaluate, setups_for
 from scaletrain.planning.report import print_measurement
-from scaletrain.training.optim import decay_groups, lr_at
 
 # MemTracker's categories, folded into the planner's components.
 _COMPONENTS = {
@@ -49,7 +50,8 @@ def measure(cfg: Config, as_json: bool) -> int:
         )
         cfg = settle(cfg, dims_for(cfg.parallel, world.world_size).dp_size)  # grad_accum from train.global_batch
         setup = setups_for(cfg, world.world_size, 1, False)[0]
-        predicted = evaluate(model, setup, cfg, device, 1, device.memory, None).memory.as_dict()
+        # Memory only: untimed, the clock's CPU replays (seconds per new shape) are not run.
+        predicted = evaluate(model, setup, cfg, device, 1, device.memory, None, timed=False).memory.as_dict()
         measured = measure_peak(cfg, world, model)
         if world.is_main:
             if as_json:

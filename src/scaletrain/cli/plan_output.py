@@ -1,48 +1,17 @@
-"""`scaletrain plan`'s output: the plan as a table or JSON, and as DeepSpeed JSON for
-Hugging Face Trainer (--emit-deepspeed). Imported by plan.py once the config is good."""
+"""`scaletrain plan`'s output: the plan (training/planned.py) as a table or JSON, with
+--explain-time's phases. Imported by plan.py once the config is good."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from scaletrain.cli.console import console
 from scaletrain.config import Config
-from scaletrain.config.parallel import dims_for
-from scaletrain.engines.deepspeed_config import build_deepspeed_config
-from scaletrain.errors import UserError
-from scaletrain.planning import Setup, planning_spec
-from scaletrain.planning.candidate import Plan
 from scaletrain.planning.clock.explain import print_time
-from scaletrain.planning.goodput import Failures, GoodputEstimate, estimate_goodput
-from scaletrain.planning.hardware import gpu, parse_size, this_cpu
 from scaletrain.planning.report import print_plan
-from scaletrain.strategies import FORMATS, TABLE
 from scaletrain.telemetry.progress import model_label
-from scaletrain.training.preflight import plan_as_trained
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """What `scaletrain plan` takes besides the config, as its flags name it (an argparse
-    Namespace of the command serves as well): the machine planned for and how."""
-
-    gpus_per_node: int = 8
-    nodes: int = 1
-    gpu: str | None = None  # h100 (default), h200, a100, ..., or cpu (this machine)
-    gpu_memory: str | None = None  # e.g. 80GiB (default: the GPU's)
-    cpu_memory: str | None = None
-    headroom: float = 0.1
-    configured_only: bool = False
-    device_defaults: bool = False
-    emit_deepspeed: str | None = None
-    mtbf_hours: float | None = None
-    restart_minutes: float = 10.0
-    ft_groups: int | None = None
-    save_seconds: float | None = None
+from scaletrain.training.planned import build_plan
 
 
 def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
@@ -56,113 +25,3 @@ def show_plan(cfg: Config, opts: argparse.Namespace) -> int:
         if time is not None:
             print_time(console(), plan.chosen.setup.label, time)
     return 0
-
-
-def build_plan(cfg: Config, opts: PlanOptions | argparse.Namespace) -> tuple[Plan, GoodputEstimate | None, Any]:
-    """The plan `scaletrain plan` shows (and scaletrain.plan returns), with its goodput
-    estimate where opts asks for one, and the model it planned."""
-    device = this_cpu() if (opts.gpu or "").lower() == "cpu" else gpu(opts.gpu, opts.gpu_memory)
-    cpu_per_node = parse_size(opts.cpu_memory, "--cpu-memory") if opts.cpu_memory else None
-    for name, value in (("--gpus-per-node", opts.gpus_per_node), ("--nodes", opts.nodes)):
-        if value < 1:
-            raise UserError(f"{name} {value} is invalid; accepted: 1 or more")
-    world = opts.gpus_per_node * opts.nodes
-    # A strategy the user named is planned as asked (the others beside it); otherwise, as
-    # with strategy auto, the planner chooses.
-    named = "strategy" in cfg.parallel.model_fields_set and cfg.parallel.strategy != "auto"
-    all_strategies = cfg.parallel.strategy == "auto" or not opts.configured_only
-    plan, applied, cfg = plan_as_trained(
-        cfg, device, world, opts.nodes, cpu_per_node, opts.headroom, all_strategies, named, opts.device_defaults
-    )
-    model = planning_spec(cfg)
-    if applied:
-        say = (
-            "planned with the device's defaults"
-            if opts.device_defaults
-            else "train applies on such a GPU (--device-defaults plans with them)"
-        )
-        plan.notes.append(f"{say}: " + "; ".join(applied))
-    if opts.emit_deepspeed:
-        path = emit_deepspeed(cfg, plan.chosen.setup, world, Path(opts.emit_deepspeed))
-        plan.notes.append(f"DeepSpeed JSON ({plan.chosen.setup.label}) for Hugging Face Trainer written to {path}")
-        if plan.chosen.setup.ep > 1:  # ZeRO's JSON has no expert parallel: the layout is written without it
-            plan.notes.append(f"that JSON has no expert parallel: parallel.ep={plan.chosen.setup.ep} is scaletrain's fsdp only")
-    goodput = None
-    if opts.mtbf_hours is not None:
-        goodput = failure_plan(cfg, plan, world, opts)
-        plan.notes += goodput_lines(goodput, cfg.checkpoint.every)
-    return plan, goodput, model
-
-
-# A synchronous save (DeepSpeed, or checkpoint.async_save=false) writes every device's state
-# to storage while training waits: assumed 1 GB/s per device (a shared filesystem written by
-# all devices at once). An async save blocks only for the copy to host memory.
-SYNC_SAVE_BYTES_PER_S = 1e9
-
-
-def failure_plan(cfg: Config, plan: Any, world: int, opts: PlanOptions | argparse.Namespace) -> GoodputEstimate:
-    """--mtbf-hours: the goodput of both ways of surviving failures, for the chosen layout."""
-    assert opts.mtbf_hours is not None  # build_plan asks for this only with it
-    s, m, device = plan.chosen.setup, plan.chosen.memory, plan.device
-    groups = opts.ft_groups or max(2, opts.nodes)
-    if groups < 2 or world % groups:
-        raise UserError(f"--ft-groups {groups} is invalid; accepted: 2 or more replica groups that divide the {world} devices")
-    state = m.params + m.grads + m.optimizer  # per device; what a save writes and a rejoining group receives
-    sync = not (FORMATS[TABLE[s.strategy].format].background and cfg.checkpoint.async_save)
-    save = opts.save_seconds if opts.save_seconds is not None else state / (SYNC_SAVE_BYTES_PER_S if sync else device.host_bw)
-    failures = Failures(
-        devices=world,
-        mtbf_hours=opts.mtbf_hours,
-        step_s=plan.chosen.step_time,
-        every_steps=cfg.checkpoint.every,
-        save_s=save,
-        restart_s=opts.restart_minutes * 60.0,
-        groups=groups,
-        transfer_s=state / device.inter_node_bw,
-    )
-    return estimate_goodput(failures)
-
-
-def goodput_lines(g: GoodputEstimate, every: int) -> list[str]:
-    at = f"checkpoint.every={every}" if every else "no periodic checkpoint (checkpoint.every=0)"
-    return [
-        f"failures (--mtbf-hours, the job fails every {g.job_mtbf_h:.3g} h): checkpoint-and-restart at {at}: goodput "
-        f"{100 * g.restart:.1f}%; at Young/Daly's optimal interval, checkpoint.every={g.optimal_steps}: "
-        f"{100 * g.restart_optimal:.1f}%; replica groups ({g.groups} groups, torchft): {100 * g.replica_groups:.1f}% at "
-        f"checkpoint.every={every}, {100 * g.replica_groups_optimal:.1f}% at {g.optimal_steps}",
-        f"choose {'replica groups' if g.choice == 'replica_groups' else 'checkpoint-and-restart'}: {g.why} "
-        "(docs/fault-tolerance.md; replica groups are not built yet)",
-    ]
-
-
-def emit_deepspeed(cfg: Config, setup: Setup, world: int, path: Path) -> Path:
-    """A plan as DeepSpeed JSON in the form HF Trainer accepts: values the Trainer owns
-    (batch sizes, optimizer hyper-parameters, clipping, precision switches) are "auto", so
-    they come from TrainingArguments and cannot disagree with them. A strategy DeepSpeed
-    does not run is written as its DeepSpeed counterpart, the row taking DeepSpeed JSON that
-    partitions the same states (fsdp: ZeRO-3); one partitioning nothing (ddp) as stage 0."""
-    chosen = TABLE[setup.strategy]
-    counterpart = next(s for s in TABLE.values() if s.deepspeed_json and s.partitions == max(1, chosen.partitions))
-    par = cfg.parallel.model_copy(
-        update=dict(
-            strategy=counterpart.name,
-            offload_optimizer=setup.offload_optimizer,
-            offload_params=setup.offload_params,
-            dp_replicate=1,
-            deepspeed_extra={},
-        )
-    )
-    ds = build_deepspeed_config(cfg.model_copy(update={"parallel": par}), dims_for(par, world).dp_size)
-    if chosen.partitions == 0:
-        ds["zero_optimization"]["stage"] = 0
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
-        if key in ds:
-            ds[key] = "auto"
-    for section in ("fp16", "bf16"):
-        if section in ds:
-            ds[section]["enabled"] = "auto"
-    if "optimizer" in ds:
-        ds["optimizer"]["params"] = {k: "auto" for k in ds["optimizer"].get("params", {})}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(ds, indent=2) + "\n")
-    return path

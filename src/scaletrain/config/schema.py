@@ -81,7 +81,7 @@ class TrainConfig(Section):
     lr: float = Field(3e-3, gt=0, le=10)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # the decay ends at lr * min_lr_ratio
     warmup_steps: int = Field(20, ge=0)
-    # After the linear warmup (training/optim.py, lr_at): cosine or linear decay over the rest
+    # After the linear warmup (optim/schedule.py, lr_at): cosine or linear decay over the rest
     # of train.steps; constant; wsd, warmup-stable-decay: lr held until the last
     # train.decay_steps (unset: a fifth of train.steps), then decayed with train.decay_shape
     # (1-sqrt, Hägele et al. 2024, or linear). Only wsd's shape up to its decay does not
@@ -96,11 +96,11 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.1, ge=0)
     # adamw: torch's AdamW for every parameter. muon: torch's Muon for the 2-D matrices inside
     # the blocks, AdamW for the embedding, the head and the gains, at one train.lr (Muon's
-    # updates scaled to AdamW's RMS, as Moonlight does; training/muon.py, docs/optimizers.md).
+    # updates scaled to AdamW's RMS, as Moonlight does; optim/muon.py, docs/optimizers.md).
     optimizer: Literal["adamw", "muon"] = "adamw"
     # Parameters trained at their own learning rate (a multiplier) and weight decay: the
     # first entry whose patterns match a parameter's name takes it; the rest keep the
-    # defaults. A pattern that matches no parameter is an error (training/optim.py).
+    # defaults. A pattern that matches no parameter is an error (optim/optimizers.py).
     param_groups: list[ParamGroupSection] = Field(default_factory=list)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.95, ge=0, lt=1)

@@ -141,7 +141,7 @@ def _lr(ax: Axes, run: Run) -> str | None:
         return "metrics.jsonl has no step rows with an lr"
     ax.plot(*zip(*pts), lw=1.2, color="#1f77b4", label="the schedule (train.lr)")
     # Each optimizer group's rate at the end of each interval, where the groups differ
-    # (train.param_groups' multipliers; Muon beside AdamW): the rows training/optim.py's
+    # (train.param_groups' multipliers; Muon beside AdamW): the rows optim/optimizers.py's
     # group_lrs writes, numbered as the run's start printed the groups.
     groups: dict[int, list[tuple[int, float]]] = {}
     labels: dict[int, str] = {}

@@ -24,7 +24,7 @@ from scaletrain.engines import build_engine
 from scaletrain.errors import UserError
 from scaletrain.launch.distributed import ALONE, shutdown
 from scaletrain.models import saved_spec
-from scaletrain.training.optim import decay_groups
+from scaletrain.optim.optimizers import decay_groups
 
 
 def convert(src: Path, dst: Path, strategy: str, overrides: list[str]) -> str:

@@ -25,8 +25,8 @@ from scaletrain.engines.teacher import replicated_teacher
 from scaletrain.engines.torch_engine import TorchEngineMixin
 from scaletrain.launch.distributed import World
 from scaletrain.models.spec import ModelSpec
+from scaletrain.optim.optimizers import build_optimizer
 from scaletrain.resilience import faults
-from scaletrain.training.optim import build_optimizer
 
 
 class DDPEngine(TorchEngineMixin):

@@ -44,7 +44,7 @@ from scaletrain.errors import UserError
 from scaletrain.launch.distributed import World, ensure_process_group
 from scaletrain.models.capabilities import ExpertSplit, PipelineStages, TensorParallel, capability
 from scaletrain.models.spec import LossFn, ModelSpec
-from scaletrain.training.optim import build_optimizer
+from scaletrain.optim.optimizers import build_optimizer
 
 
 class FSDPEngine(TorchEngineMixin):
@@ -100,7 +100,7 @@ class FSDPEngine(TorchEngineMixin):
         self.device = world.device
         self.clip_grad = cfg.train.clip_grad
         self.save_frozen = cfg.checkpoint.frozen == "save"  # else checkpoints leave them out (checkpoint/frozen_base.py)
-        # AdamW (and Muon: training/muon.py ShardedMuon) sees the sharded DTensor parameters:
+        # AdamW (and Muon: optim/muon.py ShardedMuon) sees the sharded DTensor parameters:
         # optimizer state is sharded the same way (in host memory where the parameters are
         # offloaded: the fused CPU kernel then steps them).
         self.optimizer = build_optimizer(param_groups(model), cfg.train, torch.device("cpu") if offload else world.device)

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import scaletrain.checkpoint.dcp_format  # noqa: F401  # its filter of DCP's single-process warning
 from scaletrain.engines.base import AccumulationWindow, StepStats, set_lr
 from scaletrain.launch.distributed import side_group
-from scaletrain.training.optim import after_load, skip_where
+from scaletrain.optim.optimizers import after_load, skip_where
 
 # Engine-neutral state (Engine.state_dict): full tensors on every rank, plain names,
 # torch's flattened optimizer layout ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr").

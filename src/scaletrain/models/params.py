@@ -105,7 +105,7 @@ def freeze_all_but(model: nn.Module, patterns: tuple[str, ...]) -> None:
         p.requires_grad_(any(fnmatch.fnmatchcase(n, pat) for n in names[id(p)] for pat in patterns))
 
 
-# train.optimizer=muon (training/muon.py): the output heads stay on AdamW (plain names: the
+# train.optimizer=muon (optim/muon.py): the output heads stay on AdamW (plain names: the
 # built-in model's, Hugging Face's), and so does every embedding table (nn.Embedding:
 # tokens, GPT-2's positions); here because the planner counts them too (models/counts.py).
 MUON_EXCLUDED_HEADS = ("output.weight", "*lm_head.weight")

@@ -243,7 +243,7 @@ def groups_note(train: TrainConfig) -> list[str]:
 
 def muon_gather_bytes(model: ModelSpec, s: Setup, psi: float) -> float:
     """train.optimizer=muon under sharding: each matrix's fp32 update gathered whole once per
-    step (training/muon.py ShardedMuon) over the data-parallel and the tp ranks, of a rank
+    step (optim/muon.py ShardedMuon) over the data-parallel and the tp ranks, of a rank
     holding `psi` parameters; a mixture of experts' stacks only where FSDP cuts inside the
     experts (a rank's E/ep fewer than the shard/ep ranks holding them), else each rank
     orthogonalises its own experts where they are. 0 for AdamW."""

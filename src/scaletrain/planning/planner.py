@@ -420,7 +420,7 @@ def _nothing_fits(
     for more in (2, 4, 8, 16, 32, 64):
         for c in by_peak:
             probe = replace(c.setup, dp=world * more // (c.setup.tp * c.setup.pp), dp_replicate=1)
-            if evaluate(model, probe, cfg, device, nodes * more, usable, cpu_per_node).fits:
+            if evaluate(model, probe, cfg, device, nodes * more, usable, cpu_per_node, timed=False).fits:
                 return (
                     msg
                     + f"; closest feasible: {world * more} devices ({nodes * more} nodes) with {_without_micro_batch(probe)}, "
@@ -436,4 +436,4 @@ def _at_smallest(
     smallest = micro_batches(s.micro_batch * s.grad_accum, s.pp, s.pp_schedule)[-1]
     if smallest == s.micro_batch:
         return c
-    return evaluate(model, at_micro_batch(s, smallest), cfg, device, nodes, usable, cpu_per_node)
+    return evaluate(model, at_micro_batch(s, smallest), cfg, device, nodes, usable, cpu_per_node, timed=False)

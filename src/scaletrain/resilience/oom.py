@@ -39,6 +39,7 @@ from typing import Any
 from scaletrain.config import Config
 from scaletrain.config.batch import described, micro_batches, per_rank, with_micro_batch
 from scaletrain.errors import EXIT_OOM, OutOfMemoryRestart, UserError
+from scaletrain.files import write_atomic
 
 DIRNAME = "oom"
 
@@ -159,8 +160,6 @@ def log_new(root: Path, log: Any) -> None:
 
 
 def _write(root: Path, event: OomEvent) -> None:
-    from scaletrain.checkpoint import write_atomic
-
     directory = Path(root) / DIRNAME
     directory.mkdir(parents=True, exist_ok=True)
     write_atomic(

@@ -77,7 +77,7 @@ class StepRecorder:
         # A data mixture's realised shares over the interval (data/mix.py: MixShares.take),
         # None without one; every rank computes it from the position alone, so nothing is gathered.
         self.mix: Callable[[], dict[str, Any] | None] = lambda: None
-        # Each optimizer group's learning rate at the interval's last step (training/optim.py
+        # Each optimizer group's learning rate at the interval's last step (optim/optimizers.py
         # group_lrs), where the groups differ (train.param_groups, Muon beside AdamW); else None.
         self.group_lrs: Callable[[], list[dict[str, Any]] | None] = lambda: None
 

@@ -34,8 +34,8 @@ from scaletrain.errors import UserError
 from scaletrain.launch.distributed import World, init_distributed, shutdown
 from scaletrain.models import model_spec
 from scaletrain.models.moe import attach_expert_bias
+from scaletrain.optim.optimizers import decay_groups
 from scaletrain.training.evaluation import eval_loss, evaluate, open_eval_set
-from scaletrain.training.optim import decay_groups
 
 
 def newest_checkpoint(target: str) -> Path:

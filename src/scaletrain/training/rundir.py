@@ -23,7 +23,7 @@ from scaletrain.errors import UserError
 from scaletrain.launch import forked
 from scaletrain.launch.distributed import World, versions
 from scaletrain.models import ModelSpec
-from scaletrain.training.optim import lr_at, scaled_lr, wsd_decay_steps
+from scaletrain.optim.schedule import lr_at, scaled_lr, wsd_decay_steps
 
 
 @dataclass

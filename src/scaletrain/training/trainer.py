@@ -53,6 +53,8 @@ from scaletrain.models.documents import measured_context
 from scaletrain.models.loss import trained
 from scaletrain.models.moe import ExpertBias, attach_expert_bias, routing_stats
 from scaletrain.models.spec import with_fields
+from scaletrain.optim.optimizers import decay_groups, describe_groups, group_lrs
+from scaletrain.optim.schedule import lr_at, scaled_lr
 from scaletrain.resilience import oom
 from scaletrain.resilience.faults import Drills
 from scaletrain.resilience.nonfinite import NonfiniteGuard
@@ -64,7 +66,6 @@ from scaletrain.telemetry import MetricsLog, TrainProgress, print_banner, print_
 from scaletrain.telemetry.session import Telemetry
 from scaletrain.training import defaults
 from scaletrain.training.evaluation import Evaluation, eval_loss, open_eval_set
-from scaletrain.training.optim import decay_groups, describe_groups, group_lrs, lr_at, scaled_lr
 from scaletrain.training.paths import make_dir
 from scaletrain.training.preflight import plan_run, runtime_target
 from scaletrain.training.rundir import RunPaths, branch_cooldown, check_resume, resume_point, write_run_info

@@ -1,10 +1,9 @@
-"""AdamW and its default parameter groups (decay on matrices only), and the LR schedules:
-linear warmup, then cosine, linear, constant or warmup-stable-decay (train.schedule)."""
+"""The optimizers (train.optimizer: AdamW, Muon beside AdamW) and their default parameter
+groups (decay on matrices only)."""
 
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +14,7 @@ from torch.utils import _foreach_utils
 from scaletrain.config import TrainConfig
 from scaletrain.errors import UserError
 from scaletrain.models.params import canonical_name, embedding_tables, on_muon
-from scaletrain.training.muon import MuonWithAdamW
+from scaletrain.optim.muon import MuonWithAdamW
 
 
 def decay_groups(train: TrainConfig) -> Callable[[nn.Module], list[dict[str, Any]]]:
@@ -45,7 +44,7 @@ def decay_groups(train: TrainConfig) -> Callable[[nn.Module], list[dict[str, Any
                 if entry is not None:
                     group["lr_scale"] = entry.lr
                 if stepped_by_muon:
-                    group["muon"] = True  # training/muon.py: Muon steps this group, AdamW the others
+                    group["muon"] = True  # optim/muon.py: Muon steps this group, AdamW the others
                 out.append(group)
         # No empty group: where only matrices train (LoRA adapters, attention projections),
         # torch's flattened optimizer state cannot be loaded back into an optimizer with an
@@ -111,7 +110,7 @@ def build_adamw(groups: list[dict[str, Any]], cfg: TrainConfig, device: torch.de
 
 def build_optimizer(groups: list[dict[str, Any]], cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     """train.optimizer: AdamW (build_adamw), or Muon for the groups decay_groups marked and
-    AdamW for the rest, as one optimizer (training/muon.py)."""
+    AdamW for the rest, as one optimizer (optim/muon.py)."""
     if cfg.optimizer == "muon":
         return MuonWithAdamW(groups, cfg.lr, lambda rest: build_adamw(rest, cfg, device))
     return build_adamw(groups, cfg, device)
@@ -140,50 +139,3 @@ def skip_where(optimizer: torch.optim.Optimizer, skipped: torch.Tensor) -> None:
         optimizer.step()
     finally:
         del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
-
-
-def scaled_lr(cfg: TrainConfig, global_batch: int) -> float:
-    """Peak LR for the effective batch actually run (opt-in; see train.lr_scaling)."""
-    if cfg.lr_scaling == "none" or cfg.lr_base_batch is None:
-        return cfg.lr
-    ratio = global_batch / cfg.lr_base_batch
-    return cfg.lr * (ratio if cfg.lr_scaling == "linear" else math.sqrt(ratio))
-
-
-def lr_at(step: int, cfg: TrainConfig, peak: float | None = None) -> float:
-    """LR for optimizer step `step` (0-based): linear warmup, then train.schedule down to
-    peak * min_lr_ratio (constant: none). The decay's progress runs from 0 at its first step
-    by 1 / its length each step (cosine's convention since the first release, kept by the
-    others): its last step is one short of the floor.
-
-    A pure function of the step, so the schedule's whole state is the step number and
-    resume can never desynchronise it. `peak` defaults to train.lr (see scaled_lr).
-    """
-    peak = cfg.lr if peak is None else peak
-    if step < cfg.warmup_steps:
-        return peak * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return peak
-    start, length = cfg.warmup_steps, cfg.steps - cfg.warmup_steps
-    if cfg.schedule == "wsd":
-        length = wsd_decay_steps(cfg)
-        start = cfg.steps - length
-        if step < start:
-            return peak  # the stable phase
-    progress = min(1.0, (step - start) / max(1, length))
-    floor = peak * cfg.min_lr_ratio
-    if cfg.schedule == "cosine":
-        left = 0.5 * (1 + math.cos(math.pi * progress))
-    elif cfg.schedule == "wsd" and cfg.decay_shape == "1-sqrt":
-        left = 1 - math.sqrt(progress)
-    else:  # linear, or wsd's linear decay
-        left = 1 - progress
-    return floor + (peak - floor) * left
-
-
-def wsd_decay_steps(cfg: TrainConfig) -> int:
-    """The length of wsd's decay: train.decay_steps, or a fifth of the run (at least one
-    step, at most the steps after the warmup)."""
-    if cfg.decay_steps is not None:
-        return cfg.decay_steps
-    return max(1, min(cfg.steps - cfg.warmup_steps, round(cfg.steps / 5)))
