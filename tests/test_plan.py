@@ -363,11 +363,17 @@ def test_activation_traces_are_kept_across_processes(tmp_path, monkeypatch):
     assert trace_cache.cached("block", (1, "fp32"), lambda: compute([9, 9])) == [3, 4]  # read back, not computed
     assert trace_cache.cached("block", (2, "fp32"), lambda: compute([5, 6])) == [5, 6]  # another key: traced
     assert computed == [[3, 4], [5, 6]]
+    # Another process keeps an entry while this one computes: both stay (a rewrite of what this
+    # one read before computing lost the other's, and the suite's processes replayed again).
+    other = lambda: trace_cache.cached("block", (4, "fp32"), lambda: compute([7, 8]))  # noqa: E731
+    assert trace_cache.cached("block", (3, "fp32"), lambda: (other(), compute([1, 2]))[1]) == [1, 2]
+    assert len(json.loads((tmp_path / trace_cache.FILE).read_text())) == 4
+    assert trace_cache.cached("block", (4, "fp32"), lambda: compute([0, 0])) == [7, 8] and len(computed) == 4
     (tmp_path / trace_cache.FILE).write_text("{not json")  # damaged: traced again, and the file rewritten
-    assert trace_cache.cached("block", (1, "fp32"), lambda: compute([3, 4])) == [3, 4] and len(computed) == 3
+    assert trace_cache.cached("block", (1, "fp32"), lambda: compute([3, 4])) == [3, 4] and len(computed) == 5
     assert json.loads((tmp_path / trace_cache.FILE).read_text())
     monkeypatch.setenv("SCALETRAIN_CACHE", "off")
-    assert trace_cache.cached("block", (1, "fp32"), lambda: compute([3, 4])) == [3, 4] and len(computed) == 4
+    assert trace_cache.cached("block", (1, "fp32"), lambda: compute([3, 4])) == [3, 4] and len(computed) == 6
     # A second process plans without tracing: torch._dynamo (FakeTensorMode's import) stays out.
     probe = (
         "import sys; from scaletrain.config import load_config; from scaletrain.models import model_spec; "

@@ -2,8 +2,9 @@
 `~/.cache/scaletrain`): what many short processes of one machine would otherwise each
 compute again (the planner's activation traces: planning/trace_cache.py; py-cpuinfo's answer:
 engines/deepspeed.py; the CPU's measured matmul rate: planning/hardware.py). Keys are hashed from everything the result depends on, so a key
-that changes misses and computes again. Writes replace the file atomically; two processes
-writing at once may lose an entry (computed again later), never corrupt the file. Any I/O
+that changes misses and computes again. Writes replace the file atomically, with what it
+holds just before (entries other processes kept meanwhile stay); two processes writing in
+the same moment may lose an entry (computed again later), never corrupt the file. Any I/O
 problem (a read-only home) just means computing, as without the cache;
 `SCALETRAIN_CACHE=off` turns it off.
 """
@@ -32,6 +33,10 @@ def cached(file: str, key: Any, compute: Callable[[], Any]) -> Any:
     if digest in entries:
         return entries[digest]
     value = compute()
+    # Read again: what other processes kept while this one computed (seconds, for a replay
+    # or a trace: ranks and tests plan side by side) stays, rather than the last writer's
+    # entries alone. Two writes within the same moments can still lose one.
+    entries = _read(path)
     entries[digest] = value
     if len(entries) > MAX_ENTRIES:
         entries = dict(list(entries.items())[len(entries) // 2 :])
