@@ -7,7 +7,7 @@
 CHECKS is the checklist, one entry per result line, in the manner of torchtitan's integration-test list,
 in the order they run: 1 the environment, 2 each engine, 3 the 1b preset (eager, compiled, float8), 4 the
 planner against measured peaks, 5 the checks other issues added (MORE_CHECKS), 6 what runs when time is
-left. main's loop runs each entry with the test helpers (tests/helpers.py); each result goes to
+left. main's loop runs each entry with the test helpers (tests/helpers/launch.py); each result goes to
 OUT_DIR/results.jsonl the moment it is known, and summary.md (the tables for docs/gpu.md) is rewritten
 after it, so a run killed at its limit leaves both. With --budget, a check whose expected time
 (gpu_checklist_times.py) no longer fits is skipped; later ones that fit still run. Without a CUDA
@@ -44,7 +44,7 @@ import gpu_checklist_times as times  # noqa: E402  (this file's neighbour: the e
 
 from scaletrain.telemetry import read_metrics  # noqa: E402
 
-import helpers  # noqa: E402  (how the tests start processes, kill them, and read what a run wrote)
+from helpers import launch, runs  # noqa: E402  (how the tests start processes and kill them; what a run wrote)
 
 knob = lambda name, default: int(os.environ.get(name) or default)
 STEP_TIMEOUT, MFU_STEPS, MFU_MAX_MB = knob("STEP_TIMEOUT", 900), knob("MFU_STEPS", 20), knob("MFU_MAX_MB", 16)
@@ -297,11 +297,11 @@ def judge_ds_optimizer(proc, ctx):
 def judge_trains(proc, ctx):
     """FAIL when a loss is not finite, the last is not below the first, or steps are missing."""
     run_dir, want = Path(overrides(proc)["run.dir"]), int(overrides(proc)["train.steps"])
-    steps = helpers.metric_rows(run_dir)  # which asserts one row per step, in order
+    steps = runs.metric_rows(run_dir)  # which asserts one row per step, in order
     losses = [r["loss"] for r in steps] or [math.nan]  # no rows: "not finite", and steps are missing
     intervals = [r for r in read_metrics(run_dir / "metrics.jsonl", events=True) if r.get("event") == "interval"]
     steady = intervals[1:] or intervals  # the first interval holds start-up (allocator warm-up, compilation)
-    d = {k: helpers.run_info(run_dir).get(k) for k in ("engine", "backend", "device", "peak_flops", "peak_flops_source")}
+    d = {k: runs.run_info(run_dir).get(k) for k in ("engine", "backend", "device", "peak_flops", "peak_flops_source")}
     if not d["backend"]:  # run.json names none for one process; fsdp and DeepSpeed still make a process group of one
         group = ("nccl" if d["device"] == "cuda" else "gloo") + " (group of one)"
         d["backend"] = "none (one process, no DDP wrapper)" if d["engine"] == "ddp" else group
@@ -437,7 +437,7 @@ def run_check(c: Check, ctx: Context, extra: list[str], deadline: float) -> bool
     # Killed at STEP_TIMEOUT, or where the budget ends (what is left of it at the end stays for the summary).
     timeout, why = min((STEP_TIMEOUT, "STEP_TIMEOUT"), (deadline - time.monotonic() - times.RESERVE_S, "the budget's end"))
     # A session of its own, output to files. one_thread=False: the helpers' default suits tests run two at a time.
-    launched = helpers.Launched(argv, one_thread=False) if argv else None
+    launched = launch.Launched(argv, one_thread=False) if argv else None
     try:
         proc = launched.wait(timeout) if launched else None
         if proc:

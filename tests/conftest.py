@@ -14,8 +14,8 @@ import pytest
 
 from scaletrain.launch.env import use_build_environment
 
-import helpers
-from helpers import SMALL_CORPUS, base_overrides, check, cp_overrides, eval_overrides, scaletrain, train
+from helpers.launch import check, scaletrain, set_deadline, train
+from helpers.runs import SMALL_CORPUS, base_overrides, cp_overrides, eval_overrides
 
 # As the CLI does for its process: DeepSpeed's ops from the environment's cache, built by its
 # ninja (launch/env.py), for the tests' own processes and the probes they start.
@@ -60,7 +60,7 @@ def pytest_runtest_setup(item):
     # the first test that needs them): subprocesses are capped by what is left of this.
     marker = item.get_closest_marker("timeout")
     limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout"))
-    helpers.set_deadline(limit)
+    set_deadline(limit)
 
 
 @pytest.fixture(scope="session")
@@ -74,7 +74,7 @@ def small_dataset(tmp_path_factory):
 @pytest.fixture(scope="session")
 def cp_straight(small_dataset, tmp_path_factory):
     """What the context-parallel runs equal: one process, fsdp, global batch 4 of 256 tokens,
-    8 steps, evaluated at 4 and 8 (helpers.cp_overrides)."""
+    8 steps, evaluated at 4 and 8 (helpers/runs.py, cp_overrides)."""
     run = tmp_path_factory.mktemp("cp") / "straight"
     check(train(cp_overrides(small_dataset, run, "train.micro_batch=4", "parallel.strategy=fsdp")))
     return run
@@ -83,7 +83,7 @@ def cp_straight(small_dataset, tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference_run(small_dataset, tmp_path_factory):
     """One process, ddp, global batch 4, 10 fp32 steps, a checkpoint every 5, evaluated
-    at steps 4, 8 and 10 (helpers.eval_overrides): what every engine at world 2 (2 ranks x
+    at steps 4, 8 and 10 (helpers/runs.py, eval_overrides): what every engine at world 2 (2 ranks x
     micro-batch 2, or 2 x 1 x 2 accumulated) must reproduce."""
     run = tmp_path_factory.mktemp("reference") / "ddp"
     check(

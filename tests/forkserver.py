@@ -5,7 +5,7 @@ Each `scaletrain` command a test runs spends 4-6 s of a core importing torch, DC
 torch._dynamo, the trainer and (for ZeRO) DeepSpeed before it does anything (docs/testing.md,
 "Wall time"), and the suite runs some 370 such commands beside the ranks `scaletrain launch`
 already forks (launch/forked.py). This server, one per pytest process, imports all of it once
-(`_preload`); helpers.Launched then asks it for each command it may start this way
+(`_preload`); helpers.launch.Launched then asks it for each command it may start this way
 (`Client.start`). The command's process is a fork of the server made what a new `python` would
 be (`_become`): a session of its own (as `start_new_session`), the test's files as its
 stdout and stderr, /dev/null as stdin, the test's working directory and exactly the test's
@@ -74,7 +74,7 @@ _MAX_MESSAGE = 1 << 20
 
 
 class Forked:
-    """The part of subprocess.Popen that helpers.Launched uses, for a forked command."""
+    """The part of subprocess.Popen that helpers.launch.Launched uses, for a forked command."""
 
     def __init__(self, sock: socket.socket, cmd: list[str]):
         self._sock = sock
@@ -162,7 +162,7 @@ class Client:
 
 
 def env_for_server() -> dict[str, str]:
-    """What helpers.Launched gives a command by default (one OpenMP thread), without its tag."""
+    """What helpers.launch.Launched gives a command by default (one OpenMP thread), without its tag."""
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

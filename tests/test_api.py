@@ -15,19 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import (
-    LOSS_RTOL,
-    assert_same_training,
-    base_overrides,
-    check,
-    eval_overrides,
-    eval_rows,
-    metric_rows,
-    one_line_error,
-    probe,
-    run,
-    scaletrain,
-)
+from helpers.launch import check, one_line_error, probe, run, scaletrain
+from helpers.numerics import LOSS_RTOL, assert_same_training
+from helpers.runs import base_overrides, eval_overrides, eval_rows, metric_rows
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt2"
 # A model of one's own (models/module_spec.py), examples/gpt2's: its module on every process's path.
@@ -83,7 +73,7 @@ def test_load_config_takes_paths_strings_and_a_mapping(tmp_path):
 @pytest.mark.parametrize("group", ["launcher", "caller"])
 def test_a_two_rank_program_trains_plans_and_evaluates_through_the_api(small_dataset, reference_run, tmp_path, group):
     """The same 10 steps as the one-process reference, by ddp on 2 ranks from a script:
-    what a correct engine at world 2 guarantees (helpers.assert_same_training), and the API
+    what a correct engine at world 2 guarantees (helpers.numerics.assert_same_training), and the API
     returns the run's own figures, the same on every rank."""
     run_dir = tmp_path / "run"
     overrides = [

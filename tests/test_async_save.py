@@ -14,7 +14,7 @@ from scaletrain.config import load_config
 from scaletrain.telemetry import read_metrics
 from test_nonfinite import state
 
-from helpers import base_overrides, metric_rows
+from helpers.runs import base_overrides, metric_rows
 
 pytestmark = pytest.mark.e2e
 

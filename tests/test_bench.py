@@ -18,7 +18,8 @@ from scaletrain.config import load_config
 from scaletrain.errors import UserError
 from scaletrain.strategies import STRATEGIES
 
-from helpers import base_overrides, check, one_line_error, scaletrain
+from helpers.launch import check, one_line_error, scaletrain
+from helpers.runs import base_overrides
 
 
 def _run(variant: str, rnd: int, walls: list[float], losses: list[float] | None = None) -> Run:

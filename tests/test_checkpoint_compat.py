@@ -22,7 +22,7 @@ import pytest
 
 from scaletrain.telemetry import read_metrics
 
-from helpers import check, train
+from helpers.launch import check, train
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "main_step2"
 PINNED = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1"}

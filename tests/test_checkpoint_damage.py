@@ -15,7 +15,9 @@ from scaletrain import checkpoint
 from scaletrain.checkpoint.restore import first_difference
 from scaletrain.launch.distributed import ALONE
 
-from helpers import assert_bit_exact, base_overrides, check, copy_until, eval_overrides, run_info, train, trainer_state
+from helpers.launch import check, train
+from helpers.numerics import assert_bit_exact
+from helpers.runs import base_overrides, copy_until, eval_overrides, run_info, trainer_state
 
 
 def save(root, step):

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from helpers import base_overrides, check, one_line_error, step_figures, train
+from helpers.launch import check, one_line_error, train
+from helpers.runs import base_overrides, step_figures
 
 
 @pytest.mark.dist

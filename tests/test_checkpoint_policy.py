@@ -7,7 +7,7 @@ from torch import nn
 from scaletrain import checkpoint
 from scaletrain.launch.distributed import World
 
-from helpers import trainer_state
+from helpers.runs import trainer_state
 
 pytestmark = pytest.mark.unit
 

@@ -20,7 +20,8 @@ import pytest
 from s3_server import SECRET
 from scaletrain.telemetry.metrics import read_metrics
 
-from helpers import base_overrides, check, one_line_error, step_figures, train
+from helpers.launch import check, one_line_error, train
+from helpers.runs import base_overrides, step_figures
 
 
 @pytest.mark.dist

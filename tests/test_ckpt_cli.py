@@ -10,7 +10,7 @@ import torch
 from scaletrain.checkpoint import read_model_weights
 from scaletrain.cli import main
 
-from helpers import check, scaletrain
+from helpers.launch import check, scaletrain
 
 pytestmark = pytest.mark.e2e
 

@@ -11,18 +11,8 @@ import pytest
 
 from scaletrain.cli import main
 
-from helpers import (
-    SMALL_CORPUS,
-    base_overrides,
-    check,
-    eval_overrides,
-    metric_rows,
-    one_line_error,
-    run,
-    run_info,
-    scaletrain,
-    train,
-)
+from helpers.launch import check, one_line_error, run, scaletrain, train
+from helpers.runs import SMALL_CORPUS, base_overrides, eval_overrides, metric_rows, run_info
 
 pytestmark = pytest.mark.e2e
 

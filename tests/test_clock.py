@@ -26,7 +26,7 @@ from scaletrain.planning.hardware import KNOWN_GPUS, gpu, gpu_kind, this_cpu
 from scaletrain.planning.planner import setups_for
 from scaletrain.planning.setup import Setup
 
-from helpers import scaletrain
+from helpers.launch import scaletrain
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,8 @@ from scaletrain.launch.cluster import PORT_BASE, ClusterJob, pytorchjob, sbatch_
 from scaletrain.launch.torchrun import LaunchOptions, launch_command
 from scaletrain.telemetry.metrics import read_metrics
 
-from helpers import Launched, base_overrides, check, losses, metric_rows, run, run_info
+from helpers.launch import Launched, check, run
+from helpers.runs import base_overrides, losses, metric_rows, run_info
 
 # ---------------------------------------------------------------------------- stand-ins
 

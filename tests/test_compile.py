@@ -11,7 +11,9 @@ from scaletrain.engines.compile_stats import compile_counters
 from scaletrain.errors import UserError
 from scaletrain.telemetry import read_metrics
 
-from helpers import assert_same_training, base_overrides, check, train
+from helpers.launch import check, train
+from helpers.numerics import assert_same_training
+from helpers.runs import base_overrides
 
 
 @pytest.mark.dist
@@ -33,7 +35,7 @@ def test_a_compiled_fsdp_run_with_activation_checkpointing_trains_as_the_eager_o
     )
     # Inductor fuses and reorders fp32 arithmetic (the norms, the SwiGLU, the loss) where
     # eager runs op by op: like another engine's summation order, a few ulps per op, so the
-    # engines' own tolerances apply (tests/helpers.py), weights compared by the same names.
+    # engines' own tolerances apply (tests/helpers/numerics.py), weights compared by the same names.
     assert_same_training(run, reference_run, evals=False)  # not evaluated: a no-grad forward compiles each block again
     # What a user sees of it (each interval row's "compile"): no break, and nothing compiled
     # after the first interval (the first step compiles forward and recompute).

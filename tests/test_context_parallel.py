@@ -16,7 +16,9 @@ from scaletrain.config import load_config
 from scaletrain.models import PRESETS
 from scaletrain.telemetry.profile import COMM_OP_PREFIXES, analyze_trace
 
-from helpers import CP_EVERY, CP_STEPS, assert_same_training, base_overrides, check, cp_overrides, run_info, train, train_through
+from helpers.launch import check, train
+from helpers.numerics import assert_same_training
+from helpers.runs import CP_EVERY, CP_STEPS, base_overrides, cp_overrides, run_info, train_through
 
 
 @pytest.mark.dist

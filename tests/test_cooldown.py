@@ -16,7 +16,8 @@ from scaletrain.errors import UserError
 from scaletrain.telemetry import read_metrics
 from scaletrain.training.rundir import branch_cooldown
 
-from helpers import base_overrides, check, final_weights, metric_rows, one_line_error, train, trainer_state
+from helpers.launch import check, one_line_error, train
+from helpers.runs import base_overrides, final_weights, metric_rows, trainer_state
 
 # warmup 2, lr held, then wsd's linear decay over the last 4 steps (linear: its numbers are
 # easy to read in a failure; the shape does not matter to the branch).

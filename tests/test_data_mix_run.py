@@ -12,7 +12,9 @@ from scaletrain.cli import main
 from scaletrain.data import prepare_dataset
 from scaletrain.telemetry import read_metrics
 
-from helpers import STDLIB, assert_same_training, base_overrides, check, eval_overrides, train, train_through
+from helpers.launch import check, train
+from helpers.numerics import assert_same_training
+from helpers.runs import STDLIB, base_overrides, eval_overrides, train_through
 
 STEPS, EVERY, GLOBAL_BATCH = 4, 2, 4
 

@@ -24,7 +24,8 @@ from scaletrain.checkpoint.hf_export import hf_name
 from scaletrain.cli import main
 from scaletrain.models.params import canonical_name
 
-from helpers import Z3_PARTITION_ALL, base_overrides, check, copy_until, metric_rows, run, run_info, scaletrain, train
+from helpers.launch import check, run, scaletrain, train
+from helpers.runs import Z3_PARTITION_ALL, base_overrides, copy_until, metric_rows, run_info
 
 LAUNCH_S = 240
 STEPS = 2
@@ -86,7 +87,7 @@ def assert_equal_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
 
 
 def in_dir(directory: Path, argv: list[str]) -> subprocess.CompletedProcess:
-    """`cd DIRECTORY && ARGV`, as a user types it (through helpers.run: a timeout, no stray process)."""
+    """`cd DIRECTORY && ARGV`, as a user types it (through helpers.launch.run: a timeout, no stray process)."""
     return run(["sh", "-c", f"cd {shlex.quote(str(directory))} && {shlex.join(argv)}"], timeout=120)
 
 

@@ -13,7 +13,8 @@ from scaletrain.config import AUTO_MICRO_BATCH, load_config
 from scaletrain.training import defaults
 from scaletrain.training.defaults import Target
 
-from helpers import base_overrides, check, scaletrain
+from helpers.launch import check, scaletrain
+from helpers.runs import base_overrides
 
 GPU = Target("cuda", "NVIDIA H100 80GB HBM3", bf16=True)
 

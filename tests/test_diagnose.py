@@ -21,8 +21,8 @@ from scaletrain.cli import main
 from scaletrain.config import load_config
 from scaletrain.diagnose import compare, diagnose, load_run, write_report
 
-import helpers
-from helpers import one_line_error, scaletrain
+from helpers.browser import render_in_chromium
+from helpers.launch import one_line_error, scaletrain
 
 GiB = 1024**3
 CAPACITY = 80 * GiB
@@ -340,7 +340,7 @@ def test_report_is_self_contained_and_escaped(make_run):
 def test_report_renders_in_chromium(make_run, tmp_path):
     run = make_run(comm=0.35, straggler=(5, 0.23, 4), hang=True, mem=0.95)
     findings = diagnose(run)
-    dom = helpers.render_in_chromium(write_report(run, findings), tmp_path)
+    dom = render_in_chromium(write_report(run, findings), tmp_path)
     for plot_id in PLOT_IDS:
         assert "<svg" in figure(dom, plot_id), f"{plot_id} has no <svg> in the rendered DOM"
     rendered = set(re.findall(r'data-code="([^"]+)"', dom))

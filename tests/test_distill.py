@@ -17,11 +17,10 @@ from scaletrain.models.distill import kl_to_teacher
 from scaletrain.planning.memory import Setup, estimate
 from scaletrain.telemetry.metrics import read_metrics
 
-from helpers import (
-    assert_bit_exact,
-    assert_same_training,
+from helpers.launch import check, train
+from helpers.numerics import assert_bit_exact, assert_same_training
+from helpers.runs import (
     base_overrides,
-    check,
     checkpoint_model,
     copy_until,
     dataset_windows,
@@ -29,7 +28,6 @@ from helpers import (
     eval_rows,
     loss_of,
     run_info,
-    train,
     trainer_state,
 )
 
@@ -187,7 +185,7 @@ def test_a_mixture_of_experts_distils_and_teaches_at_world_2_as_in_one_process(s
         runs[name] = tmp_path / name
         args = [*base_overrides(small_dataset, runs[name], steps=8), *models, "model.teacher.kl_weight=0.5", *extra]
         check(train([*args, *eval_overrides(small_dataset)], nproc=nproc))
-    # The standing tolerances (helpers.py): summation order only.
+    # The standing tolerances (helpers/numerics.py): summation order only.
     assert_same_training(runs["w2"], runs["w1"], steps=8)
     if pair.startswith("moe-student"):  # its routers were trained: their load is in the interval rows
         intervals = [r for r in read_metrics(runs["w2"] / "metrics.jsonl", events=True) if r.get("event") == "interval"]

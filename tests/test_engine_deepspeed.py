@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO engine: the generated JSON (pure), then the CLI on 2-3 ranks (CPU/gloo).
 
 Acceptance: every ZeRO variant follows the single-process trajectory (loss and grad norm
-every step, weights per tensor; tolerances in helpers.py) and resumes bit-exactly after a
+every step, weights per tensor; tolerances in helpers/numerics.py) and resumes bit-exactly after a
 SIGKILL, fp16 included after DeepSpeed's loss scale moved; bf16/fp16 train; ZeRO-3 works
 on 3 ranks with sizes 3 does not divide; DeepSpeed itself, built from the saved JSON at
 world 2, runs with the settings the config asked for; a deepspeed_extra key that
@@ -23,24 +23,9 @@ from scaletrain.engines.deepspeed_config import build_deepspeed_config, merge_ex
 from scaletrain.engines.deepspeed_ops import clear_stale_locks
 from scaletrain.errors import UserError
 
-from helpers import (
-    FP16_MOVING_SCALE,
-    Z3_PARTITION_ALL,
-    assert_bit_exact,
-    assert_hf_export_matches,
-    assert_same_training,
-    assert_scale_moved,
-    base_overrides,
-    check,
-    copy_until,
-    eval_overrides,
-    metric_rows,
-    one_line_error,
-    probe,
-    run_info,
-    scaletrain,
-    train,
-)
+from helpers.launch import check, one_line_error, probe, scaletrain, train
+from helpers.numerics import assert_bit_exact, assert_hf_export_matches, assert_same_training, assert_scale_moved
+from helpers.runs import FP16_MOVING_SCALE, Z3_PARTITION_ALL, base_overrides, copy_until, eval_overrides, metric_rows, run_info
 
 
 def cfg_of(*overrides: str):

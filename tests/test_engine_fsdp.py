@@ -2,7 +2,7 @@
 
 Runs go through the CLI (`scaletrain launch`, gloo on CPU), as users run them, and are
 compared with the session's one-process reference on the same global batch of 4 (loss and
-grad norm every step, weights per tensor: see helpers.py for the tolerances). The
+grad norm every step, weights per tensor: see helpers/numerics.py for the tolerances). The
 gradients after one backward are compared elementwise in test_gradients.py, the forward
 dtype and fp16 overflow handling in test_precision.py.
 """
@@ -13,25 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (
-    assert_bit_exact,
-    assert_same_training,
-    base_overrides,
-    check,
-    copy_until,
-    eval_overrides,
-    final_weights,
-    metric_rows,
-    one_line_error,
-    run_info,
-    train,
-)
+from helpers.launch import check, one_line_error, train
+from helpers.numerics import assert_bit_exact, assert_same_training
+from helpers.runs import base_overrides, copy_until, eval_overrides, final_weights, metric_rows, run_info
 
 FSDP = "parallel.strategy=fsdp"
 
 
 def fsdp(data, run, *extra: str) -> list[str]:
-    """An fsdp run's arguments, evaluated as the reference is (helpers.eval_overrides)."""
+    """An fsdp run's arguments, evaluated as the reference is (helpers.runs.eval_overrides)."""
     return [*base_overrides(data, run), FSDP, *eval_overrides(data), *extra]
 
 

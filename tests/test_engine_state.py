@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_weights_close, probe
+from helpers.launch import probe
+from helpers.numerics import assert_weights_close
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 
@@ -25,7 +26,7 @@ def test_every_engine_gives_the_same_layout_and_values(states):
         assert state["model"].keys() == ref["model"].keys(), engine
         assert state["optim"].keys() == ref["optim"].keys(), engine
         # One AdamW step from the same initialization on the same batch: equal up to
-        # rounding, and per tensor as the equivalence tests compare weights (helpers.py).
+        # rounding, and per tensor as the equivalence tests compare weights (helpers/numerics.py).
         assert_weights_close(state["model"], ref["model"])
         for key, value in ref["optim"].items():
             got = state["optim"][key]

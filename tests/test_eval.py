@@ -1,7 +1,7 @@
 """Evaluation (training/evaluation.py, data/heldout.py, training/eval_checkpoint.py): the held-out split by
 document, the eval set and its refusals, what an engine's evaluate returns, and `scaletrain
 eval` of a final checkpoint at world 1 and 2. Every engine's eval rows against one
-process's are in the equivalence tests (helpers.assert_same_evals), LoRA's and a
+process's are in the equivalence tests (helpers.numerics.assert_same_evals), LoRA's and a
 teacher's against the checkpoint's own loss in test_lora.py and test_distill.py."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from scaletrain.models.spec import LlamaSpec
 from scaletrain.training.eval_checkpoint import checkpoint_config
 from scaletrain.training.evaluation import eval_loss, open_eval_set
 
-from helpers import base_overrides, check, checkpoint_model, eval_rows, loss_of, scaletrain, train
+from helpers.launch import check, scaletrain, train
+from helpers.runs import base_overrides, checkpoint_model, eval_rows, loss_of
 
 SEQ = 29
 SEED = 7

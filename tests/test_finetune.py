@@ -25,7 +25,9 @@ from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
 from scaletrain.training.trainer import per_trained_token
 
-from helpers import STDLIB, assert_same_training, base_overrides, check, eval_rows, metric_rows, train
+from helpers.launch import check, train
+from helpers.numerics import assert_same_training
+from helpers.runs import STDLIB, base_overrides, eval_rows, metric_rows
 
 SEQ = 64
 # A template in the ChatML form many models ship (Qwen's, simplified): each message in

@@ -28,7 +28,8 @@ from scaletrain.planning.memory import engine_buffers, estimate
 from scaletrain.planning.planner import comm_bytes_per_step
 from scaletrain.planning.setup import Setup
 
-from helpers import base_overrides, one_line_error, probe, train
+from helpers.launch import one_line_error, probe, train
+from helpers.runs import base_overrides
 
 H100 = gpu("h100", None)
 BLOCK = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")

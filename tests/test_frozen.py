@@ -17,19 +17,9 @@ from scaletrain.models import resolve_shape
 from scaletrain.models.spec import LlamaSpec
 from scaletrain.strategies import FORMATS, TABLE
 
-from helpers import (
-    PROBES,
-    assert_bit_exact,
-    base_overrides,
-    check,
-    copy_until,
-    final_weights,
-    probe_command,
-    run,
-    scaletrain,
-    train,
-    trainer_state,
-)
+from helpers.launch import PROBES, check, probe_command, run, scaletrain, train
+from helpers.numerics import assert_bit_exact
+from helpers.runs import base_overrides, copy_until, final_weights, trainer_state
 
 sys.path.insert(0, str(PROBES))
 from frozen import STRATEGIES, TRAINABLE  # noqa: E402

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import run
+from helpers.launch import run
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_checklist.py"
 KNOBS = ("STEP_TIMEOUT", "ENGINE_STEPS", "MFU_STEPS", "MFU_MAX_MB", "DS_OPTIMIZER", "KEEP_CHECKPOINTS", "FORCE_CPU")
@@ -153,7 +153,7 @@ def test_the_list_runs_in_the_issues_order(checklist):
 
 @pytest.mark.unit
 def test_list_prints_every_command_its_expected_time_and_where_the_budget_cuts(checklist, monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(checklist.helpers, "Launched", lambda *a, **k: pytest.fail(f"--list ran {a}"))
+    monkeypatch.setattr(checklist.launch, "Launched", lambda *a, **k: pytest.fail(f"--list ran {a}"))
     assert checklist.main([str(tmp_path / "out"), "--list"]) == 0
     out = capsys.readouterr().out
     assert not (tmp_path / "out").exists()
@@ -305,7 +305,7 @@ def fake_gpu(checklist, monkeypatch, tmp_path):
     "host_syncs" (overrides) -> each interval row's host reads (None: the field left out); "loss" (step) -> its loss."""
     commands, hooks, clock = [], {}, [1000.0]
 
-    class FakeProcess:  # helpers.Launched: wait() answers as the real process would, _read what it wrote so far
+    class FakeProcess:  # helpers.launch.Launched: wait() answers as the real process would, _read what it wrote so far
         _read = staticmethod(lambda f: f.getvalue())
 
         def __init__(self, argv, one_thread):
@@ -362,7 +362,7 @@ def fake_gpu(checklist, monkeypatch, tmp_path):
 
     monkeypatch.chdir(tmp_path)  # main changes into the repository; this changes back afterwards
     monkeypatch.setattr(checklist.shutil, "which", lambda program: program)  # nvidia-smi "is there"
-    monkeypatch.setattr(checklist.helpers, "Launched", FakeProcess)
+    monkeypatch.setattr(checklist.launch, "Launched", FakeProcess)
     monkeypatch.setattr(checklist, "time", SimpleNamespace(monotonic=lambda: clock[0], strftime=time.strftime))
     return commands, hooks
 

@@ -10,7 +10,9 @@ import pytest
 from scaletrain.config import load_config
 from scaletrain.errors import UserError
 
-from helpers import assert_bit_exact, base_overrides, check, copy_until, losses, train
+from helpers.launch import check, train
+from helpers.numerics import assert_bit_exact
+from helpers.runs import base_overrides, copy_until, losses
 
 POWERSGD = ["parallel.grad_compression=powersgd", "parallel.powersgd_start_step=2"]
 

@@ -17,7 +17,7 @@ import torch
 from scaletrain.config import load_config
 from scaletrain.models import build_model, loss_fn, resolve_shape
 
-from helpers import PROBES, probe
+from helpers.launch import PROBES, probe
 
 sys.path.insert(0, str(PROBES))
 from one_backward import (  # noqa: E402

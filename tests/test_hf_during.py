@@ -9,7 +9,8 @@ import torch
 
 from scaletrain.telemetry.metrics import read_metrics
 
-from helpers import STDLIB, base_overrides, check, scaletrain, train
+from helpers.launch import check, scaletrain, train
+from helpers.runs import STDLIB, base_overrides
 
 
 @pytest.mark.dist

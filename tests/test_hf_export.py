@@ -16,7 +16,9 @@ from scaletrain.models.llama import build_model
 from scaletrain.models.presets import ModelShape
 from scaletrain.models.spec import LlamaSpec
 
-from helpers import assert_hf_export_matches, check, one_line_error, scaletrain, trainer_state
+from helpers.launch import check, one_line_error, scaletrain
+from helpers.numerics import assert_hf_export_matches
+from helpers.runs import trainer_state
 
 
 @pytest.mark.e2e

@@ -17,19 +17,9 @@ from scaletrain.config import load_config
 from scaletrain.errors import UserError
 from scaletrain.models import model_spec
 
-from helpers import (
-    GRAD_NORM_RTOL,
-    LOSS_RTOL,
-    PROBES,
-    RTOL_FIRST_STEP,
-    STDLIB,
-    check,
-    losses,
-    probe_command,
-    run,
-    scaletrain,
-    train,
-)
+from helpers.launch import PROBES, check, probe_command, run, scaletrain, train
+from helpers.numerics import GRAD_NORM_RTOL, LOSS_RTOL, RTOL_FIRST_STEP
+from helpers.runs import STDLIB, losses
 
 sys.path.insert(0, str(PROBES))
 from hf_models import CASES, DISTILL, ENGINES, LLAMA  # noqa: E402
@@ -65,7 +55,7 @@ def test_hf_llama_and_gpt2_train_on_every_engine_as_in_one_process(hf_probe):
     one, two = hf_probe
     for case in CASES:
         ref, got = one[case], two[case]
-        # Same tolerances as the built-in model's (helpers.py derives them): identical
+        # Same tolerances as the built-in model's (helpers/numerics.py derives them): identical
         # weights at step 1, so only summation order differs; Adam's amplified noise after.
         np.testing.assert_allclose(got["grad_norms"][0], ref["grad_norms"][0], rtol=RTOL_FIRST_STEP, err_msg=case)
         np.testing.assert_allclose(got["losses"], ref["losses"], rtol=LOSS_RTOL, err_msg=case)

@@ -16,7 +16,8 @@ import pytest
 
 from scaletrain.telemetry import read_metrics
 
-from helpers import base_overrides, check, train
+from helpers.launch import check, train
+from helpers.runs import base_overrides
 
 pytestmark = pytest.mark.dist
 

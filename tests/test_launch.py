@@ -21,7 +21,8 @@ from scaletrain.launch import forked
 from scaletrain.launch.env import NO_DEBUG_CXX, deepspeed_arch_list, use_build_environment
 from scaletrain.launch.torchrun import LaunchOptions, launch_command, read_hostfile
 
-from helpers import base_overrides, check, losses, metric_rows, run_info, scaletrain, train
+from helpers.launch import check, scaletrain, train
+from helpers.runs import base_overrides, losses, metric_rows, run_info
 
 
 @pytest.mark.unit

@@ -16,12 +16,13 @@ from scaletrain.config import load_config
 from scaletrain.errors import UserError
 from scaletrain.models import model_spec, saved_spec
 
-from helpers import base_overrides, check, dataset_windows, eval_overrides, eval_rows, loss_of, train
+from helpers.launch import check, train
+from helpers.runs import base_overrides, dataset_windows, eval_overrides, eval_rows, loss_of
 
 # fp32 on both sides and the same weights: the merged weight W + (alpha/r) B A rounds once
 # per element (~1e-7 relative), and the implementations differ in summation order only
 # (SDPA or not, the adapter's separate matmul): a few ulps of logits of size ~10, as the
-# built-in export's own check (tests/helpers.py) allows.
+# built-in export's own check (tests/helpers/numerics.py) allows.
 ATOL = 1e-5
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip

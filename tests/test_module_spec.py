@@ -24,27 +24,16 @@ from scaletrain.models import model_spec
 from scaletrain.models.capabilities import ContextChunks, PipelineStages, TensorParallel, Traceable, capability
 from scaletrain.models.module_spec import ModuleSpec, from_import
 
-from helpers import (
-    assert_same_training,
-    base_overrides,
-    check,
-    copy_until,
-    eval_overrides,
-    eval_rows,
-    final_weights,
-    metric_rows,
-    one_line_error,
-    run_info,
-    scaletrain,
-    train,
-)
+from helpers.launch import check, one_line_error, scaletrain, train
+from helpers.numerics import assert_same_training
+from helpers.runs import base_overrides, copy_until, eval_overrides, eval_rows, final_weights, metric_rows, run_info
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt2"
 # Every rank imports the spec's module: the launcher's ranks inherit this.
 ENV = {"PYTHONPATH": os.pathsep.join([str(EXAMPLE), os.environ.get("PYTHONPATH", "")])}
 GPT2 = ["model.source=python", "model.spec=gpt2:make_spec", "model.spec_args={dim: 32, layers: 2, heads: 4, max_len: 64}"]
 # The key third of each fused qkv bias ([q | k | v], 32 each): zero gradient by construction
-# (helpers.GRADIENT_FREE_STEP), compared with what Adam's step bound allows.
+# (helpers.numerics.GRADIENT_FREE_STEP), compared with what Adam's step bound allows.
 KEY_BIASES = {f"h.{i}.qkv.bias": slice(32, 64) for i in range(2)}
 
 

@@ -17,7 +17,9 @@ from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
 from scaletrain.telemetry.metrics import read_metrics
 
-from helpers import assert_same_training, base_overrides, check, eval_overrides, train
+from helpers.launch import check, train
+from helpers.numerics import assert_same_training
+from helpers.runs import base_overrides, eval_overrides
 
 
 def _shape(*overrides: str, vocab: int | None = None):
@@ -291,7 +293,7 @@ def test_experts_at_world_2_equal_one_process(one_process, small_dataset, tmp_pa
     run = tmp_path / layout
     overrides = [*base_overrides(small_dataset, run, steps=STEPS), "model.preset=tiny-moe", "train.micro_batch=4"]
     check(train([*overrides, *LAYOUTS[layout], *eval_overrides(small_dataset)], nproc=2))
-    # The standing tolerances (helpers.py), final weights included: summation order only,
+    # The standing tolerances (helpers/numerics.py), final weights included: summation order only,
     # as each token meets the same experts in the same order among their slots, on
     # whichever rank they sit.
     assert_same_training(run, one_process, steps=STEPS)

@@ -18,18 +18,9 @@ from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
 from scaletrain.telemetry.metrics import read_metrics
 
-from helpers import (
-    assert_bit_exact,
-    assert_same_training,
-    base_overrides,
-    check,
-    copy_until,
-    eval_overrides,
-    eval_rows,
-    one_line_error,
-    scaletrain,
-    train,
-)
+from helpers.launch import check, one_line_error, scaletrain, train
+from helpers.numerics import assert_bit_exact, assert_same_training
+from helpers.runs import base_overrides, copy_until, eval_overrides, eval_rows
 
 V3 = ["model.moe.score=sigmoid", "model.moe.groups=4", "model.moe.topk_groups=2"]
 
@@ -193,7 +184,7 @@ def test_the_bias_trains_the_same_numbers_however_the_step_is_split(one_process,
     nproc, args = LAYOUTS[layout]
     run = tmp_path / layout
     check(train([*base_overrides(small_dataset, run, steps=STEPS), *BIAS, *args, *eval_overrides(small_dataset)], nproc=nproc))
-    # The standing tolerances (helpers.py): summation order only, as every token meets the
+    # The standing tolerances (helpers/numerics.py): summation order only, as every token meets the
     # same experts, chosen with the same bias, on whichever rank and micro-batch it sits.
     assert_same_training(run, one_process, steps=STEPS)
     # The loads are whole slot counts, so the bias (a sum of +-rate steps) is exactly the same.

@@ -22,17 +22,9 @@ from scaletrain.errors import UserError
 from scaletrain.models.presets import ModelShape
 from scaletrain.models.spec import LlamaSpec
 
-from helpers import (
-    GRAD_NORM_RTOL,
-    LOSS_RTOL,
-    STDLIB,
-    Z3_PARTITION_ALL,
-    check,
-    metric_rows,
-    one_line_error,
-    scaletrain,
-    train,
-)
+from helpers.launch import check, one_line_error, scaletrain, train
+from helpers.numerics import GRAD_NORM_RTOL, LOSS_RTOL
+from helpers.runs import STDLIB, Z3_PARTITION_ALL, metric_rows
 
 SEQ = 32
 
@@ -211,7 +203,7 @@ def test_an_hf_mixture_of_experts_trains_at_world_2_as_in_one_process(hf_moe, sm
     model_dir, reference, _ = hf_moe[arch]
     check(train(hf_run(model_dir, small_dataset, tmp_path / case, *engine), nproc=2))
     (ref_loss, ref_norm), (loss, norm) = losses_and_norms(reference), losses_and_norms(tmp_path / case)
-    # The standing tolerances (helpers.py): each rank's micro-batch is one of the reference's,
+    # The standing tolerances (helpers/numerics.py): each rank's micro-batch is one of the reference's,
     # routed to the same experts, so only summation order differs, and Adam's amplification
     # of it after step 1. Measured: equal losses, grad norms <= 2e-7 apart (relative).
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)

@@ -7,7 +7,7 @@ the experts, their weights FSDP-sharded over the other 2), then world 2 with ep 
 resharding of the expert DTensors), world 1 without ep (ep 2 -> 1), zero3 at world 2 (the
 DCP checkpoint converted into DeepSpeed's), and back to fsdp with ep 2 from DeepSpeed's.
 All 10 steps must equal one process trained straight through (loss and grad norm every
-step, the final weights), with the standing tolerances (helpers.py).
+step, the final weights), with the standing tolerances (helpers/numerics.py).
 
 Every layout keeps micro-batches of 2 samples (global batch 8, the accumulation making up
 the rest): the routers' balance term is computed per micro-batch, so only micro-batches of
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_same_training, base_overrides, check, eval_overrides, train, train_through
+from helpers.launch import check, train
+from helpers.numerics import assert_same_training
+from helpers.runs import base_overrides, eval_overrides, train_through
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 

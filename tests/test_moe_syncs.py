@@ -20,7 +20,7 @@ from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
 from sync_counter import SyncCounter
 
-from helpers import check, probe_command, run
+from helpers.launch import check, probe_command, run
 
 LAYERS = 2
 MODEL = ["model.preset=tiny-moe", f"model.n_layers={LAYERS}", "model.dim=32", "model.n_heads=2", "model.n_kv_heads=2"]

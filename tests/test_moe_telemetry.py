@@ -27,7 +27,8 @@ from scaletrain.models.moe import EXTRA_STATS, STAT_AUX, STAT_BALANCE, STAT_DROP
 from scaletrain.telemetry import read_metrics
 from scaletrain.telemetry.experts import expert_load
 
-from helpers import base_overrides, check, run, train
+from helpers.launch import check, run, train
+from helpers.runs import base_overrides
 from sink_readers import tensorboard_scalars
 
 LAYERS, EXPERTS, TOP_K = 4, 8, 2  # tiny-moe

@@ -24,16 +24,9 @@ from scaletrain.planning.planner import comm_bytes_per_step, setups_for
 from scaletrain.planning.setup import Setup
 from scaletrain.strategies import TABLE
 
-from helpers import (
-    assert_bit_exact,
-    assert_same_training,
-    base_overrides,
-    check,
-    copy_until,
-    eval_overrides,
-    one_line_error,
-    train,
-)
+from helpers.launch import check, one_line_error, train
+from helpers.numerics import assert_bit_exact, assert_same_training
+from helpers.runs import base_overrides, copy_until, eval_overrides
 
 MUON = ["train.optimizer=muon"]
 
@@ -246,7 +239,7 @@ def test_world_2_equals_one_process_and_its_checkpoint_resumes_at_world_1(
     w2 = tmp_path / "w2"
     args = [*base_overrides(small_dataset, w2, steps=STEPS), *MUON, "train.micro_batch=4", "checkpoint.every=4"]
     check(train([*args, *LAYOUTS[layout], *eval_overrides(small_dataset)], nproc=2))
-    # The standing tolerances (helpers.py) for grad norms, Muon's for losses and weights: the
+    # The standing tolerances (helpers/numerics.py) for grad norms, Muon's for losses and weights: the
     # same gradients up to summation order, and Newton-Schulz on each whole matrix (every rank
     # holds them all under ddp; fsdp's ranks gather each matrix's update, tp's and ep's
     # included: optim/muon.py ShardedMuon). The orthogonalised half of a matrix is another

@@ -21,7 +21,8 @@ from scaletrain.models.presets import ModelShape
 from scaletrain.resilience import faults
 from scaletrain.resilience.nonfinite import Diverged
 
-from helpers import base_overrides, check, metric_rows, train
+from helpers.launch import check, train
+from helpers.runs import base_overrides, metric_rows
 
 pytestmark = pytest.mark.e2e
 

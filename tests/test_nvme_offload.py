@@ -2,7 +2,7 @@
 directory here), at world 2 on CPU/gloo, through DeepSpeed's async_io op (libaio).
 
 Acceptance: the run follows zero3 without offload step for step (loss and grad norm every
-step: the standing tolerances of helpers.py), and DeepSpeed really swapped: the files under
+step: the standing tolerances of helpers/numerics.py), and DeepSpeed really swapped: the files under
 parallel.nvme_path hold exactly the optimizer state, parameters and gradients its swap
 rules put there, in the run's dtype, and the optimizer state is what the planner counts as
 such. Its checkpoints are DeepSpeed's NVMe layout (masters and moments as raw swap files
@@ -26,18 +26,9 @@ from scaletrain.errors import UserError
 from scaletrain.models.factory import model_spec
 from scaletrain.planning import Setup, estimate
 
-from helpers import (
-    GRAD_NORM_RTOL,
-    LOSS_RTOL,
-    RTOL_FIRST_STEP,
-    base_overrides,
-    check,
-    copy_until,
-    final_weights,
-    metric_rows,
-    run_info,
-    train,
-)
+from helpers.launch import check, train
+from helpers.numerics import GRAD_NORM_RTOL, LOSS_RTOL, RTOL_FIRST_STEP
+from helpers.runs import base_overrides, copy_until, final_weights, metric_rows, run_info
 
 LAUNCH_S = 240
 WORLD = 2
@@ -85,7 +76,7 @@ def test_zero3_with_nvme_offload_matches_zero3_without(runs):
     # both DeepSpeed's C++ CPU Adam, same arithmetic) and in the order the global grad norm
     # sums its per-partition pieces (fp32 roundoff, ~1e-7 relative). Measured: losses
     # bit-identical, grad norms <= 1.2e-7 apart over 10 steps. The standing tolerances
-    # (helpers.py: loss 1e-5, grad norm 1e-5 at step 1 and 5e-3 later) hold with room, and
+    # (helpers/numerics.py: loss 1e-5, grad norm 1e-5 at step 1 and 5e-3 later) hold with room, and
     # still catch a parameter stored in bf16 (step-4 loss 9e-5 off). As assert_same_training,
     # less its weights (read from the checkpoint: see the xfail below).
     run, ref, _ = runs
@@ -210,6 +201,6 @@ def test_resuming_an_nvme_checkpoint_is_refused(small_dataset, runs, tmp_path):
 )
 def test_nvme_checkpoint_weights_are_readable(runs):
     # When the reader learns the layout this passes, and strict xfail fails: then compare
-    # the weights with the run without offload (helpers.assert_weights_close) here.
+    # the weights with the run without offload (helpers.numerics.assert_weights_close) here.
     run, _, _ = runs
     assert final_weights(run, 10)

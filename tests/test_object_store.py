@@ -20,7 +20,8 @@ from scaletrain.data.loader import PackedTokens, RankBatches
 from scaletrain.data.remote import BlockCache, StoreOptions, retried
 from scaletrain.errors import UserError
 
-from helpers import SMALL_CORPUS, base_overrides, check, eval_rows, metric_rows, one_line_error, scaletrain, train
+from helpers.launch import check, one_line_error, scaletrain, train
+from helpers.runs import SMALL_CORPUS, base_overrides, eval_rows, metric_rows
 
 
 class Flaky:

@@ -21,7 +21,9 @@ from scaletrain.models import build_model, loss_fn
 from scaletrain.models.feed_forward import FeedForward
 from scaletrain.models.presets import ModelShape
 
-from helpers import assert_same_training, base_overrides, check, metric_rows, train
+from helpers.launch import check, train
+from helpers.numerics import assert_same_training
+from helpers.runs import base_overrides, metric_rows
 
 B, T, DIM, LAYERS, VOCAB = 2, 128, 128, 3, 512
 

@@ -15,18 +15,11 @@ import numpy as np
 import pytest
 import yaml
 
-from helpers import (
-    GRAD_NORM_RTOL,
-    LOSS_RTOL,
-    base_overrides,
-    check,
-    metric_rows,
-    one_line_error,
-    read_metrics,
-    run_info,
-    scaletrain,
-    train,
-)
+from scaletrain.telemetry import read_metrics
+
+from helpers.launch import check, one_line_error, scaletrain, train
+from helpers.numerics import GRAD_NORM_RTOL, LOSS_RTOL
+from helpers.runs import base_overrides, metric_rows, run_info
 
 STEPS = 5
 
@@ -37,7 +30,7 @@ def _overrides(data, run, *extra: str) -> list[str]:
 
 def _assert_same_numbers(run, straight) -> None:
     """Accumulation over 2 micro-batches equals one twice the size up to summation order:
-    the standing equivalence tolerances (helpers.py, where they are derived) hold."""
+    the standing equivalence tolerances (helpers/numerics.py, where they are derived) hold."""
     got, want = metric_rows(run), metric_rows(straight)
     assert len(got) == len(want) == STEPS
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=LOSS_RTOL, err_msg="loss per step")

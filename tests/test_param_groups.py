@@ -10,7 +10,8 @@ from scaletrain.diagnose import diagnose, write_report
 from scaletrain.errors import UserError
 from scaletrain.telemetry import read_metrics
 
-from helpers import base_overrides, check, probe, train
+from helpers.launch import check, probe, train
+from helpers.runs import base_overrides
 
 GROUPS = (
     'train.param_groups=[{match: ["tok_embeddings.*"], lr: 0.5, weight_decay: 0.0}, {match: ["*.attention_norm.*"], lr: 2.0}]'

@@ -9,7 +9,7 @@ The reference is one process accumulating the same 4 micro-batches of 1 (the glo
 of 4 of every equivalence run), untied: the embedding and the head sit on different
 stages. Same micro-batches, so the pipeline changes only summation order (the norm's sum
 over stages, the schedule's order of micro-batches, dp and tp reductions); the tolerances
-are the equivalence tests' (helpers.py). The learning rate is 1e-3, not the other tests'
+are the equivalence tests' (helpers/numerics.py). The learning rate is 1e-3, not the other tests'
 3e-3: the untied model spikes at step 6 with 3e-3, and the step after a spike amplifies
 last-bit differences about a hundredfold (tp 2 x pp 2 under ATEN_CPU_CAPABILITY=default
 missed the loss tolerance there by 1.1e-5 against 1e-5). At 1e-3, against this reference,
@@ -28,18 +28,9 @@ from scaletrain.errors import UserError
 from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
 
-from helpers import (
-    assert_bit_exact,
-    assert_same_training,
-    base_overrides,
-    check,
-    copy_until,
-    eval_overrides,
-    one_line_error,
-    run_info,
-    scaletrain,
-    train,
-)
+from helpers.launch import check, one_line_error, scaletrain, train
+from helpers.numerics import assert_bit_exact, assert_same_training
+from helpers.runs import base_overrides, copy_until, eval_overrides, run_info
 
 UNTIED = ["model.tie_embeddings=false", "parallel.strategy=fsdp", "checkpoint.every=5", "train.lr=1e-3"]
 # pp 2 x dp 2 on 4 ranks: each rank runs 2 stages (interleaved), 2 micro-batches of 1 per
@@ -48,7 +39,7 @@ PP2_DP2 = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "train.micr
 
 
 def pp_run(data, run, nproc: int, *extra: str):
-    # Evaluated as the reference (helpers.eval_overrides): through the schedule's eval path.
+    # Evaluated as the reference (helpers.runs.eval_overrides): through the schedule's eval path.
     return check(train([*base_overrides(data, run), *UNTIED, *eval_overrides(data), *extra], nproc=nproc, timeout=240))
 
 

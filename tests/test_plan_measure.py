@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from helpers import check, run, torchrun
+from helpers.launch import check, run, torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 

@@ -33,7 +33,7 @@ from scaletrain.planning.memory import estimate
 from scaletrain.planning.planner import comm_bytes_per_step, evaluate
 from scaletrain.planning.setup import Setup
 
-from helpers import check, run, torchrun
+from helpers.launch import check, run, torchrun
 
 H100 = gpu("h100", "80GiB")
 MIXTRAL = ["model.preset=mixtral-8x7b", "data.seq_len=4096", "precision=bf16"]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import PROBES, probe
+from helpers.launch import PROBES, probe
 
 sys.path.insert(0, str(PROBES))
 from precision import ENGINES  # noqa: E402

@@ -17,7 +17,9 @@ import pytest
 
 from scaletrain import checkpoint
 
-from helpers import assert_bit_exact, base_overrides, check, eval_overrides, metric_rows, scaletrain
+from helpers.launch import check, scaletrain
+from helpers.numerics import assert_bit_exact
+from helpers.runs import base_overrides, eval_overrides, metric_rows
 
 EXIT_PREEMPTED = 75  # documented in README.md and docs/checkpointing.md
 

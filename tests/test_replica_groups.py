@@ -14,16 +14,9 @@ import pytest
 from scaletrain.resilience import faults
 from scaletrain.telemetry.metrics import read_metrics
 
-from helpers import (
-    assert_same_training,
-    base_overrides,
-    check,
-    eval_overrides,
-    metric_rows,
-    one_line_error,
-    scaletrain,
-    train,
-)
+from helpers.launch import check, one_line_error, scaletrain, train
+from helpers.numerics import assert_same_training
+from helpers.runs import base_overrides, eval_overrides, metric_rows
 
 GROUP1 = Path("replica_groups") / "group1"
 
@@ -100,7 +93,7 @@ def test_two_groups_of_one_equal_one_ddp_job_of_two_and_so_does_one_that_lost_a_
 ) -> None:
     """The acceptance: `launch --ft-groups 2 --nproc 1` = `launch --nproc 2 ddp`, same global
     batch, 12 steps. torchft averages the two groups' gradients (a sum of two, divided by
-    2) as DDP's all-reduce does; the suite's tolerances (helpers.py) hold, and in practice
+    2) as DDP's all-reduce does; the suite's tolerances (helpers/numerics.py) hold, and in practice
     the numbers are bit-equal (a sum of two terms has one order).
 
     Then SCALETRAIN_KILL_AT=step:5@group1: group 1 dies after step 5, its torchrun agent

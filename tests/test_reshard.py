@@ -7,7 +7,7 @@ next layout (resharded natively for DCP, converted through the neutral state oth
 verified tensor by tensor either way). All 14 steps must equal one process trained
 straight through on the same global batch of 6 (divisible by 1, 2 and 3): loss and grad
 norm every step and the final weights, with the tolerances of every equivalence test
-(helpers.py). A move that lost the optimizer moments, reset the step count or skipped or
+(helpers/numerics.py). A move that lost the optimizer moments, reset the step count or skipped or
 repeated samples changes the next step's loss by far more than that (planted: see
 docs/testing.md).
 
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_same_training, base_overrides, check, eval_overrides, train, train_through
+from helpers.launch import check, train
+from helpers.numerics import assert_same_training
+from helpers.runs import base_overrides, eval_overrides, train_through
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 

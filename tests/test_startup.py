@@ -84,19 +84,19 @@ def test_a_command_forked_by_the_tests_server_sees_what_a_new_process_does(tmp_p
     """tests/forkserver.py: the same argv, sys.path, working directory, environment,
     signal handlers, stdin, output and exit status as the new process Popen would start."""
     import forkserver
-    import helpers
+    from helpers import launch
 
     # A server of its own, started from this environment as it is now: what earlier tests
     # in this process left in os.environ cannot make it decline the command.
-    monkeypatch.setattr(helpers, "_forks", forkserver.Client())
+    monkeypatch.setattr(launch, "_forks", forkserver.Client())
     script = tmp_path / "probe_me.py"
     script.write_text(SCRIPT)
     monkeypatch.chdir(tmp_path)
     cmd = [sys.executable, str(script), "a", "b c"]
-    forked = helpers.Launched(cmd, env={"FORK_TEST_MARKER": "x"})
+    forked = launch.Launched(cmd, env={"FORK_TEST_MARKER": "x"})
     assert type(forked.proc).__name__ == "Forked"  # the server took it (nothing here differs at import)
     done = forked.wait(60)
-    new = helpers.run(cmd, env={"FORK_TEST_MARKER": "x"}, timeout=60, new_process=True)
+    new = launch.run(cmd, env={"FORK_TEST_MARKER": "x"}, timeout=60, new_process=True)
     assert (done.returncode, done.stderr) == (new.returncode, new.stderr) == (3, "to stderr\n")
     seen, want = json.loads(done.stdout), json.loads(new.stdout)
     assert seen == want and want["marker"] == "x" and want["argv"] == [str(script), "a", "b c"], (seen, want)

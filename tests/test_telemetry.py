@@ -20,7 +20,9 @@ from scaletrain.diagnose import diagnose, write_report
 from scaletrain.errors import EXIT_HUNG
 from scaletrain.telemetry import read_metrics
 
-from helpers import base_overrides, check, render_in_chromium, run_info, train
+from helpers.browser import render_in_chromium
+from helpers.launch import check, train
+from helpers.runs import base_overrides, run_info
 from sink_readers import offline_runs, tensorboard_scalars, wandb_history, wandb_records
 
 # Serial: they judge timing (stragglers, communication share, a hang's timeout), which a

@@ -2,7 +2,7 @@
 its checkpoints resume bit-exactly and reshard to another layout.
 
 Every run here has the reference run's global batch of 4 (conftest.py), so each must
-reproduce it with the tolerances every equivalence test uses (helpers.py): tensor
+reproduce it with the tolerances every equivalence test uses (helpers/numerics.py): tensor
 parallelism only changes summation order (the row-parallel reductions, the vocabulary-split
 cross entropy, the gradient norm's reduction over the 2-D mesh). Measured against the
 reference: loss <= 1.7e-7, step-1 grad norm <= 3.3e-7, later grad norms <= 1.1e-4.
@@ -20,7 +20,9 @@ from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
 from scaletrain.telemetry import read_metrics
 
-from helpers import assert_bit_exact, assert_same_training, base_overrides, check, copy_until, eval_overrides, run_info, train
+from helpers.launch import check, train
+from helpers.numerics import assert_bit_exact, assert_same_training
+from helpers.runs import base_overrides, copy_until, eval_overrides, run_info
 
 
 def tp_run(data, run, nproc: int, *extra: str, env: dict[str, str] | None = None):

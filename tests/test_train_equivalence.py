@@ -14,18 +14,9 @@ import pytest
 
 from scaletrain import checkpoint
 
-from helpers import (
-    FP16_MOVING_SCALE,
-    assert_bit_exact,
-    assert_same_training,
-    assert_scale_moved,
-    base_overrides,
-    check,
-    copy_until,
-    eval_overrides,
-    run_info,
-    train,
-)
+from helpers.launch import check, train
+from helpers.numerics import assert_bit_exact, assert_same_training, assert_scale_moved
+from helpers.runs import FP16_MOVING_SCALE, base_overrides, copy_until, eval_overrides, run_info
 
 
 def completed(run) -> list[int]:

@@ -8,7 +8,8 @@ import math
 import pytest
 import yaml
 
-from helpers import base_overrides, check, metric_rows, run_info, train
+from helpers.launch import check, train
+from helpers.runs import base_overrides, metric_rows, run_info
 
 
 @pytest.mark.dist

@@ -8,7 +8,7 @@ import pytest
 import scaletrain.training.trainer as trainer
 from scaletrain.config import load_config
 
-from helpers import base_overrides, run_info
+from helpers.runs import base_overrides, run_info
 
 pytestmark = pytest.mark.e2e
 

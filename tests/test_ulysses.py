@@ -20,7 +20,9 @@ from scaletrain.cli import main
 from scaletrain.errors import UserError
 from scaletrain.models import PRESETS
 
-from helpers import CP_EVERY, CP_STEPS, assert_same_training, base_overrides, check, cp_overrides, run_info, train, train_through
+from helpers.launch import check, train
+from helpers.numerics import assert_same_training
+from helpers.runs import CP_EVERY, CP_STEPS, base_overrides, cp_overrides, run_info, train_through
 
 ULYSSES = ["parallel.cp_mode=ulysses"]
 
