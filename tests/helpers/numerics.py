@@ -62,6 +62,12 @@ def assert_same_training(
 ) -> None:
     if evals:
         assert_same_evals(run, ref, loss_rtol)
+    assert_same_steps(run, ref, steps, loss_rtol)
+    assert_weights_close(final_weights(run, steps), final_weights(ref, steps), weights_rtol, gradient_free, steps)
+
+
+def assert_same_steps(run: Path, ref: Path, steps: int = 10, loss_rtol: float = LOSS_RTOL) -> None:
+    """Every step's loss and grad norm within the tolerances above, and the reference trained."""
     a, b = metric_rows(ref), metric_rows(run)
     assert len(a) == len(b) == steps
     losses_a, losses_b = [r["loss"] for r in a], [r["loss"] for r in b]
@@ -70,7 +76,6 @@ def assert_same_training(
     np.testing.assert_allclose(losses_b, losses_a, rtol=loss_rtol, err_msg="loss per step")
     np.testing.assert_allclose(norms_b, norms_a, rtol=GRAD_NORM_RTOL, err_msg="grad norm per step")
     assert losses_a[-1] < losses_a[0]  # it trained, not just agreed
-    assert_weights_close(final_weights(run, steps), final_weights(ref, steps), weights_rtol, gradient_free, steps)
 
 
 def assert_same_evals(run: Path, ref: Path, loss_rtol: float = LOSS_RTOL) -> None:
