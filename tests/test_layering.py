@@ -93,9 +93,13 @@ def test_the_cycle_finder_finds_one():
 
 # The packages from the bottom up (docs/architecture.md): a module imports only from its own
 # layer or those below, lazily or not. The root's shared modules are below everything; its
-# entry points (the package itself, __main__, api) are on top.
+# entry points (the package itself, __main__, api) are on top. A package's `registry` module
+# (optim/registry.py: its kind's entries, docs/architecture.md) is its door for the layers
+# below it, config validation among them: a room of its own in the bottom layer, so it may
+# import nothing above that.
+REGISTRIES = {"optim.registry"}
 LAYERS = [
-    {"errors", "files", "disk_cache", "strategies"},
+    {"errors", "files", "disk_cache", "strategies", *REGISTRIES},
     {"launch", "config"},
     {"models"},
     {"data"},
@@ -111,16 +115,30 @@ LAYERS = [
 
 
 def package_of(module: str) -> str:
-    """scaletrain.engines.fsdp -> engines; scaletrain.api -> api; scaletrain -> ''."""
-    return module.split(".")[1] if "." in module else ""
+    """scaletrain.engines.fsdp -> engines; scaletrain.api -> api; scaletrain -> '';
+    scaletrain.optim.registry -> optim.registry (a registry is a room of its own)."""
+    parts = module.split(".")
+    if len(parts) == 3 and parts[2] == "registry":
+        return ".".join(parts[1:])
+    return parts[1] if len(parts) > 1 else ""
+
+
+# A package whose __init__ imports nothing adds no dependency when a module inside it is
+# imported (its __init__ runs, and runs nothing): importing optim.registry is not importing optim.
+EMPTY_PACKAGES = {m for m, path in MODULES.items() if path.name == "__init__.py" and not GRAPH[m]}
 
 
 def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     packages: dict[str, set[str]] = {}
     for module, imported in graph.items():
         mine = package_of(module)
-        packages.setdefault(mine, set()).update(p for m in imported if (p := package_of(m)) != mine)
+        packages.setdefault(mine, set()).update(p for m in imported if m not in EMPTY_PACKAGES and (p := package_of(m)) != mine)
     return packages
+
+
+def test_every_registry_is_in_the_bottom_layer():
+    found = {package_of(m) for m in MODULES if m.endswith(".registry")}
+    assert found == REGISTRIES and REGISTRIES.issubset(LAYERS[0])
 
 
 def test_no_package_cycle_and_no_import_up_a_layer():

@@ -80,9 +80,6 @@ class Strategy:
     # train.float8: the blocks' Linear layers as torchao Float8Linear (engines/float8.py),
     # converted on the meta model before the engine wraps it.
     float8: bool = False
-    # train.optimizer=muon: Newton-Schulz needs each whole matrix, which this engine's ranks
-    # hold or gather (fsdp: one all-gather per matrix and step, optim/muon.py).
-    muon: bool = False
     no_float8_why: str = ""  # why a strategy without it has none, for the refusal
     teacher: bool = True  # model.teacher (engines/teacher.py holds it like the model)
     # fault_tolerance.groups > 1: replica groups of this layout, gradients averaged across
@@ -150,7 +147,6 @@ TABLE: dict[str, Strategy] = {
             doc="torch DDP: every rank a whole replica, gradients all-reduced",
             compile=True,
             float8=True,
-            muon=True,
             grad_compression=True,
             no_ep_why="DDP keeps every weight whole on every rank, and split experts are not",
             cp=True,
@@ -178,7 +174,6 @@ TABLE: dict[str, Strategy] = {
             keeps_gathered=True,
             compile=True,
             float8=True,
-            muon=True,
             offload_params=("cpu",),
             partitions=3,
             buffers="fsdp_units",

@@ -32,6 +32,9 @@ from scaletrain.config.model import (  # noqa: F401  # re-exported: the schema's
 )
 from scaletrain.config.sequences import long_sequence_problem
 from scaletrain.config.stages import SCHEDULES, schedule_problem
+from scaletrain.optim.registry import OPTIMIZERS, layout_problem
+from scaletrain.optim.registry import SCHEDULES as LR_SCHEDULES
+from scaletrain.optim.registry import accepted as registered
 from scaletrain.strategies import STRATEGIES, TABLE, names_where, said
 
 # train.micro_batch=auto before a run resolves it (scaletrain/batch.py).
@@ -81,12 +84,14 @@ class TrainConfig(Section):
     lr: float = Field(3e-3, gt=0, le=10)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # the decay ends at lr * min_lr_ratio
     warmup_steps: int = Field(20, ge=0)
-    # After the linear warmup (optim/schedule.py, lr_at): cosine or linear decay over the rest
-    # of train.steps; constant; wsd, warmup-stable-decay: lr held until the last
-    # train.decay_steps (unset: a fifth of train.steps), then decayed with train.decay_shape
-    # (1-sqrt, Hägele et al. 2024, or linear). Only wsd's shape up to its decay does not
-    # depend on train.steps: a run can be extended from any of its stable-phase checkpoints.
-    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    # After the linear warmup (optim/schedule.py, lr_at; the names: optim/registry.py
+    # SCHEDULES): cosine or linear decay over the rest of train.steps; constant; wsd,
+    # warmup-stable-decay: lr held until the last train.decay_steps (unset: a fifth of
+    # train.steps), then decayed with train.decay_shape (1-sqrt, Hägele et al. 2024, or
+    # linear). Only wsd's shape up to its decay does not depend on train.steps: a run can be
+    # extended from any of its stable-phase checkpoints. Unset: the optimizer entry's own
+    # schedule where it has one, else cosine.
+    schedule: str = "cosine"
     decay_steps: int | None = Field(None, ge=1)
     decay_shape: Literal["1-sqrt", "linear"] = "1-sqrt"
     # With train.resume=CKPT (a stable-phase checkpoint of a wsd or constant run) and another
@@ -96,8 +101,9 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.1, ge=0)
     # adamw: torch's AdamW for every parameter. muon: torch's Muon for the 2-D matrices inside
     # the blocks, AdamW for the embedding, the head and the gains, at one train.lr (Muon's
-    # updates scaled to AdamW's RMS, as Moonlight does; optim/muon.py, docs/optimizers.md).
-    optimizer: Literal["adamw", "muon"] = "adamw"
+    # updates scaled to AdamW's RMS, as Moonlight does; optim/muon.py). Every name, what it
+    # is and where it runs: optim/registry.py OPTIMIZERS; docs/optimizers.md.
+    optimizer: str = "adamw"
     # Parameters trained at their own learning rate (a multiplier) and weight decay: the
     # first entry whose patterns match a parameter's name takes it; the rest keep the
     # defaults. A pattern that matches no parameter is an error (optim/optimizers.py).
@@ -127,6 +133,30 @@ class TrainConfig(Section):
     # a run that only skips is not training.
     nonfinite: Literal["skip", "rollback", "abort"] = "skip"
     nonfinite_patience: int = Field(10, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _optimizers_schedule(cls, data: Any) -> Any:
+        """train.schedule left unset: the optimizer's own where its entry has one."""
+        if isinstance(data, dict) and "schedule" not in data:
+            entry = OPTIMIZERS.get(data.get("optimizer", "adamw"))
+            if entry is not None and entry.schedule is not None:
+                data = {**data, "schedule": entry.schedule}
+        return data
+
+    @field_validator("optimizer")
+    @classmethod
+    def _known_optimizer(cls, v: str) -> str:
+        if v not in OPTIMIZERS:
+            raise ValueError(f"train.optimizer={v} is not one scaletrain builds; accepted: {registered(OPTIMIZERS)}")
+        return v
+
+    @field_validator("schedule")
+    @classmethod
+    def _known_schedule(cls, v: str) -> str:
+        if v not in LR_SCHEDULES:
+            raise ValueError(f"train.schedule={v} is not one scaletrain knows; accepted: {registered(LR_SCHEDULES)}")
+        return v
 
     @field_validator("loss_scale_init")
     @classmethod
@@ -168,13 +198,15 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _decay_steps_are_wsds(self) -> TrainConfig:
-        if self.schedule != "wsd" and self.decay_steps is not None:
+        last = LR_SCHEDULES[self.schedule].decays_over == "last"
+        if not last and self.decay_steps is not None:
+            wsd = said(tuple(n for n, s in LR_SCHEDULES.items() if s.decays_over == "last"))
             raise ValueError(
-                f"train.decay_steps is the length of wsd's decay, and train.schedule={self.schedule} has none; "
-                "accepted: train.schedule=wsd with it, or no train.decay_steps"
+                f"train.decay_steps is the length of {wsd}'s decay, and train.schedule={self.schedule} has none; "
+                f"accepted: train.schedule={wsd} with it, or no train.decay_steps"
             )
         stable = self.steps - self.warmup_steps
-        if self.schedule == "wsd" and self.decay_steps is not None and self.decay_steps > stable:
+        if last and self.decay_steps is not None and self.decay_steps > stable:
             raise ValueError(
                 f"train.decay_steps={self.decay_steps} is longer than the {stable} steps after the warmup "
                 f"(train.steps={self.steps} - train.warmup_steps={self.warmup_steps}); accepted: 1..{stable}"
@@ -417,32 +449,26 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _muon_where_built(self) -> Config:
-        par = self.parallel
-        if self.train.optimizer != "muon":
+    def _optimizer_where_built(self) -> Config:
+        """train.optimizer on the engines and layouts its entry (optim/registry.py) names."""
+        par, entry = self.parallel, OPTIMIZERS[self.train.optimizer]
+        where = said(entry.strategies)
+        layout = {
+            "cp": par.cp, "pp": par.pp, "tp": par.tp, "ep": par.ep, "dp_replicate": par.dp_replicate,
+            "offload_params": par.offload_params, "groups": self.fault_tolerance.groups,
+        }  # fmt: skip
+        unchecked = layout_problem(entry, layout)
+        if par.strategy != "auto" and par.strategy not in entry.strategies:
+            given, accepted, why = f"parallel.strategy={par.strategy}", f"parallel.strategy={where}", entry.why_not_others
+        elif unchecked is not None:
+            (given, accepted), why = unchecked, "not checked yet"
+        else:
             return self
-        where = said(names_where(lambda r: r.muon))
-        off = [
-            (not _can(par.strategy, "muon"), f"parallel.strategy={par.strategy}", f"parallel.strategy={where}",
-             "DeepSpeed 0.19.8's own Muon is another step: Keller Jordan's learning-rate scaling, not the AdamW-matched "
-             "one a shared train.lr needs, a Gram Newton-Schulz, and groups its engine rebuilds without "
-             "train.param_groups' multipliers; not wired"),
-            (par.cp > 1, f"parallel.cp={par.cp}", "parallel.cp=1", "not checked yet"),
-            (par.dp_replicate > 1, f"parallel.dp_replicate={par.dp_replicate}", "parallel.dp_replicate=1",
-             "not checked yet"),
-            (par.offload_params != "none", f"parallel.offload_params={par.offload_params}", "parallel.offload_params=none",
-             "not checked yet"),
-            (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1", "not checked yet"),
-            (self.fault_tolerance.groups > 1, f"fault_tolerance.groups={self.fault_tolerance.groups}",
-             "fault_tolerance.groups=1", "not checked yet"),
-        ]  # fmt: skip
-        for bad, given, accepted, why in off:
-            if bad:
-                raise ValueError(
-                    f"train.optimizer=muon runs on {where}, not with {given} ({why}); accepted: {accepted}, or "
-                    "train.optimizer=adamw"
-                )
-        return self
+        default = next(iter(OPTIMIZERS))
+        raise ValueError(
+            f"train.optimizer={entry.name} runs on {where}, not with {given} ({why}); accepted: {accepted}, or "
+            f"train.optimizer={default}"
+        )
 
     @model_validator(mode="after")
     def _experts_where_checked(self) -> Config:

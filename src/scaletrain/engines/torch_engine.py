@@ -27,9 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import scaletrain.checkpoint.dcp_format  # noqa: F401  # its filter of DCP's single-process warning
-from scaletrain.engines.base import AccumulationWindow, StepStats, set_lr
+from scaletrain.engines.base import AccumulationWindow, Mark, MicroBatch, StepStats, no_mark, set_lr
 from scaletrain.launch.distributed import side_group
-from scaletrain.optim.optimizers import after_load, skip_where
+from scaletrain.models.spec import LossFn
+from scaletrain.optim.optimizers import after_load, averaged, skip_where, training_weights
 
 # Engine-neutral state (Engine.state_dict): full tensors on every rank, plain names,
 # torch's flattened optimizer layout ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr").
@@ -195,10 +196,21 @@ class TorchEngineMixin(AccumulationWindow):
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(grad_norm.detach(), loss_scale, skipped.detach().reshape(()))
 
+    def forward_backward(self, micro_batches: list[MicroBatch], loss: LossFn, mark: Mark = no_mark) -> torch.Tensor:
+        training_weights(self.optimizer)  # a schedule-free optimizer's, after a load or an evaluation
+        return super().forward_backward(micro_batches, loss, mark)
+
+    def evaluate(self, micro_batches: list[MicroBatch], loss: LossFn) -> tuple[torch.Tensor, torch.Tensor]:
+        with averaged(self.optimizer):  # a schedule-free optimizer's evaluation weights (optim/optimizers.py)
+            return super().evaluate(micro_batches, loss)
+
     def save(self, path: Path, background: bool = False) -> Future[Any] | None:
         if background and self.staging is None:
             self.staging = Staging()
-        return save_dcp(self.model, self.optimizer, path, background, frozen=self.save_frozen, staging=self.staging)
+        # A checkpoint holds the weights worth keeping: a schedule-free optimizer's averaged
+        # ones (a background save has copied them when save_dcp returns).
+        with averaged(self.optimizer):
+            return save_dcp(self.model, self.optimizer, path, background, frozen=self.save_frozen, staging=self.staging)
 
     def load(self, path: Path) -> None:
         load_dcp(self.model, self.optimizer, path)
@@ -215,8 +227,10 @@ class TorchEngineMixin(AccumulationWindow):
             self.float8.after_step()
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=NEUTRAL)
-        return {"model": _on_cpu(model_sd), "optim": _on_cpu(optim_sd)}
+        with averaged(self.optimizer):  # as save
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=NEUTRAL)
+            model_sd, optim_sd = _on_cpu(model_sd), _on_cpu(optim_sd)
+        return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Each rank cuts its own shard from the full tensors (every rank has them, so no

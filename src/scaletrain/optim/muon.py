@@ -40,6 +40,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 # sharded step at world 2 to torch's own step in one process).
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+from scaletrain.optim.optimizers import build_adamw
+
 MUON_MOMENTUM = 0.95  # torch's and Moonlight's
 
 
@@ -141,3 +143,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # new group dicts and a new state dict: handed back to both
         self._share()
+
+
+def build(groups: list[dict[str, Any]], cfg: Any, device: torch.device) -> MuonWithAdamW:
+    """train.optimizer=muon (optim/registry.py): Muon for the groups decay_groups marked, AdamW
+    (optimizers.build_adamw) for the rest."""
+    return MuonWithAdamW(groups, cfg.lr, lambda rest: build_adamw(rest, cfg, device))

@@ -1,10 +1,13 @@
-"""The optimizers (train.optimizer: AdamW, Muon beside AdamW) and their default parameter
-groups (decay on matrices only)."""
+"""The optimizers (train.optimizer, optim/registry.py: AdamW here, Muon beside AdamW in
+muon.py, schedule-free AdamW in schedule_free.py), built by their entry's builder, and their
+default parameter groups (decay on matrices only)."""
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -14,7 +17,7 @@ from torch.utils import _foreach_utils
 from scaletrain.config import TrainConfig
 from scaletrain.errors import UserError
 from scaletrain.models.params import canonical_name, embedding_tables, on_muon
-from scaletrain.optim.muon import MuonWithAdamW
+from scaletrain.optim.registry import optimizer as entry_of
 
 
 def decay_groups(train: TrainConfig) -> Callable[[nn.Module], list[dict[str, Any]]]:
@@ -28,7 +31,7 @@ def decay_groups(train: TrainConfig) -> Callable[[nn.Module], list[dict[str, Any
         # Plain names, whatever wraps the model (DDP's module., checkpointing, compile).
         named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         taken = _matched(train.param_groups, [n for n, _ in named])
-        tables = embedding_tables(model) if train.optimizer == "muon" else None
+        tables = embedding_tables(model) if entry_of(train.optimizer).splits_matrices else None
         buckets: dict[tuple[int, bool, bool], list[nn.Parameter]] = {}
         for name, p in named:
             muon = tables is not None and on_muon(name, p, tables)
@@ -109,17 +112,63 @@ def build_adamw(groups: list[dict[str, Any]], cfg: TrainConfig, device: torch.de
 
 
 def build_optimizer(groups: list[dict[str, Any]], cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """train.optimizer: AdamW (build_adamw), or Muon for the groups decay_groups marked and
-    AdamW for the rest, as one optimizer (optim/muon.py)."""
-    if cfg.optimizer == "muon":
-        return MuonWithAdamW(groups, cfg.lr, lambda rest: build_adamw(rest, cfg, device))
-    return build_adamw(groups, cfg, device)
+    """train.optimizer, by its registry entry's builder (optim/registry.py), in training mode."""
+    module, function = entry_of(cfg.optimizer).builder.split(":")
+    optimizer: torch.optim.Optimizer = getattr(importlib.import_module(module), function)(groups, cfg, device)
+    training_weights(optimizer)
+    return optimizer
 
 
 def after_load(optimizer: torch.optim.Optimizer) -> None:
     """A load restores each group's `fused` with its state (skip_where follows the groups);
     GradScaler follows the optimizer's flag instead, set when it was built: made to agree."""
     optimizer._step_supports_amp_scaling = all(g.get("fused") for g in optimizer.param_groups)  # type: ignore[attr-defined]
+
+
+# Schedule-free optimizers (optim/schedule_free.py) step one sequence of weights and evaluate
+# another, an average: the parameters hold the first while training and the second while the
+# model is evaluated or saved (the schedulefree package's train() and eval(), its groups'
+# `train_mode`). A checkpoint is saved, so loaded, in the evaluation mode, and stays so until
+# the next forward that trains (the engines call training_weights): what a load restored is
+# then read back exactly (resume's verification), and every run switches at the same steps, so
+# a resumed run continues bit for bit. A plain torch optimizer has no modes: nothing changes.
+def has_modes(optimizer: Any) -> bool:
+    return callable(getattr(optimizer, "eval", None)) and callable(getattr(optimizer, "train", None))
+
+
+def _training(optimizer: torch.optim.Optimizer) -> bool:
+    return all(g.get("train_mode", True) for g in optimizer.param_groups)
+
+
+def training_weights(optimizer: Any) -> None:
+    """The training weights in the parameters (before a forward that trains)."""
+    if has_modes(optimizer) and not _training(optimizer):
+        _switch(optimizer.train, optimizer)
+
+
+@contextmanager
+def averaged(optimizer: Any) -> Iterator[None]:
+    """The optimizer's evaluation weights in the parameters for the block (an evaluation, a
+    save); the mode it found after it."""
+    if not has_modes(optimizer) or not _training(optimizer):
+        yield
+        return
+    _switch(optimizer.eval, optimizer)
+    try:
+        yield
+    finally:
+        _switch(optimizer.train, optimizer)
+
+
+def _switch(mode: Callable[[], None], optimizer: torch.optim.Optimizer) -> None:
+    """train() or eval(), less the empty state entries they leave: the package reads
+    `self.state[p]`, a defaultdict, for every parameter, and torch's DCP initialises an
+    optimizer's state before a load only where it has none (state_dict._init_optim_state):
+    with an entry per parameter it skipped that, found no state names to load, and a resume
+    came back without z or the second moment."""
+    mode()
+    for p in [p for p, state in optimizer.state.items() if not state]:
+        del optimizer.state[p]
 
 
 def skip_where(optimizer: torch.optim.Optimizer, skipped: torch.Tensor) -> None:

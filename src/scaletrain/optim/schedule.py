@@ -1,11 +1,12 @@
-"""The learning-rate schedules (train.schedule): linear warmup, then cosine, linear, constant
-or warmup-stable-decay; and the peak scaled with the batch (train.lr_scaling)."""
+"""The learning-rate schedules (train.schedule, optim/registry.py's SCHEDULES): linear
+warmup, then the entry's decay; and the peak scaled with the batch (train.lr_scaling)."""
 
 from __future__ import annotations
 
 import math
 
 from scaletrain.config import TrainConfig
+from scaletrain.optim.registry import SCHEDULES
 
 
 def scaled_lr(cfg: TrainConfig, global_batch: int) -> float:
@@ -28,28 +29,23 @@ def lr_at(step: int, cfg: TrainConfig, peak: float | None = None) -> float:
     peak = cfg.lr if peak is None else peak
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
+    schedule = SCHEDULES[cfg.schedule]
+    if schedule.decays_over == "none":
         return peak
     start, length = cfg.warmup_steps, cfg.steps - cfg.warmup_steps
-    if cfg.schedule == "wsd":
+    if schedule.decays_over == "last":
         length = wsd_decay_steps(cfg)
         start = cfg.steps - length
         if step < start:
             return peak  # the stable phase
     progress = min(1.0, (step - start) / max(1, length))
     floor = peak * cfg.min_lr_ratio
-    if cfg.schedule == "cosine":
-        left = 0.5 * (1 + math.cos(math.pi * progress))
-    elif cfg.schedule == "wsd" and cfg.decay_shape == "1-sqrt":
-        left = 1 - math.sqrt(progress)
-    else:  # linear, or wsd's linear decay
-        left = 1 - progress
-    return floor + (peak - floor) * left
+    return floor + (peak - floor) * schedule.left(progress, cfg)
 
 
 def wsd_decay_steps(cfg: TrainConfig) -> int:
-    """The length of wsd's decay: train.decay_steps, or a fifth of the run (at least one
-    step, at most the steps after the warmup)."""
+    """The length of a decay over the last steps (wsd): train.decay_steps, or a fifth of the
+    run (at least one step, at most the steps after the warmup)."""
     if cfg.decay_steps is not None:
         return cfg.decay_steps
     return max(1, min(cfg.steps - cfg.warmup_steps, round(cfg.steps / 5)))

@@ -20,6 +20,7 @@ import torch
 
 from scaletrain.config import TrainConfig
 from scaletrain.models.spec import ModelSpec
+from scaletrain.optim.registry import ADAMW_STATE_BYTES, optimizer
 from scaletrain.planning.activations import HeadActivations, block_activations, head_activations
 from scaletrain.planning.experts import experts_of, tp_split, ungathered
 from scaletrain.planning.float8 import buffer_saving, saved_saving
@@ -32,11 +33,6 @@ from scaletrain.strategies import TABLE
 # buffer_count sub-group partitions, ZeRO-3's sub_group_size.
 NVME_PARAM_BUFFERS = 5 * 100_000_000
 NVME_OPTIMIZER_BUFFERS = 4
-# train.optimizer=muon: torch's Muon keeps one fp32 momentum buffer per element of the
-# matrices it steps, AdamW two moments (exp_avg, exp_avg_sq): 4 bytes fewer for each. Its
-# Newton-Schulz iterations work on one matrix at a time (a few bf16 copies of the largest
-# one, under a percent of a model's states), left out.
-MUON_SAVES = 4.0
 ZERO3_SUB_GROUP = 1_000_000_000
 
 
@@ -87,8 +83,14 @@ def estimate(model: ModelSpec, s: Setup) -> Memory:
     # optimizer state, no fp32 master.
     n_train = n_params * trainable_share(model)
     params, grads, optim = w * n_params, g * n_train, o * n_train
-    if s.optimizer == "muon":  # one momentum buffer for Muon's matrices in place of AdamW's two moments
-        optim -= MUON_SAVES * n_train * muon_share(model)
+    entry = optimizer(s.optimizer)
+    # train.optimizer's own state in place of AdamW's two moments (optim/registry.py), and
+    # its state for the blocks' matrices where it steps them by a rule of its own (Muon: one
+    # momentum; its Newton-Schulz iterations work on one matrix at a time, a few bf16 copies
+    # of the largest, under a percent of a model's states: left out).
+    optim += (entry.state_bytes - ADAMW_STATE_BYTES) * n_train
+    if entry.matrix_state_bytes is not None:
+        optim -= (entry.state_bytes - entry.matrix_state_bytes) * n_train * muon_share(model)
     # ZeRO's stages: what the shard group partitions (strategies.Strategy.partitions).
     optim /= shard if row.partitions >= 1 else 1
     grads /= shard if row.partitions >= 2 else 1
@@ -224,7 +226,8 @@ def trainable_share(model: ModelSpec) -> float:
 
 
 def muon_share(model: ModelSpec) -> float:
-    """The share of the trained parameters Muon steps under train.optimizer=muon."""
+    """The share of the trained parameters a matrix optimizer steps (train.optimizer=muon:
+    models/params.py on_muon)."""
     c = model.counts()
     return c.muon / (c.trainable or c.total)
 
@@ -247,7 +250,7 @@ def muon_gather_bytes(model: ModelSpec, s: Setup, psi: float) -> float:
     holding `psi` parameters; a mixture of experts' stacks only where FSDP cuts inside the
     experts (a rank's E/ep fewer than the shard/ep ranks holding them), else each rank
     orthogonalises its own experts where they are. 0 for AdamW."""
-    if s.optimizer != "muon":
+    if not optimizer(s.optimizer).gathers_matrices:
         return 0.0
     gathered = muon_share(model)
     e = experts_of(model)

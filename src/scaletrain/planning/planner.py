@@ -19,6 +19,7 @@ from scaletrain.errors import UserError
 from scaletrain.models.capabilities import TensorParallel
 from scaletrain.models.factory import distill_spec
 from scaletrain.models.spec import ModelSpec, with_fields
+from scaletrain.optim.registry import layout_problem, optimizer
 from scaletrain.planning.candidate import Candidate, Plan
 from scaletrain.planning.clock.step import step_time
 from scaletrain.planning.context import cp_comm_bytes_per_step, cp_options, what_cp_buys, why_cp
@@ -75,7 +76,7 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
     # A configured tp or pp keeps only the strategies that compose with it.
     options = [o for o in options if (dims.tp == 1 or TABLE[o.strategy].tp) and (dims.pp == 1 or TABLE[o.strategy].pp)]
     options = [o for o in options if not base.float8 or plannable(o)]  # train.float8: where it runs
-    options = [o for o in options if base.optimizer != "muon" or _muon_runs(o)]  # train.optimizer=muon: likewise
+    options = [o for o in options if _optimizer_runs(o)]  # train.optimizer: likewise
     if p.strategy == "auto":
         return options
     return [base, *(o for o in options if o != base)]
@@ -90,11 +91,12 @@ _BY_COMPLEXITY = sorted(TABLE.values(), key=lambda r: r.complexity)
 _MODEL_PARALLEL = next(r for r in _BY_COMPLEXITY if r.tp and r.pp)
 
 
-def _muon_runs(s: Setup) -> bool:
-    """Where train.optimizer=muon runs (config/schema.py refuses the rest): its strategies,
-    with tp and ep but no pipeline, cp, hybrid sharding or offloaded parameters."""
-    plain = s.pp == s.cp == s.dp_replicate == 1 and s.offload_params == "none"
-    return TABLE[s.strategy].muon and plain
+def _optimizer_runs(s: Setup) -> bool:
+    """Where train.optimizer runs (config/schema.py refuses the rest): the strategies and
+    layouts of its entry (optim/registry.py)."""
+    entry = optimizer(s.optimizer)
+    layout = {"cp": s.cp, "pp": s.pp, "tp": s.tp, "ep": s.ep, "dp_replicate": s.dp_replicate, "offload_params": s.offload_params}
+    return s.strategy in entry.strategies and layout_problem(entry, layout) is None
 
 
 def _data_parallel_options(base: Setup, world: int, nodes: int) -> list[Setup]:

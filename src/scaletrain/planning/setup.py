@@ -48,8 +48,8 @@ class Setup:
     # train.float8: the blocks' Linear layers in float8 (planning/float8.py: their matmuls at the
     # float8 peak, FSDP's all-gathers of their weights at 1 byte).
     float8: bool = False
-    # train.optimizer: muon keeps one fp32 momentum per hidden matrix's element where AdamW
-    # keeps two moments (planning/memory.py); it runs where the strategy's row says `muon`.
+    # train.optimizer: its state per parameter and where it runs are its entry's
+    # (optim/registry.py; planning/memory.py, planner.py).
     optimizer: str = "adamw"
     # The planner chose the micro-batch (train.micro_batch=auto, or a smaller one than
     # configured at the same global batch): the label says which.

@@ -23,7 +23,9 @@ from scaletrain.errors import UserError
 from scaletrain.launch import forked
 from scaletrain.launch.distributed import World, versions
 from scaletrain.models import ModelSpec
+from scaletrain.optim.registry import SCHEDULES
 from scaletrain.optim.schedule import lr_at, scaled_lr, wsd_decay_steps
+from scaletrain.strategies import said
 
 
 @dataclass
@@ -95,16 +97,18 @@ def branch_cooldown(cfg: Config, origin: Path, root: Path) -> tuple[Config, str]
     except UserError as e:
         raise UserError(f"train.cooldown_steps: {origin}'s config.yaml is unreadable here ({e})") from None
     where = f"{origin} (step {step} of a {before.schedule} schedule)"
-    if before.schedule not in ("wsd", "constant"):
+    if not SCHEDULES[before.schedule].extendable:
         raise UserError(
             f"train.cooldown_steps branches from a stable phase, and {where} has none: its learning rate decays from "
-            f"the warmup on; accepted: a checkpoint of a run with train.schedule=wsd or constant"
+            f"the warmup on; accepted: a checkpoint of a run with train.schedule="
+            f"{said(tuple(n for n, s in SCHEDULES.items() if s.extendable))}"
         )
     if step < before.warmup_steps:
         raise UserError(
             f"train.cooldown_steps: {where} is still in its warmup ({before.warmup_steps} steps); accepted: a checkpoint past it"
         )
-    decay_from = before.steps - wsd_decay_steps(before) if before.schedule == "wsd" else before.steps
+    last = SCHEDULES[before.schedule].decays_over == "last"
+    decay_from = before.steps - wsd_decay_steps(before) if last else before.steps
     if step > decay_from:
         raise UserError(
             f"train.cooldown_steps: {where} is in its decay (from step {decay_from}); accepted: a checkpoint of its "

@@ -317,7 +317,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     if main:
         oom.log_new(paths.root, telemetry.event)
     about, lines = engine.describe()  # e.g. a pipeline's stages
-    if (cfg.train.param_groups or cfg.train.optimizer == "muon") and hasattr(engine, "optimizer"):  # what each group got
+    if (cfg.train.param_groups or cfg.train.optimizer != "adamw") and hasattr(engine, "optimizer"):  # what each group got
         lines = [*lines, *describe_groups(engine.optimizer)]
         optimizer = engine.optimizer
         telemetry.recorder.group_lrs = lambda: group_lrs(optimizer)  # and at what rate, each interval

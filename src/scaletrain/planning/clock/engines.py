@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from scaletrain.models.spec import ModelSpec
+from scaletrain.optim.registry import optimizer
 from scaletrain.planning.clock.compute import MicroBatch
 from scaletrain.planning.clock.rates import Rates
 from scaletrain.planning.context import cp_comm_bytes_per_step
@@ -138,8 +139,8 @@ def _optimizer(work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, parti
     if partitions and s.reduce_ranks > 1:
         # The gradient norm of sharded gradients: each rank's sum of squares all-reduced (clipping).
         work.add("optimizer", "the gradient norm's all-reduce", rates.collective("all_reduce", 8.0, s.reduce_ranks, False))
-    if s.optimizer == "muon":
-        work.notes.append("train.optimizer=muon: its step priced as AdamW's (Newton-Schulz not in the clock yet)")
+    if note := optimizer(s.optimizer).clock_note:  # optim/registry.py: where the clock prices it as another
+        work.notes.append(f"train.optimizer={s.optimizer}: {note}")
 
 
 def _ddp(work: EngineWork, s: Setup, rates: Rates, mb: MicroBatch, train: float, inter: bool) -> None:
