@@ -91,6 +91,20 @@ OPTIMIZERS: dict[str, Optimizer] = {
             clock_note="its step priced as AdamW's (Newton-Schulz not in the clock yet)",
             state_keys=("momentum_buffer", "exp_avg", "exp_avg_sq"),
         ),
+        Optimizer(
+            "schedule_free_adamw",
+            "schedule-free AdamW (the schedulefree package): no decay schedule; evaluation and checkpoints take its "
+            "averaged weights",
+            "scaletrain.optim.schedule_free:build",
+            strategies=("ddp", "fsdp"),
+            why_not_others="DeepSpeed's ZeRO optimizer steps its own flat fp32 partitions and would not switch "
+            "schedule-free's averaged and training weights around evaluation and saves; not wired",
+            unchecked=("cp", "pp", "tp", "ep", "dp_replicate", "offload_params", "groups"),
+            # z (the base sequence) and exp_avg_sq; the weights hold y in training, x in saves.
+            state_keys=("z", "exp_avg_sq"),
+            clock_note="its step priced as AdamW's (the same element-wise passes)",
+            schedule="constant",
+        ),
     )
 }
 
