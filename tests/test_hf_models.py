@@ -168,7 +168,10 @@ def test_a_saved_model_trains_by_path_with_its_own_tokenizer_and_exports_back(sm
     [
         (["model.source=hf"], "needs exactly one of model.path (a local directory) or model.hf_config"),
         (["model.path=/m"], "model.path is for Hugging Face models; accepted: model.source=hf"),
-        (["model.source=hf", "model.path=/m", "model.dim=64"], "model.dim shapes the built-in model"),
+        (
+            ["model.source=hf", "model.path=/m", "model.dim=64"],
+            "model.dim does not apply to Hugging Face models; accepted: its config",
+        ),
         (["model.source=hf", "model.hf_config={hidden_size: 8}"], "model.hf_config has no model_type"),
     ],
 )

@@ -1,7 +1,7 @@
-"""The registries (optim/registry.py): the config accepts exactly their names and refuses
-others in one line naming them; every entry resolves to what the rest of the package asks of
-it (a builder that builds, a schedule lr_at follows); the planner and the refusals read the
-entries, not names."""
+"""The registries (optim/registry.py, config/sources.py): the config accepts exactly their
+names and refuses others in one line naming them; every entry resolves to what the rest of
+the package asks of it (a builder that builds, a schedule lr_at follows, a source's module
+with its two builders)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from scaletrain.config import load_config
+from scaletrain.config.sources import SOURCES
 from scaletrain.errors import UserError
 from scaletrain.models import model_spec
 from scaletrain.optim.optimizers import build_optimizer, decay_groups
@@ -55,3 +56,15 @@ def test_every_schedule_warms_up_then_follows_its_entry():
         assert decayed == (entry.decays_over != "none"), name
         # "last" decays over train.decay_steps only (unset: a fifth of the run): flat until then.
         assert (curve[79] == 1.0) == (entry.decays_over in ("last", "none")), name
+
+
+def test_every_model_source_names_a_module_that_builds_its_specs_and_others_are_refused():
+    for entry in SOURCES.values():
+        module = importlib.import_module(entry.module)
+        assert callable(module.from_section) and callable(module.from_saved), entry.name
+    with pytest.raises(UserError) as err:
+        load_config([], ["model.source=jax"])
+    assert str(err.value).endswith("model.source=jax is not one scaletrain builds; accepted: builtin|hf|python")
+    # A key of another source, named with where this one takes it instead.
+    with pytest.raises(UserError, match=r"model.spec_args does not apply to Hugging Face models; accepted: its config"):
+        load_config([], ["model.source=hf", "model.path=/m", "model.spec_args={dim: 8}"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from scaletrain.config.sources import SOURCES
 from scaletrain.strategies import TABLE, names_where, said
 
 # Float8 matmuls (torch._scaled_mm) need NVIDIA compute capability 8.9 (Ada) or newer
@@ -55,7 +56,12 @@ def float8_problem(cfg: Any) -> str | None:
     unchecked = [
         (par.tp > 1, f"parallel.tp={par.tp}", "parallel.tp=1", "torchao's float8 tensor-parallel styles are not wired"),
         (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1", "not checked yet"),
-        (m.source != "builtin", f"model.source={m.source}", "model.source=builtin", "which Linear is a router is not known"),
+        (
+            not SOURCES[m.source].float8,
+            f"model.source={m.source}",
+            "model.source=builtin",
+            "which Linear is a router is not known",
+        ),
         (m.lora is not None, "model.lora", "no model.lora", "a frozen float8 base under adapters is not checked"),
         (par.offload_params != "none", f"parallel.offload_params={par.offload_params}", "offload_params=none", "not checked"),
     ]

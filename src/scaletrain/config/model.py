@@ -5,12 +5,12 @@ which re-exports these names; kept apart so that each file stays one read.
 
 from __future__ import annotations
 
-import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from scaletrain.config.presets import PRESETS
+from scaletrain.config.sources import SOURCES, source_problem
 
 MODEL_PRESETS = tuple(PRESETS)
 MOE_PRESETS = tuple(name for name, shape in PRESETS.items() if shape.get("experts"))  # mixtures of experts (models/moe.py)
@@ -79,7 +79,8 @@ class ModelSource(Section):
     # builtin: scaletrain's own Llama, shaped by the preset and the fields below. hf: a
     # Hugging Face causal LM from a local directory (path) or an inline config (hf_config).
     # python: a model of your own, the spec a function returns (models/module_spec.py).
-    source: Literal["builtin", "hf", "python"] = "builtin"
+    # Every name, its keys and what it offers: config/sources.py SOURCES.
+    source: str = "builtin"
     path: str | None = None  # source hf: a local directory written by save_pretrained
     hf_config: dict[str, Any] | None = None  # source hf: {model_type: llama, hidden_size: ...}
     # source python: "package.module:function", imported on every rank, called with spec_args
@@ -99,41 +100,18 @@ class ModelSource(Section):
     norm_eps: float | None = Field(None, gt=0)  # the preset's (1e-5 for most, 1e-6 for DeepSeekMoE and Qwen3)
     moe: MoeSection | None = None  # a mixture of experts (built-in model only)
 
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, v: str) -> str:
+        if v not in SOURCES:
+            raise ValueError(f"{cls.where}.source={v} is not one scaletrain builds; accepted: {'|'.join(SOURCES)}")
+        return v
+
     @model_validator(mode="after")
     def _one_source(self) -> ModelSource:
-        at = self.where
-        shape = [k for k in _SHAPE_FIELDS if getattr(self, k) is not None]
-        if self.source != "python" and (self.spec is not None or self.spec_args):
-            key = "spec" if self.spec is not None else "spec_args"
-            raise ValueError(f"{at}.{key} is for a model of your own; accepted: {at}.source=python with it, or no {at}.{key}")
-        if self.source == "python":
-            given = [k for k in ("path", "hf_config", *shape) if getattr(self, k) is not None]
-            if self.spec is None or not re.fullmatch(r"[\w.]+:[\w]+", self.spec):
-                raise ValueError(
-                    f"{at}.source=python needs {at}.spec as 'package.module:function' (got {self.spec!r}); accepted: e.g. "
-                    f"{at}.spec=my_models.gpt:make_spec"
-                )
-            if given:
-                raise ValueError(
-                    f"{at}.{given[0]} does not apply to a model of your own; accepted: its arguments in {at}.spec_args"
-                )
-            return self
-        if self.source == "builtin":
-            given = [k for k in ("path", "hf_config") if getattr(self, k) is not None]
-            if given:
-                raise ValueError(
-                    f"{at}.{given[0]} is for Hugging Face models; accepted: {at}.source=hf with it, or no {at}.{given[0]}"
-                )
-        elif (self.path is None) == (self.hf_config is None):
-            raise ValueError(
-                f"{at}.source=hf needs exactly one of {at}.path (a local directory) or {at}.hf_config (an inline config)"
-            )
-        elif shape:
-            raise ValueError(
-                f"{at}.{shape[0]} shapes the built-in model; accepted: the field in {at}.hf_config, or {at}.source=builtin"
-            )
-        if self.hf_config is not None and "model_type" not in self.hf_config:
-            raise ValueError(f"{at}.hf_config has no model_type; accepted: e.g. {{model_type: llama, hidden_size: 64, ...}}")
+        problem = source_problem(self, self.where)  # config/sources.py: the source's checks and keys
+        if problem:
+            raise ValueError(problem)
         return self
 
 
@@ -165,7 +143,7 @@ class ModelConfig(ModelSource):
 
     @model_validator(mode="after")
     def _lora_source(self) -> ModelConfig:
-        if self.lora is not None and self.source == "python":
+        if self.lora is not None and not SOURCES[self.source].lora:
             raise ValueError(
                 "model.lora adapts the built-in or a Hugging Face model's known layers; accepted: model.lora with "
                 "model.source=builtin|hf, or adapters inside a model of your own"
@@ -181,6 +159,3 @@ def compiled_experts_problem(cfg: Any) -> str | None:
             "which would break the compiled block's graph; accepted: model.moe.experts_impl=auto|grouped, or train.compile=false"
         )
     return None
-
-
-_SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "rope_theta", "moe")

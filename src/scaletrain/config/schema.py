@@ -31,6 +31,7 @@ from scaletrain.config.model import (  # noqa: F401  # re-exported: the schema's
     compiled_experts_problem,
 )
 from scaletrain.config.sequences import long_sequence_problem
+from scaletrain.config.sources import SOURCES as MODEL_SOURCES
 from scaletrain.config.stages import SCHEDULES, schedule_problem
 from scaletrain.optim.registry import OPTIMIZERS, layout_problem
 from scaletrain.optim.registry import SCHEDULES as LR_SCHEDULES
@@ -473,7 +474,7 @@ class Config(Section):
     @model_validator(mode="after")
     def _experts_where_checked(self) -> Config:
         par, m = self.parallel, self.model
-        experts = (m.moe is not None or m.preset in MOE_PRESETS) and m.source == "builtin"
+        experts = (m.moe is not None or m.preset in MOE_PRESETS) and MODEL_SOURCES[m.source].experts == "section"
         if par.ep > 1:
             _expert_parallel_problem(self, experts)
         return self
@@ -540,7 +541,7 @@ def _expert_parallel_problem(cfg: Config, experts: bool) -> None:
     where = names_where(lambda r: r.ep)
     # A Hugging Face model's experts are its config's: its spec says at build whether it has
     # any and whether they split (models/hf.py check_ep, models/hf_experts.py).
-    if not experts and m.source != "hf":
+    if not experts and MODEL_SOURCES[m.source].experts != "spec":
         model = f"model.source={m.source} (not built yet)" if m.source != "builtin" else f"model.preset={m.preset} (dense)"
         raise ValueError(
             f"parallel.ep={par.ep} splits a mixture of experts' experts over ranks; {model} has none to split; accepted: "

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from scaletrain.config.model import MOE_PRESETS
+from scaletrain.config.sources import SOURCES
 from scaletrain.strategies import TABLE, names_where, said
 
 
@@ -40,7 +41,7 @@ def _context_parallel_problem(cfg: Any) -> str | None:
     experts = m.moe is not None or m.preset in MOE_PRESETS
     unchecked = [
         (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1", "a pipeline passes whole sequences between stages"),
-        (m.source != "builtin" and not (m.source == "hf" and par.cp_mode == "ulysses"), f"model.source={m.source}",
+        (par.cp_mode not in SOURCES[m.source].cp_modes, f"model.source={m.source}",
          "the built-in model, or a Hugging Face one with cp_mode=ulysses", "its attention takes the whole sequence"),
         (experts and bool(m.moe and m.moe.capacity_factor), f"model.moe.capacity_factor={m.moe and m.moe.capacity_factor}",
          "model.moe.capacity_factor=0 (dropless)", "a capacity counts each rank's part of the sequences, not the whole"),
@@ -62,7 +63,7 @@ def _tiles_and_offload_problem(cfg: Any) -> str | None:
                 return f"train.{key} does not combine with {given} (not checked yet); accepted: train.{key}={off}"
     if t.tile_tokens and m.teacher is not None:
         return "train.tile_tokens does not combine with model.teacher (its loss needs the whole logits); accepted: train.tile_tokens=0"
-    if t.tile_tokens and m.source != "builtin":
+    if t.tile_tokens and not SOURCES[m.source].tiles:
         return (
             f"train.tile_tokens tiles the built-in model's feed-forward, experts and loss, not model.source={m.source}'s "
             "(not built yet); accepted: train.tile_tokens=0"

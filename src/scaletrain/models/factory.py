@@ -1,19 +1,18 @@
-"""The model spec a config (or a saved checkpoint) describes: the built-in Llama or a
-Hugging Face model. Callers never construct a spec class themselves."""
+"""The model spec a config (or a saved checkpoint) describes, built by its model.source's
+module (config/sources.py: the built-in Llama's models/spec.py, Hugging Face's models/hf.py,
+a model of your own's models/module_spec.py). Callers never construct a spec class themselves."""
 
 from __future__ import annotations
 
-import json
+import importlib
 from typing import Any
 
+from scaletrain.config.sources import SOURCES
 from scaletrain.errors import UserError
 from scaletrain.models.distill import Distill, HiddenStates, Observed, WithProjection, final_norm
-from scaletrain.models.hf import HFSpec, load_config
-from scaletrain.models.lora import LoraSpec, lora_spec
-from scaletrain.models.module_spec import from_import, with_source
+from scaletrain.models.lora import LoraSpec
 from scaletrain.models.params import PROJECTION
-from scaletrain.models.presets import ModelShape, resolve_shape
-from scaletrain.models.spec import LlamaSpec, ModelSpec
+from scaletrain.models.spec import ModelSpec
 
 
 def model_spec(cfg: Any, vocab_size: int | None, eos_id: int | None = None) -> ModelSpec:
@@ -32,7 +31,7 @@ def _document_eos(cfg: Any, eos_id: int | None) -> int | None:
     if not cfg.data.document_mask:
         return None
     for m in (cfg.model, cfg.model.teacher):
-        if m is not None and m.source != "builtin":
+        if m is not None and not SOURCES[m.source].document_mask:
             raise UserError(
                 f"data.document_mask=true needs the built-in model: {m.where}.source={m.source!r} computes its own "
                 "attention mask and positions; accepted: data.document_mask=false, or model.source=builtin"
@@ -72,20 +71,8 @@ def _spec(
 ) -> ModelSpec:
     # train.compile compiles the chunked loss with the blocks (models/loss.py); the whole one is one aten kernel already
     common: dict[str, Any] = {"loss_chunk_tokens": chunk, "loss_compiled": compiled and chunk > 0, "trainable": trainable}
-    if m.source == "python":  # a model of your own (models/module_spec.py)
-        return with_source(from_import(m.spec, m.spec_args, vocab_size, m.where), m.spec, m.spec_args, **common)
-    if m.source == "builtin":
-        return LlamaSpec(resolve_shape(m, vocab_size), lora=lora_spec(lora, None), document_eos=document_eos, **common)
-    conf = load_config(m.path, m.hf_config, vocab_size, m.where)
-    common["lora"] = lora_spec(lora, conf["model_type"])
-    if vocab_size is not None and conf["vocab_size"] < vocab_size:
-        # A token id past the embedding table would fail at the first rare token, long after start-up.
-        where = f"{m.where}.path {m.path!r}" if m.path else f"{m.where}.hf_config"
-        raise UserError(
-            f"{where} has vocab_size={conf['vocab_size']}, smaller than the data tokenizer's {vocab_size} tokens; accepted: "
-            "the model's own tokenizer (data.tokenizer=<model dir>) or a model with a vocabulary at least that large"
-        )
-    return HFSpec(_canonical_json(conf), path=m.path, **common)
+    spec: ModelSpec = _source(m.source).from_section(m, vocab_size, lora, document_eos, common)
+    return spec
 
 
 def saved_spec(saved_model: dict[str, Any]) -> ModelSpec:
@@ -95,14 +82,10 @@ def saved_spec(saved_model: dict[str, Any]) -> ModelSpec:
     fields.pop(PROJECTION, None)  # distillation's projection: the student's own model has none
     lora = fields.pop("lora", None)
     adapters = LoraSpec(lora["r"], lora["alpha"], lora["dropout"], tuple(lora["target_modules"])) if lora else None
-    if fields.get("source") == "python":  # imported again, with the arguments it was built with
-        return with_source(
-            from_import(fields["spec"], fields["spec_args"], fields["vocab_size"]), fields["spec"], fields["spec_args"]
-        )
-    if fields.get("source") == "hf":
-        return HFSpec(_canonical_json(fields["hf_config"]), lora=adapters)
-    return LlamaSpec(ModelShape(**fields), lora=adapters)
+    spec: ModelSpec = _source(fields.get("source", "builtin")).from_saved(fields, adapters)  # the built-in's names none
+    return spec
 
 
-def _canonical_json(conf: dict[str, Any]) -> str:
-    return json.dumps(conf, sort_keys=True, default=str)
+def _source(name: str) -> Any:
+    """The module that builds model.source `name`'s specs (config/sources.py)."""
+    return importlib.import_module(SOURCES[name].module)

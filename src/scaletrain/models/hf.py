@@ -42,7 +42,7 @@ from torch import nn
 from scaletrain.errors import UserError
 from scaletrain.models.capture import CapturedCall, first_call
 from scaletrain.models.counts import ModelCounts, counts_of
-from scaletrain.models.lora import LoraSpec, apply_lora, init_adapters, trainable_patterns
+from scaletrain.models.lora import LoraSpec, apply_lora, init_adapters, lora_spec, trainable_patterns
 from scaletrain.models.loss import cross_entropy, logits_of
 from scaletrain.models.params import (
     PROJECTION,
@@ -512,3 +512,27 @@ def _captured_block(spec: HFSpec, seq_len: int) -> nn.Module:
     [1, seq_len] batch (run under the caller's FakeTensorMode: nothing is allocated)."""
     model = spec._build(spec._one_layer())
     return first_call(model, next(decoder_layers(model).children()), seq_len, _CapturedCall)
+
+
+def from_section(m: Any, vocab_size: int | None, lora: Any, document_eos: int | None, common: dict[str, Any]) -> HFSpec:
+    """model.source=hf (config/sources.py): the model of a local directory or an inline config;
+    its vocabulary at least the tokenizer's."""
+    del document_eos  # its own attention mask and positions (the config refuses data.document_mask)
+    conf = load_config(m.path, m.hf_config, vocab_size, m.where)
+    if vocab_size is not None and conf["vocab_size"] < vocab_size:
+        # A token id past the embedding table would fail at the first rare token, long after start-up.
+        where = f"{m.where}.path {m.path!r}" if m.path else f"{m.where}.hf_config"
+        raise UserError(
+            f"{where} has vocab_size={conf['vocab_size']}, smaller than the data tokenizer's {vocab_size} tokens; accepted: "
+            "the model's own tokenizer (data.tokenizer=<model dir>) or a model with a vocabulary at least that large"
+        )
+    return HFSpec(_canonical_json(conf), path=m.path, **{**common, "lora": lora_spec(lora, conf["model_type"])})
+
+
+def from_saved(fields: dict[str, Any], adapters: LoraSpec | None) -> HFSpec:
+    """A checkpoint's Hugging Face model: its config as trainer.json holds it (no directory needed)."""
+    return HFSpec(_canonical_json(fields["hf_config"]), lora=adapters)
+
+
+def _canonical_json(conf: dict[str, Any]) -> str:
+    return json.dumps(conf, sort_keys=True, default=str)

@@ -329,3 +329,17 @@ def _get(model: nn.Module, name: str) -> nn.Parameter:
 def _set(model: nn.Module, name: str, param: nn.Parameter) -> None:
     owner, _, attr = name.rpartition(".")
     setattr(model.get_submodule(owner), attr, param)
+
+
+def from_section(m: Any, vocab_size: int | None, lora: Any, document_eos: int | None, common: dict[str, Any]) -> PythonSpec:
+    """model.source=python (config/sources.py): the spec the import string's function returns."""
+    del lora, document_eos  # the config refuses both for a model of your own
+    return with_source(from_import(m.spec, m.spec_args, vocab_size, m.where), m.spec, m.spec_args, **common)
+
+
+def from_saved(fields: dict[str, Any], adapters: Any) -> PythonSpec:
+    """A checkpoint's model of your own: imported again, with the arguments it was built with."""
+    del adapters
+    return with_source(
+        from_import(fields["spec"], fields["spec_args"], fields["vocab_size"]), fields["spec"], fields["spec_args"]
+    )

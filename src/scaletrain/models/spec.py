@@ -28,10 +28,10 @@ from scaletrain.models.llama import (
     materialize,
     rope_tables,
 )
-from scaletrain.models.lora import LoraSpec, apply_lora, init_adapters, trainable_patterns
+from scaletrain.models.lora import LoraSpec, apply_lora, init_adapters, lora_spec, trainable_patterns
 from scaletrain.models.moe import MoE, split_experts
 from scaletrain.models.params import freeze_all_but
-from scaletrain.models.presets import ModelShape
+from scaletrain.models.presets import ModelShape, resolve_shape
 from scaletrain.models.ulysses import Ulysses, heads_problem
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]  # (model output, targets) -> mean loss
@@ -287,3 +287,13 @@ def count_params(shape: ModelShape) -> dict[str, int]:
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> float:
     return LlamaSpec(shape).flops_per_token(seq_len)
+
+
+def from_section(m: Any, vocab_size: int | None, lora: Any, document_eos: int | None, common: dict[str, Any]) -> LlamaSpec:
+    """model.source=builtin (config/sources.py): the preset's shape with the section's fields."""
+    return LlamaSpec(resolve_shape(m, vocab_size), lora=lora_spec(lora, None), document_eos=document_eos, **common)
+
+
+def from_saved(fields: dict[str, Any], adapters: LoraSpec | None) -> LlamaSpec:
+    """A checkpoint's built-in model: its shape as trainer.json holds it."""
+    return LlamaSpec(ModelShape(**fields), lora=adapters)
