@@ -1,8 +1,10 @@
 """A model of your own (model.source: python, models/module_spec.py): a GPT-2-style decoder
 (examples/gpt2/gpt2.py: learned positions, LayerNorm with biases, a fused qkv, GELU, a tied
 head; nothing of the built-in Llama) trains on ddp, fsdp, zero2 and zero3 at world 2 as one
-process does, resumes at another world size, evaluates, converts, exports and is planned; what it does
-not offer (tensor, pipeline, context parallel) is refused in one line."""
+process does, resumes at another world size, evaluates, converts, exports and is planned; the
+tensor-parallel plan it offers (ModuleSpec(..., offers=[...])) trains as one process does; what
+it does not offer (pipeline, context parallel; tensor parallel without the plan) is refused in
+one line."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 
 from scaletrain.checkpoint import read_model_weights
 from scaletrain.config import load_config
@@ -220,6 +223,35 @@ def test_ckpt_convert_rebuilds_it_from_the_import_string(gpt2_reference, tmp_pat
     assert (converted["engine"], converted["step"], converted["data_position"]) == ("fsdp", 10, saved["data_position"])
     a, b = read_model_weights(src), read_model_weights(dst)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the tied head included
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
+def test_a_tensor_parallel_plan_it_offers_trains_as_one_process_does(small_dataset, gpt2_reference, tmp_path):
+    """examples/gpt2's MlpTensorParallel, offered through ModuleSpec(..., offers=[...]): fsdp
+    with tp 2 at world 2 (one data-parallel rank accumulating the reference's 4 sequences as 2
+    x 2) equals one process within the standing tolerances: each rank holds half of every
+    feed-forward, its fc by columns and its out by rows, and the all-reduce after out gives
+    both ranks the whole residual. The planner offers tp for it where it had none."""
+    offered = [*GPT2[:2], "model.spec_args={dim: 32, layers: 2, heads: 4, max_len: 64, tensor_parallel: true}"]
+    spec = model_spec(load_config([], offered), 512)
+    assert capability(spec, TensorParallel, "parallel.tp=2", "parallel.tp=1") is spec.offers[0]
+    run = tmp_path / "tp2"
+    args = ["train.micro_batch=2", "train.grad_accum=2", "parallel.strategy=fsdp", "parallel.tp=2", *offered]
+    check(train(gpt2_args(small_dataset, run, *args), nproc=2, env=ENV))
+    assert_same_training(run, gpt2_reference, gradient_free=KEY_BIASES)
+    # Split as offered: the checkpoint holds each rank's half (fc by rows of its [128, 32]
+    # weight, out by columns of its [32, 128]); the attention whole, once.
+    meta = FileSystemReader(str(run / "checkpoints" / "step_10" / "state")).read_metadata().state_dict_metadata
+    chunks = {k: sorted(tuple(c.offsets) for c in meta[f"model.h.0.{k}.weight"].chunks) for k in ("fc", "out", "qkv")}
+    assert chunks == {"fc": [(0, 0), (64, 0)], "out": [(0, 0), (0, 64)], "qkv": [(0, 0)]}
+    plan = check(
+        scaletrain(
+            ["plan", *gpt2_args(small_dataset, tmp_path / "p", *offered), "--gpus-per-node", "8", "--gpu", "h100"], env=ENV
+        )
+    )
+    assert " tp " in plan.stdout  # a tensor-parallel candidate now
 
 
 @pytest.mark.e2e

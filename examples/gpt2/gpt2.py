@@ -4,7 +4,9 @@ Not a Llama: learned absolute positions instead of rotary ones, LayerNorm with b
 instead of RMSNorm, one fused query-key-value projection with biases, a GELU MLP, the head
 tied to the token embedding. Nothing in it knows scaletrain but `make_spec`, which tells it
 where the blocks are; counts, FLOPs, the planner's trace, init, loss and checkpoints come
-from scaletrain's defaults (docs/models.md, "A model of your own").
+from scaletrain's defaults (docs/models.md, "A model of your own"). With
+`tensor_parallel: true` among its arguments the spec also offers a tensor-parallel plan
+(`MlpTensorParallel`, below): parallel.tp splits each block's feed-forward.
 
     scaletrain train examples/gpt2/config.yaml      # with examples/gpt2 on PYTHONPATH
 """
@@ -14,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from scaletrain import ModuleSpec
+from scaletrain import ModuleSpec, UserError
 
 
 class Block(nn.Module):
@@ -56,7 +59,27 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def make_spec(vocab_size: int, dim: int = 64, layers: int = 2, heads: int = 4, max_len: int = 256):
+class MlpTensorParallel:
+    """A tensor-parallel plan (scaletrain.TensorParallel's two methods): each block's fc split
+    by its output columns and its out by its input rows, so a rank holds 1/tp of the
+    feed-forward and one all-reduce after `out` gives every rank the whole residual. The
+    attention and the embeddings stay whole on every rank (their gradients are the same on
+    each: they see the same tokens). Sequence parallel and a vocabulary-split loss are left
+    out: the residual stream and the logits stay whole, which the loss takes as they are."""
+
+    def __init__(self, dim: int):
+        self.hidden = 4 * dim
+
+    def check_tp(self, tp: int) -> None:
+        if self.hidden % tp:
+            raise UserError(f"parallel.tp={tp} does not divide the feed-forward's {self.hidden} columns; accepted: a divisor")
+
+    def apply_tp(self, model: nn.Module, mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+        for block in model.h:
+            parallelize_module(block, mesh, {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+
+
+def make_spec(vocab_size: int, dim: int = 64, layers: int = 2, heads: int = 4, max_len: int = 256, tensor_parallel: bool = False):
     """What `model.spec: gpt2:make_spec` calls, with `model.spec_args` and the tokenizer's vocab_size."""
     # Attention FLOPs beside the matmuls' 6 x parameters: scores and values, 2 x 2 x dim per
     # token and position attended, x3 for backward (as scaletrain counts its own models').
@@ -67,6 +90,7 @@ def make_spec(vocab_size: int, dim: int = 64, layers: int = 2, heads: int = 4, m
         blocks="h",
         flops_per_token=lambda seq_len: 6 * _matmul_params(vocab_size, dim, layers) + attention(seq_len),
         name="gpt2",
+        offers=[MlpTensorParallel(dim)] if tensor_parallel else [],
     )
 
 

@@ -4,8 +4,9 @@ one place a missing capability is refused, in one line naming it and the key tha
 
 The built-in Llama offers all of them, a Hugging Face model the planner's trace (its other
 answers are refusals with their reasons), a model of your own (model.source: python,
-models/module_spec.py) whatever its spec defines: a spec is a capability's as soon as it has
-the capability's methods."""
+models/module_spec.py) whatever its spec offers: a spec is a capability's as soon as it has
+the capability's methods, or offers an object that has them (ModuleSpec(..., offers=[...]));
+scaletrain exports the protocols (scaletrain.TensorParallel, ...) for such objects' types."""
 
 from __future__ import annotations
 
@@ -79,14 +80,25 @@ _WHAT = {
 C = TypeVar("C")
 
 
-def capability(spec: Any, cap: type[C], key: str, accepted: str) -> C:
-    """`spec` as `cap`, or the one-line refusal: `key` (e.g. "parallel.tp=2") needs what
-    `cap` is, which this model does not offer; `accepted`: what would do instead."""
+def offered(spec: Any, cap: type[C]) -> C | None:
+    """`spec` as `cap`: the spec itself where it has the methods, else the first of its
+    `offers` that has them (a model of your own: ModuleSpec(..., offers=[...]),
+    models/module_spec.py); None where neither does."""
     if isinstance(spec, cap):
         return spec
+    return next((o for o in getattr(spec, "offers", ()) if isinstance(o, cap)), None)
+
+
+def capability(spec: Any, cap: type[C], key: str, accepted: str) -> C:
+    """`spec` as `cap` (offered), or the one-line refusal: `key` (e.g. "parallel.tp=2") needs
+    what `cap` is, which this model does not offer; `accepted`: what would do instead."""
+    found = offered(spec, cap)
+    if found is not None:
+        return found
     what, methods = _WHAT[cap]
     raise UserError(
-        f"{key} needs {what}, which the model {describe(spec)} does not offer (its spec has no {methods}); accepted: {accepted}"
+        f"{key} needs {what}, which the model {describe(spec)} does not offer (its spec has no {methods}, nor offers an "
+        f"object that has them); accepted: {accepted}"
     )
 
 

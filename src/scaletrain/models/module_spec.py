@@ -30,8 +30,9 @@ spec does not say is found or defaulted:
   last norm outside the blocks and the last Linear onto the vocabulary).
 
 Tensor, pipeline, context and expert parallel need more than a module: a spec offers them
-by defining their methods (models/capabilities.py); this one defines none, so each is refused
-in one line where it is asked for."""
+with objects that have their methods (models/capabilities.py), `ModuleSpec(...,
+offers=[MyTensorParallel()])` (examples/gpt2/gpt2.py offers a tensor-parallel plan of its
+feed-forward so); what it does not offer is refused in one line where it is asked for."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import importlib
 import inspect
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -50,12 +51,14 @@ import torch
 from torch import nn
 
 from scaletrain.errors import UserError
+from scaletrain.models.capabilities import ContextChunks, ExpertSplit, PipelineStages, TensorParallel
 from scaletrain.models.capture import first_call
 from scaletrain.models.counts import ModelCounts, counts_of
 from scaletrain.models.loss import cross_entropy, logits_of
 from scaletrain.models.params import freeze_all_but, seeded_init
 
 INIT_STD = 0.02
+CAPABILITIES = (TensorParallel, PipelineStages, ContextChunks, ExpertSplit)
 Part = str | Callable[[nn.Module], nn.Module] | None
 
 
@@ -69,11 +72,20 @@ def ModuleSpec(  # noqa: N802  (a constructor, named as the thing it makes)
     head: Part = None,
     flops_per_token: Callable[[int], float] | None = None,
     name: str = "module",
+    offers: Iterable[Any] = (),
 ) -> PythonSpec:
     """The spec of the module `build()` returns (see the module's text)."""
     if not callable(build):
         raise UserError(f"ModuleSpec's build is {type(build).__name__}; accepted: a function returning an nn.Module")
-    return PythonSpec(build, vocab_size, blocks, init, loss, head, flops_per_token, name)
+    offers = tuple(offers)
+    for o in offers:
+        if not any(isinstance(o, cap) for cap in CAPABILITIES):
+            raise UserError(
+                f"ModuleSpec's offers holds a {type(o).__name__}, which has the methods of no capability; accepted: objects "
+                "with check_tp and apply_tp, check_pp, pipeline_stage and stage_costs, apply_cp, or check_ep and "
+                "split_experts (scaletrain.TensorParallel, PipelineStages, ContextChunks, ExpertSplit)"
+            )
+    return PythonSpec(build, vocab_size, blocks, init, loss, head, flops_per_token, name, offers=offers)
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,9 @@ class PythonSpec:
     head_at: Part = None
     flops: Callable[[int], float] | None = None
     name: str = "module"
+    # Objects with a capability's methods (models/capabilities.py): what the spec offers
+    # beyond a module, e.g. a tensor-parallel plan (check_tp and apply_tp).
+    offers: tuple[Any, ...] = ()
     # Set from the config: the import string and its arguments (what trainer.json records).
     source: str | None = None
     spec_args: str = "{}"  # JSON, sorted: hashable
@@ -99,7 +114,11 @@ class PythonSpec:
     def __repr__(self) -> str:
         # The planner's trace cache keys on repr (planning/trace_cache.py): an edited model file changes it.
         at = self.source or f"{getattr(self.build, '__module__', '?')}.{getattr(self.build, '__qualname__', '?')}"
-        return f"PythonSpec({at}, {self.spec_args}, vocab={self.vocab_size}, chunk={self.loss_chunk_tokens}, {self.digest})"
+        offers = ", ".join(type(o).__name__ for o in self.offers)
+        return (
+            f"PythonSpec({at}, {self.spec_args}, vocab={self.vocab_size}, chunk={self.loss_chunk_tokens}, {self.digest}"
+            f"{', offers ' + offers if offers else ''})"
+        )
 
     @cached_property
     def _shape(self) -> tuple[int, int]:

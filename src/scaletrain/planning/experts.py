@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from scaletrain.errors import UserError
+from scaletrain.models.capabilities import ExpertSplit, capability
 from scaletrain.models.spec import LlamaSpec, ModelSpec
 from scaletrain.planning.hardware import Device
 from scaletrain.planning.pipeline import rank_share
@@ -165,7 +166,7 @@ def _splits(model: ModelSpec, ep: int) -> bool:
     """Whether the model's spec takes `ep` (a Hugging Face model whose experts transformers
     does not stack does not)."""
     try:
-        model.check_ep(ep)  # type: ignore[attr-defined]  # experts_of found experts: the spec is an ExpertSplit
+        capability(model, ExpertSplit, f"parallel.ep={ep}", "parallel.ep=1").check_ep(ep)  # experts_of found experts
     except UserError:
         return False
     return True

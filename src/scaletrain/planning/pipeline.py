@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from scaletrain.config.stages import SCHEDULES, ideal_bubble, schedule_problem, split_blocks, stage_ids
 from scaletrain.errors import UserError
-from scaletrain.models.capabilities import PipelineStages, capability
+from scaletrain.models.capabilities import PipelineStages, capability, offered
 from scaletrain.models.spec import ModelSpec
 from scaletrain.planning.setup import Setup
 
@@ -76,10 +76,11 @@ def pp_comm_bytes_per_step(model: ModelSpec, s: Setup) -> float:
 def pp_options(fsdp: Setup, model: ModelSpec, world: int, nodes: int, tps: list[int]) -> list[Setup]:
     """fsdp x tp x pp for each tp in `tps` and pp a power of two the world and the model
     allow, the global batch kept (fewer data-parallel ranks accumulate more micro-batches)."""
-    if not isinstance(model, PipelineStages):
+    stages = offered(model, PipelineStages)
+    if stages is None:
         return []  # a model of your own without stages (models/capabilities.py)
     try:
-        model.check_pp(2)
+        stages.check_pp(2)
     except UserError:
         return []  # tied embeddings
     out = []

@@ -16,7 +16,7 @@ from scaletrain.config import AUTO_MICRO_BATCH, Config
 from scaletrain.config.batch import described, micro_batches, settle
 from scaletrain.config.parallel import dims_for
 from scaletrain.errors import UserError
-from scaletrain.models.capabilities import TensorParallel
+from scaletrain.models.capabilities import TensorParallel, offered
 from scaletrain.models.factory import distill_spec
 from scaletrain.models.spec import ModelSpec, with_fields
 from scaletrain.optim.registry import layout_problem, optimizer
@@ -127,10 +127,11 @@ def _tp_sizes(model: ModelSpec, world: int, nodes: int) -> list[int]:
     for tp in (2, 4, 8):
         if tp > per_node or per_node % tp:
             continue
-        if not isinstance(model, TensorParallel):
+        plan = offered(model, TensorParallel)
+        if plan is None:
             break  # a model of your own without a tensor-parallel plan (models/capabilities.py)
         try:
-            model.check_tp(tp)
+            plan.check_tp(tp)
         except UserError:
             continue
         out.append(tp)
