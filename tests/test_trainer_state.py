@@ -89,3 +89,30 @@ def test_a_mixture_of_experts_checkpoint_resumed_without_its_experts_names_the_m
         check_resume(ckpt, cfg, model_spec(cfg, tokens.vocab_size), tokens.fingerprint, 1)
     assert str(e.value).startswith("model.moe.experts is None but checkpoint ")
     assert "accepted: model.moe.experts=4 to resume it" in str(e.value)
+
+
+class _Batches:
+    position = 0
+
+
+def test_the_runs_stateful_parts_restore_an_old_checkpoint_and_write_it_back_field_for_field():
+    """training/state.py: each part owns its slice of TrainerState; together with the engine's
+    stamp and extras they are the whole file, and an old checkpoint's slices load back into
+    the parts and come out as they went in."""
+    from dataclasses import asdict, fields
+
+    from scaletrain.resilience.nonfinite import NonfiniteGuard
+    from scaletrain.training.state import Identity, Position, restore, state_of
+
+    saved = TrainerState.read(FIXTURE / "step_2")
+    identity = {k: getattr(saved, k) for k in ("world_size", "parallel", "model", "data_fingerprint", "base")}
+    cfg = load_config([], [])
+    parts = {"position": Position(_Batches()), "identity": Identity(identity), "nonfinite": NonfiniteGuard(cfg.train, "fp32")}
+    restore(parts, asdict(saved), parts)
+    assert (parts["position"].step, parts["position"].tokens_seen, parts["position"].batches.position) == (2, 128, 8)
+    engine_owned = {"format", "engine", "engine_state"}
+    written = state_of(parts)
+    optional = {"expert_bias", "converted_from", "version"}  # a MoE bias part, `ckpt convert`'s note, the file's own
+    assert set(written) | engine_owned | optional == {f.name for f in fields(TrainerState)}
+    assert TrainerState(**written, format=saved.format, engine=saved.engine, engine_state=saved.engine_state) == saved
+    assert parts["position"].advance(64) == 3 and state_of(parts)["tokens_seen"] == 192  # the step's one writer

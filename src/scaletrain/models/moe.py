@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -438,6 +438,13 @@ class ExpertBias:
     def state(self) -> list[list[float]]:
         """The table for trainer.json (a host read: at a checkpoint only)."""
         return self.table.tolist()
+
+    # Stateful (training/state.py): the table, TrainerState's `expert_bias`.
+    def state_dict(self) -> dict[str, Any]:
+        return {"expert_bias": self.state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.load(state.get("expert_bias"))
 
     def load(self, saved: list[list[float]] | None) -> None:
         """A checkpoint's table back (None: a checkpoint without one starts from zeros)."""

@@ -25,7 +25,7 @@ and into trainer.json, so they survive a resume.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,14 @@ class NonfiniteGuard:
 
     def counters(self) -> dict[str, int]:
         return {"nonfinite_steps": self.steps, "rollbacks": self.rollbacks}
+
+    # Stateful (training/state.py): the counters, TrainerState's `nonfinite`.
+    def state_dict(self) -> dict[str, Any]:
+        return {"nonfinite": self.counters()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = state.get("nonfinite") or {}
+        self.steps, self.rollbacks = saved.get("nonfinite_steps", 0), saved.get("rollbacks", 0)
 
     def review(self, rows: list[dict[str, Any]], newest: Callable[[], Path | str | None]) -> Diverged | None:
         """The steps of a log interval, in order, as telemetry read them (rows of "step",

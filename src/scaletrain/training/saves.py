@@ -4,9 +4,9 @@ background, what the loop waited for it, and going back to one (rollback, verify
 The loop says only `saves.after_step(step, last)` (and `saves.stop(step)` on a preemption);
 this class decides whether a checkpoint is due (checkpoint.every, the last step, a stop),
 flushes the metrics first (so metrics.jsonl holds every step a checkpoint holds) and keeps
-the hang watchdog out of the wait. A checkpoint's trainer state is the loop's position, the
-engine's own part, and what the run's other collaborators report of themselves (`about`:
-the layout, the model, the data, the non-finite guard's counters), each its own part.
+the hang watchdog out of the wait. A checkpoint's trainer state is the engine's own part and
+the run's other collaborators' states (`parts`, training/state.py: the loop's position, what
+the run is, the non-finite guard's counters, the experts' bias), each its own slice.
 
 With checkpoint.async_save (the default), a torch engine's save returns once the state is
 copied to CPU memory; DCP writes it from a thread and a thread of ours then writes the
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +40,7 @@ from scaletrain.launch.distributed import World, barrier
 from scaletrain.resilience.nonfinite import Diverged
 from scaletrain.telemetry import MetricsLog
 from scaletrain.training.rundir import RunPaths
+from scaletrain.training.state import Stateful, state_of
 
 # How long a rank that must leave at once (out of memory) lets the save in flight complete.
 LET_FINISH_S = 120.0
@@ -53,10 +54,9 @@ class Saves:
     paths: RunPaths
     metrics: MetricsLog
     layout: ParamLayout
-    # TrainerState's fields that the run's other collaborators report of themselves (world_size,
-    # parallel, model, data_fingerprint, nonfinite, base): each part called at every save.
-    about: list[Callable[[], dict[str, Any]]]
-    position: Callable[[], int]  # the data position where the next step starts
+    # The run's Stateful map (training/state.py): "position" (step, tokens_seen, data_position),
+    # "identity" (world_size, parallel, model, data_fingerprint, base), the guard's, the bias'.
+    parts: Mapping[str, Stateful]
     before_save: Callable[[], None]  # flush the metrics of the steps a checkpoint will hold
     paused: Callable[[], AbstractContextManager[Any]]  # the hang watchdog left out of long waits
     say: Callable[[str], None]
@@ -91,41 +91,43 @@ class Saves:
         c = self.cfg.checkpoint
         return (c.hf_every > 0 and step % c.hf_every == 0) or (last and c.hf_last)
 
-    def after_step(self, step: int, last: bool, tokens_seen: int) -> None:
+    def after_step(self, step: int, last: bool) -> None:
         """Collective: the checkpoint of `step` if one is due (checkpoint.every, hf_every, or
         `last`); then the round trip of verify_on_start if still to do; logs a finished background save."""
         if self._scheduled(step, last):
-            self._save_now(step, tokens_seen, self._hf(step, last))
+            self._save_now(step, self._hf(step, last))
         self.poll()
         if self._verify:
             self._verify = False
             with self.paused():
-                self.verify_round_trip(step, self.position(), tokens_seen)
+                self.verify_round_trip()
             self.say(f"checkpoint: verify_on_start saved and reloaded step {step}: every tensor came back exactly")
 
-    def stop(self, step: int, tokens_seen: int) -> None:
+    def stop(self, step: int) -> None:
         """Collective, on a preemption: the checkpoint where the run stopped, complete."""
         if self._saved != step:
-            self._save_now(step, tokens_seen)
+            self._save_now(step)
         with self.paused():
             self.wait()
 
-    def _save_now(self, step: int, tokens_seen: int, hf: bool = False) -> None:
+    def _save_now(self, step: int, hf: bool = False) -> None:
         if not self.writes:
             return
         self.before_save()
         with self.paused():  # a long save (or the wait for the previous one) is no hang
-            self.save(step, self.position(), tokens_seen, hf)
+            self.save(hf)
         self._saved = step
 
-    def save(self, step: int, position: int, tokens_seen: int, hf: bool = False) -> None:
-        """Collective: the checkpoint of `step` (in the background if configured), and with
-        `hf` its Hugging Face export once it is complete."""
+    def save(self, hf: bool = False) -> None:
+        """Collective: the checkpoint of the step the run stands at (in the background if
+        configured), and with `hf` its Hugging Face export once it is complete."""
         start = time.perf_counter()
         self.wait()  # one in flight: the next one's collectives share its group
         waited = time.perf_counter() - start
+        state = state_of(self.parts)
+        step = state["step"]
         target = checkpoint.step_dir(self.paths.checkpoints, step)
-        pending = self._write(target, step, position, tokens_seen, True, hf, self._copy)
+        pending = self._write(target, state, True, hf, self._copy)
         blocking = time.perf_counter() - start
         if pending is None:
             self._event(step, False, blocking, waited, blocking)
@@ -174,17 +176,18 @@ class Saves:
             ckpt = checkpoint.latest_valid(self.paths.checkpoints, self.world, self.say)
             if ckpt is None:  # all damaged since the check: nothing to go back to
                 raise Diverged("train.nonfinite=rollback: no valid checkpoint to roll back to; accepted: train.nonfinite=skip")
-            state, _ = checkpoint.resume_state(ckpt, self.world, engine, self.layout, self._about()["parallel"])
+            parallel = self.parts["identity"].state_dict()["parallel"]
+            state, _ = checkpoint.resume_state(ckpt, self.world, engine, self.layout, parallel)
         engine.load_extra_state(state.engine_state)
         return state
 
-    def verify_round_trip(self, step: int, position: int, tokens_seen: int) -> None:
+    def verify_round_trip(self) -> None:
         """Collective, checkpoint.verify_on_start: save into a scratch directory, load it
         back natively, compare every tensor with the files (checkpoint.verify), remove it."""
         scratch = self.paths.checkpoints / ".verify_on_start"
         assert self.disks is not None
         apart = self._copy if not self.disks.shared else None  # no disk holds it whole: through the store
-        self._write(scratch, step, position, tokens_seen, background=False, copy=apart)
+        self._write(scratch, state_of(self.parts), background=False, copy=apart)
         if apart is not None:
             if self.disks.leader:
                 apart.store.fetch(scratch.name, scratch)
@@ -209,19 +212,11 @@ class Saves:
         barrier(self.world)
 
     def _write(
-        self, target: Path, step: int, position: int, tokens_seen: int, background: bool, hf: bool = False,
-        copy: StoreCopy | None = None,
-    ) -> PendingSave | None:  # fmt: skip
+        self, target: Path, state: dict[str, Any], background: bool, hf: bool = False, copy: StoreCopy | None = None
+    ) -> PendingSave | None:
         engine = self.engine()
-        trainer_state = TrainerState(
-            step=step,
-            data_position=position,
-            tokens_seen=tokens_seen,
-            format=engine.format,
-            engine=engine.name,
-            engine_state=engine.extra_state(),
-            **self._about(),
-        )
+        step = state["step"]
+        trainer_state = TrainerState(format=engine.format, engine=engine.name, engine_state=engine.extra_state(), **state)
         files = {"config.yaml": self.cfg.to_yaml(), **engine.checkpoint_files()}
         background = background and self.cfg.checkpoint.async_save
         keep, root, main, disks = self.cfg.checkpoint.keep, self.paths.checkpoints, self.world.is_main, self.disks
@@ -263,9 +258,6 @@ class Saves:
         # Logged by the loop's thread with the save's own row (this may run in the save's).
         self._exported.append({"step": step, "event": "hf_export", "path": str(out), "bytes": done["bytes"],
                                "total_s": time.perf_counter() - start})  # fmt: skip
-
-    def _about(self) -> dict[str, Any]:
-        return {key: value for part in self.about for key, value in part().items()}
 
     def _event(self, step: int, background: bool, blocking: float, waited: float, total: float) -> None:
         row = {"step": step, "event": "checkpoint", "async": background, "blocking_s": blocking}

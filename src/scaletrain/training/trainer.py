@@ -15,9 +15,9 @@ import signal
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from rich.console import Console
@@ -70,6 +70,7 @@ from scaletrain.training.paths import make_dir
 from scaletrain.training.preflight import plan_run, runtime_target
 from scaletrain.training.rundir import RunPaths, branch_cooldown, check_resume, resume_point, write_run_info
 from scaletrain.training.saves import Saves
+from scaletrain.training.state import Identity, Position, Stateful, restore
 
 
 def train(cfg: Config, console: Console | None = None) -> dict[str, Any]:
@@ -112,10 +113,24 @@ class Run:
     evaluation: Evaluation
     peak_lr: float
     tokens_per_step: int
-    step: int = 0  # optimizer steps done
-    tokens_seen: int = 0
+    # The run's Stateful map (training/state.py): what a checkpoint holds besides the engine's
+    # state, each part its own; "position" is where the run stands (its one writer of the step).
+    parts: dict[str, Stateful]
     groups: NoGroups | ReplicaGroups = NoGroups()  # fault_tolerance: the quorum of replica groups
     balance: ExpertBias | None = None  # model.moe.balance=bias: the experts' bias, moved after each step
+
+    @property
+    def position(self) -> Position:
+        return cast(Position, self.parts["position"])
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done."""
+        return self.position.step
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.position.tokens_seen
 
     def trained_tokens(self) -> int:
         """What a step adds to tokens_seen: its trained tokens (fine-tuning records: their
@@ -157,11 +172,11 @@ def loop(run: Run) -> None:
         if run.replicas.due(run.step):
             check_replicas(run)
         run.evaluation.after_step(run.step, run.step == last)  # before the save: no checkpoint without its eval row
-        run.saves.after_step(run.step, run.step == last, run.tokens_seen)
+        run.saves.after_step(run.step, run.step == last)
         run.drills.after_step(run.step)
         stop = run.watch.agreed()  # a preemption signal on any rank stops all after the same step
         if stop:
-            run.saves.stop(run.step, run.tokens_seen)
+            run.saves.stop(run.step)
             raise Preempted(run.step, signal.Signals(stop).name)
 
 
@@ -219,7 +234,7 @@ def train_step(run: Run) -> None:
 
 def _record(run: Run, step: int, lr: float, loss: torch.Tensor, stats: Any, dt: float) -> None:
     # `tokens`: the trained ones (fine-tuning records: their responses); tokens_per_s: all processed.
-    run.step, run.tokens_seen = step, run.tokens_seen + run.trained_tokens()
+    assert run.position.advance(run.trained_tokens()) == step
     run.watchdog.beat(step)
     scaler = {"loss_scale": stats.loss_scale, "skipped": stats.skipped} if stats.loss_scale is not None else {}
     # train.activation_offload: what this rank's forwards of the step held on the host (engines/offload.py).
@@ -249,11 +264,12 @@ class Phase:
 
 def roll_back(run: Run) -> None:
     """train.nonfinite=rollback: back to the newest valid checkpoint; its later rows go."""
-    state = run.saves.roll_back()
-    if run.balance is not None:
-        run.balance.load(state.expert_bias)
-    run.say(run.guard.rolled_back(state.step))
-    run.step, run.tokens_seen = state.step, state.tokens_seen
+    state = asdict(run.saves.roll_back())
+    # The position's step and tokens and the experts' bias go back; the data position stays
+    # (training goes on after the batches that failed), and the guard keeps its tally.
+    state["data_position"] = run.position.batches.position
+    restore(run.parts, state, [name for name in ("position", "expert_bias") if name in run.parts])
+    run.say(run.guard.rolled_back(run.step))
     run.metrics.truncate_after(run.step)  # the rows of the undone steps; the counters keep the tally
     run.progress.advance(run.step)
 
@@ -336,7 +352,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     stack.callback(progress.close)
     watch = PreemptionWatch(world)
     stack.callback(watch.close)
-    guard = NonfiniteGuard(cfg.train, cfg.precision, resumed.nonfinite if resumed else {})
+    guard = NonfiniteGuard(cfg.train, cfg.precision)
     flush = lambda: progress.show(telemetry.flush())  # noqa: E731
     watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=lambda line: print(line, file=sys.stderr, flush=True))
 
@@ -345,16 +361,15 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     def held() -> Engine:
         return run.engine
 
-    identity = _identity(cfg, world, dims, spec, data)
+    # The run's Stateful map (training/state.py); the experts' bias joins it once attached.
+    parts: dict[str, Stateful] = {
+        "position": Position(batches), "identity": Identity(_identity(cfg, world, dims, spec, data)), "nonfinite": guard,
+    }  # fmt: skip
+    if resumed:
+        restore(parts, asdict(resumed), parts)
     saves = Saves(
-        cfg, world, engine=held, paths=paths, metrics=metrics, layout=layout,
-        about=[
-            lambda: identity,
-            lambda: {"nonfinite": guard.counters()},
-            lambda: {"expert_bias": run.balance.state() if run.balance is not None else None},
-        ],
-        position=lambda: batches.position, before_save=flush, paused=watchdog.paused, say=say, writes=writes_checkpoints(cfg),
-        tokenizer=Path(data.tokenizer_path), disks=disks,
+        cfg, world, engine=held, paths=paths, metrics=metrics, layout=layout, parts=parts, before_save=flush,
+        paused=watchdog.paused, say=say, writes=writes_checkpoints(cfg), tokenizer=Path(data.tokenizer_path), disks=disks,
     )  # fmt: skip
     telemetry.review = lambda rows: guard.review(rows, saves.newest)  # each interval's steps, as they are read
     # A clean stop (the end, a preemption, a one-line error agreed by every rank) lets the
@@ -375,7 +390,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
             cfg, world, held, evalset, eval_loss(spec), dims, flush, [telemetry.event, progress.evaluated], watchdog.beat,
             telemetry.drop_routing,
         ),
-        peak_lr=peak_lr, tokens_per_step=tokens_per_step, step=step, tokens_seen=resumed.tokens_seen if resumed else 0,
+        peak_lr=peak_lr, tokens_per_step=tokens_per_step, parts=parts,
     )  # fmt: skip
     del engine  # from here on the run holds it
     if cfg.fault_tolerance.groups > 1:
@@ -386,6 +401,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     saved_bias = resumed.expert_bias if resumed else None
     run.balance = attach_expert_bias(cfg, run.engine.model, world.device, saved_bias, _sum_over_ranks(world))
     if run.balance is not None:
+        parts["expert_bias"] = run.balance
         table = run.balance.table
         telemetry.recorder.bias = lambda: table  # each interval row's bias, read with the rest
     # A mixture of experts' load per interval (a weak reference: _release still frees the model),
@@ -497,7 +513,7 @@ def _trainer_state(run: Run, in_step: bool) -> dict[str, int]:
 
 
 def _restore(run: Run, state: dict[str, int]) -> None:
-    run.step, run.tokens_seen, run.batches.position = state["step"], state["tokens_seen"], state["position"]
+    run.position.load_state_dict({"step": state["step"], "tokens_seen": state["tokens_seen"], "data_position": state["position"]})
     run.progress.advance(run.step)
 
 
