@@ -1,7 +1,8 @@
 """The trainer's checkpoints: when one is due, what goes into one, when it is written in the
 background, what the loop waited for it, and going back to one (rollback, verify_on_start).
 
-The loop says only `saves.after_step(step, last)` (and `saves.stop(step)` on a preemption);
+The loop says only `saves.after_step(step, last)` (and `saves.stop(step)` on a preemption),
+whose `_save` hands the engine's writer to checkpoint.save_checkpoint: the fourth call;
 this class decides whether a checkpoint is due (checkpoint.every, the last step, a stop),
 flushes the metrics first (so metrics.jsonl holds every step a checkpoint holds) and keeps
 the hang watchdog out of the wait. A checkpoint's trainer state is the engine's own part and
@@ -25,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +97,7 @@ class Saves:
         """Collective: the checkpoint of `step` if one is due (checkpoint.every, hf_every, or
         `last`); then the round trip of verify_on_start if still to do; logs a finished background save."""
         if self._scheduled(step, last):
-            self._save_now(step, self._hf(step, last))
+            self._save(self._hf(step, last))
         self.poll()
         if self._verify:
             self._verify = False
@@ -106,33 +108,35 @@ class Saves:
     def stop(self, step: int) -> None:
         """Collective, on a preemption: the checkpoint where the run stopped, complete."""
         if self._saved != step:
-            self._save_now(step)
+            self._save()
         with self.paused():
             self.wait()
 
-    def _save_now(self, step: int, hf: bool = False) -> None:
+    def _save(self, hf: bool = False) -> None:
+        """Collective: the checkpoint of the step the run stands at (in the background if
+        configured), and with `hf` its Hugging Face export once it is complete. The engine's
+        writer is called from checkpoint.save_checkpoint: the fourth call from the loop."""
         if not self.writes:
             return
         self.before_save()
         with self.paused():  # a long save (or the wait for the previous one) is no hang
-            self.save(hf)
-        self._saved = step
-
-    def save(self, hf: bool = False) -> None:
-        """Collective: the checkpoint of the step the run stands at (in the background if
-        configured), and with `hf` its Hugging Face export once it is complete."""
-        start = time.perf_counter()
-        self.wait()  # one in flight: the next one's collectives share its group
-        waited = time.perf_counter() - start
-        state = state_of(self.parts)
-        step = state["step"]
-        target = checkpoint.step_dir(self.paths.checkpoints, step)
-        pending = self._write(target, state, True, hf, self._copy)
-        blocking = time.perf_counter() - start
+            start = time.perf_counter()
+            self.wait()  # one in flight: the next one's collectives share its group
+            waited = time.perf_counter() - start
+            state = state_of(self.parts)
+            step = state["step"]
+            target = checkpoint.step_dir(self.paths.checkpoints, step)
+            background = self.cfg.checkpoint.async_save
+            pending = checkpoint.save_checkpoint(
+                target, self.world, partial(self.engine().save, background=background),
+                **self._contents(target, state, self._hf_then(target, step, hf), self._copy),
+            )  # fmt: skip
+            blocking = time.perf_counter() - start
         if pending is None:
             self._event(step, False, blocking, waited, blocking)
         else:
             self._pending = (pending, start, blocking, waited)
+        self._saved = step
 
     def newest(self) -> Path | str | None:
         """The newest complete checkpoint, once the one in flight is done: where the nodes
@@ -187,7 +191,8 @@ class Saves:
         scratch = self.paths.checkpoints / ".verify_on_start"
         assert self.disks is not None
         apart = self._copy if not self.disks.shared else None  # no disk holds it whole: through the store
-        self._write(scratch, state_of(self.parts), background=False, copy=apart)
+        engine = self.engine()
+        checkpoint.save_checkpoint(scratch, self.world, engine.save, **self._contents(scratch, state_of(self.parts), copy=apart))
         if apart is not None:
             if self.disks.leader:
                 apart.store.fetch(scratch.name, scratch)
@@ -211,15 +216,22 @@ class Saves:
             bring_back(self._copy.store.url, self.paths.checkpoints, self.say if self.world.is_main else lambda line: None)
         barrier(self.world)
 
-    def _write(
-        self, target: Path, state: dict[str, Any], background: bool, hf: bool = False, copy: StoreCopy | None = None
-    ) -> PendingSave | None:
+    def _contents(
+        self, target: Path, state: dict[str, Any], export: Callable[[], Any] = lambda: None, copy: StoreCopy | None = None
+    ) -> dict[str, Any]:
+        """checkpoint.save_checkpoint's arguments besides the engine's writer: the trainer
+        state (the parts' and the engine's stamp), the small files, what runs once the
+        checkpoint is sealed (`export`, then pruning), the store's copy and the disks."""
         engine = self.engine()
-        step = state["step"]
         trainer_state = TrainerState(format=engine.format, engine=engine.name, engine_state=engine.extra_state(), **state)
         files = {"config.yaml": self.cfg.to_yaml(), **engine.checkpoint_files()}
-        background = background and self.cfg.checkpoint.async_save
-        keep, root, main, disks = self.cfg.checkpoint.keep, self.paths.checkpoints, self.world.is_main, self.disks
+        step, keep, root, main, disks = (
+            state["step"],
+            self.cfg.checkpoint.keep,
+            self.paths.checkpoints,
+            self.world.is_main,
+            self.disks,
+        )
         assert disks is not None
         # Pruning after the marker: until then the older checkpoints are the newest whole ones.
         # Where the nodes share no disk, each disk's part of it goes once copied (checkpoint/disks.py).
@@ -228,13 +240,12 @@ class Saves:
             prune = lambda: clear_copied(root, step)  # noqa: E731
         elif disks.shared and main and target.parent == root:
             prune = lambda: checkpoint.prune(root, keep)  # noqa: E731
-        # After the marker and the copy, before pruning (which may remove an older one, never
-        # this one): the export reads the complete checkpoint, the next save waits for it.
-        export = (lambda: self._export_hf(target, step)) if main and hf else (lambda: None)
-        return checkpoint.save_checkpoint(
-            target, self.world, lambda d: engine.save(d, background=background), trainer_state, files,
-            then=lambda: (export(), prune()), copy=copy, disks=disks,
-        )  # fmt: skip
+        return {"trainer_state": trainer_state, "files": files, "then": lambda: (export(), prune()), "copy": copy, "disks": disks}
+
+    def _hf_then(self, target: Path, step: int, hf: bool) -> Callable[[], Any]:
+        """After the marker and the copy, before pruning (which may remove an older one, never
+        this one): the export reads the complete checkpoint, the next save waits for it."""
+        return (lambda: self._export_hf(target, step)) if self.world.is_main and hf else (lambda: None)
 
     def _export_hf(self, ckpt: Path, step: int) -> None:
         """Rank 0: `ckpt` as a Hugging Face directory, <run.dir>/hf/step_<N> (checkpoint/hf_export.py)."""
