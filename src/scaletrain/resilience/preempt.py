@@ -44,6 +44,10 @@ class PreemptionWatch:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.signum = signum
 
+    def received(self) -> bool:
+        """Whether this rank was signalled (not yet agreed with the others)."""
+        return self.signum != 0
+
     def agreed(self) -> int:
         """Collective: the signal any rank had received one step earlier (0: none), the same
         on every rank. The all-reduce started at one step boundary is waited for at the

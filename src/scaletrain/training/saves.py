@@ -38,6 +38,7 @@ from scaletrain.checkpoint.remote import CheckpointStore, StoreCopy, bring_back,
 from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import Config
 from scaletrain.engines import Engine
+from scaletrain.errors import OutOfMemoryRestart, Preempted, UserError
 from scaletrain.launch.distributed import World, barrier
 from scaletrain.resilience.nonfinite import Diverged
 from scaletrain.telemetry import MetricsLog
@@ -137,6 +138,13 @@ class Saves:
         else:
             self._pending = (pending, start, blocking, waited)
         self._saved = step
+
+    def wait_on_clean_stop(self, kind: type[BaseException] | None, *_: Any) -> None:
+        """An exit callback: a clean stop (the end, a preemption, a one-line error agreed by
+        every rank, an out-of-memory restart) lets the checkpoint in flight complete; a crash
+        does not wait for it (it stays without its marker)."""
+        if kind is None or issubclass(kind, (UserError, Preempted, OutOfMemoryRestart)):
+            self.wait()
 
     def newest(self) -> Path | str | None:
         """The newest complete checkpoint, once the one in flight is done: where the nodes

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import gc
 import signal
-import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,10 +23,7 @@ import torch
 from rich.console import Console
 
 from scaletrain import checkpoint
-from scaletrain.checkpoint.disks import check_disks, checkpoints_root, find_disks
-from scaletrain.checkpoint.frozen_base import base_reference
 from scaletrain.checkpoint.neutral import ParamLayout
-from scaletrain.checkpoint.remote import bring_back, check_store, same_everywhere
 from scaletrain.checkpoint.state import TrainerState
 from scaletrain.config import AUTO_MICRO_BATCH, Config
 from scaletrain.config.batch import global_batch
@@ -45,7 +42,7 @@ from scaletrain.data import (
 from scaletrain.data.remote import store_options
 from scaletrain.engines import Engine, build_engine
 from scaletrain.errors import OutOfMemoryRestart, Preempted, UserError
-from scaletrain.launch.distributed import World, all_hostnames, barrier, broadcast_object, init_distributed, rank0_first, shutdown
+from scaletrain.launch.distributed import World, all_hostnames, broadcast_object, init_distributed, rank0_first, shutdown
 from scaletrain.models import ModelSpec, distill_spec, model_spec
 from scaletrain.models.capabilities import check_layout
 from scaletrain.models.distill import Distill
@@ -59,7 +56,7 @@ from scaletrain.resilience import oom
 from scaletrain.resilience.faults import Drills
 from scaletrain.resilience.nonfinite import NonfiniteGuard
 from scaletrain.resilience.preempt import PreemptionWatch
-from scaletrain.resilience.replica_groups import NoGroups, ReplicaGroups, data_ranks, group_dir, writes_checkpoints
+from scaletrain.resilience.replica_groups import NoGroups, ReplicaGroups, data_ranks, writes_checkpoints
 from scaletrain.resilience.watchdog import Watchdog
 from scaletrain.resilience.weights import ReplicaCheck
 from scaletrain.telemetry import MetricsLog, TrainProgress, print_banner, print_run_summary
@@ -68,8 +65,9 @@ from scaletrain.training import defaults
 from scaletrain.training.evaluation import Evaluation, eval_loss, open_eval_set
 from scaletrain.training.paths import make_dir
 from scaletrain.training.preflight import plan_run, runtime_target
-from scaletrain.training.rundir import RunPaths, branch_cooldown, check_resume, resume_point, write_run_info
+from scaletrain.training.rundir import RunPaths, check_resume, write_run_info
 from scaletrain.training.saves import Saves
+from scaletrain.training.startup import Flush, Held, Say, checkpoint_to_resume, directories, identity
 from scaletrain.training.state import Identity, Position, Stateful, restore
 
 
@@ -98,7 +96,7 @@ class Run:
     say: Any  # a line for the log, rank 0 only
     paths: RunPaths
     resumed_from: Path | None
-    engine: Engine
+    held: Held  # the engine, held here alone
     batches: RankBatches
     loss: Any  # the run's loss (with a teacher, it takes both outputs)
     telemetry: Telemetry
@@ -120,6 +118,10 @@ class Run:
     balance: ExpertBias | None = None  # model.moe.balance=bias: the experts' bias, moved after each step
 
     @property
+    def engine(self) -> Engine:
+        return self.held.engine()
+
+    @property
     def position(self) -> Position:
         return cast(Position, self.parts["position"])
 
@@ -136,6 +138,20 @@ class Run:
         """What a step adds to tokens_seen: its trained tokens (fine-tuning records: their
         responses, counted as the step is taken), else every token of the step."""
         return self.batches.step_tokens if self.batches.masked else self.tokens_per_step
+
+    def position_for_peers(self, in_step: bool) -> dict[str, int]:
+        """What a replica group sends a rejoining one besides the engine's state; `in_step`:
+        from inside the optimizer step (DiLoCo's hook), as it is once that step ends (the data
+        position has moved on already: the step's batch was taken before its forward)."""
+        step, tokens = (self.step + 1, self.tokens_seen + self.trained_tokens()) if in_step else (self.step, self.tokens_seen)
+        return {"step": step, "position": self.batches.position, "tokens_seen": tokens}
+
+    def take_position(self, state: dict[str, int]) -> None:
+        """A replica group's position, caught up with from its peers."""
+        self.position.load_state_dict(
+            {"step": state["step"], "tokens_seen": state["tokens_seen"], "data_position": state["position"]}
+        )
+        self.progress.advance(self.step)
 
 
 def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
@@ -286,132 +302,124 @@ def check_replicas(run: Run) -> None:
 
 
 def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
-    """Everything before the first step; closing actions go on `stack` in the order they
-    must be undone."""
-    main = world.is_main
-    say = lambda line: console.print(line, highlight=False, soft_wrap=True) if main else None  # noqa: E731
-    dims_for(cfg.parallel, world.world_size)  # a bad layout stops here, before any work
-    root = group_dir(cfg, make_dir(cfg.run.dir, "run.dir"))  # every rank: the same verdict everywhere
-    paths = RunPaths(root, checkpoints_root(root, world))
-    paths.root.mkdir(parents=True, exist_ok=True)
-    if "nvme" in (cfg.parallel.offload_optimizer, cfg.parallel.offload_params) and cfg.parallel.nvme_path:
-        make_dir(cfg.parallel.nvme_path, "parallel.nvme_path")
-    if cfg.checkpoint.dir:
-        check_store(cfg.checkpoint.dir)
-    disks = find_disks(paths.checkpoints, world)  # nodes without a shared disk need checkpoint.dir
-    check_disks(disks, cfg.checkpoint.dir, cfg.run.dir)
-    if cfg.checkpoint.dir and cfg.train.resume == "auto":  # object storage's newest, brought back onto each disk first
-        if disks.leader:
-            bring_back(cfg.checkpoint.dir, paths.checkpoints, say if main else lambda line: None)
-        barrier(world)
-        if not disks.shared:
-            same_everywhere(paths.checkpoints, world)
-    resume_from = resume_point(cfg.train.resume, paths, world, say)  # the newest whole checkpoint
-    if cfg.train.cooldown_steps is not None and resume_from is not None:
-        cfg, line = branch_cooldown(cfg, resume_from, paths.root)
-        say(line)
-        # A branch that was stopped goes on from its own newest checkpoint, not from the origin again.
-        resume_from = checkpoint.latest_valid(paths.checkpoints, world, say) or resume_from
+    """Everything before the first step: the collaborators, built by keyword; closing
+    actions go on `stack` in the order they must be undone."""
+    say = Say(console, world.is_main)
+    paths, disks = directories(cfg, world, say)
+    cfg, resume_from = checkpoint_to_resume(cfg, world, paths, say)
     cfg, data, spec, distill, dims = _checked_plan(cfg, world, paths, resume_from, say)
-    dp_rank, dp_size = data_ranks(cfg, dims, world.rank)  # over every replica group
+    dp_rank, dp_size = data_ranks(cfg, dims, world.rank)
     # The global batch's windows (too few: said now); replica groups each evaluate all of them.
     evalset = open_eval_set(cfg, world, data, dp_size) if cfg.eval.every > 0 else None
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train), distill.teacher if distill else None)
+    held = Held(build_engine(spec, world, dims, cfg, decay_groups(cfg.train), distill.teacher if distill else None))
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
-    resumed = _resume(resume_from, world, engine, layout, dims, say) if resume_from else None
-    step = resumed.step if resumed else 0
-    hosts = all_hostnames(world)
-    metrics = MetricsLog(paths.metrics, enabled=main)
+    resumed = _resume(resume_from, world, held.engine(), layout, dims, say) if resume_from else None
+    step, hosts, sequences = resumed.step if resumed else 0, all_hostnames(world), global_batch(cfg.train, dp_size)
+    metrics = MetricsLog(paths.metrics, enabled=world.is_main)
     if writes_checkpoints(cfg):  # a replica group without checkpoints starts at 0 each life: its rows stay
         metrics.truncate_after(step)
-    sequences = global_batch(cfg.train, dp_size)  # per optimizer step, every rank's
-    tokens_per_step = sequences * cfg.data.seq_len
-    peak_lr = scaled_lr(cfg.train, sequences)
     telemetry = Telemetry(cfg, world, dp_size, hosts, spec.flops_per_token(cfg.data.seq_len), paths.root, metrics, step)
     stack.callback(telemetry.close)
-    if main:
-        oom.log_new(paths.root, telemetry.event)
-    about, lines = engine.describe()  # e.g. a pipeline's stages
-    if (cfg.train.param_groups or cfg.train.optimizer != "adamw") and hasattr(engine, "optimizer"):  # what each group got
-        lines = [*lines, *describe_groups(engine.optimizer)]
-        optimizer = engine.optimizer
-        telemetry.recorder.group_lrs = lambda: group_lrs(optimizer)  # and at what rate, each interval
-    if main:
-        for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON
-            (paths.root / name).write_text(text)
-        write_run_info(paths, cfg, world, dims, hosts, resume_from, telemetry.run_info() | about)
-        for line in lines:
-            say(line)
-        print_banner(console, cfg, world, spec, data.samples_per_epoch, tokens_per_step, sequences, peak_lr, resume_from)
-    position = resumed.data_position if resumed else 0
-    batches = RankBatches(data, cfg.train.micro_batch, cfg.train.grad_accum, dp_rank, dp_size, start=position)
-    if isinstance(data, DataMix):  # each interval's realised shares (data/mix.py), computed, not gathered
-        telemetry.recorder.mix = MixShares(data, lambda: batches.position).take
-    progress = TrainProgress(console, cfg.train.steps, step, cfg.train.log_every, enabled=main)
-    stack.callback(progress.close)
-    watch = PreemptionWatch(world)
-    stack.callback(watch.close)
-    guard = NonfiniteGuard(cfg.train, cfg.precision)
-    flush = lambda: progress.show(telemetry.flush())  # noqa: E731
-    watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=lambda line: print(line, file=sys.stderr, flush=True))
-
-    # The engine's one holder is the run: the collaborators reach it through `held`, so that
-    # _release lets it go for all of them (a DDP wrapper must not outlive the process group).
-    def held() -> Engine:
-        return run.engine
-
-    # The run's Stateful map (training/state.py); the experts' bias joins it once attached.
+    batches = RankBatches(
+        data, cfg.train.micro_batch, cfg.train.grad_accum, dp_rank, dp_size, start=resumed.data_position if resumed else 0
+    )
+    _announce(
+        cfg, world, console, held.engine(), telemetry, paths, (dims, hosts, spec, data, batches, sequences, resume_from), say
+    )
+    progress = stack.enter_context(
+        closing(TrainProgress(console, cfg.train.steps, step, cfg.train.log_every, enabled=world.is_main))
+    )
+    watch, guard = stack.enter_context(closing(PreemptionWatch(world))), NonfiniteGuard(cfg.train, cfg.precision)
+    watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=Say(None, True))
     parts: dict[str, Stateful] = {
-        "position": Position(batches), "identity": Identity(_identity(cfg, world, dims, spec, data)), "nonfinite": guard,
-    }  # fmt: skip
+        "position": Position(batches),
+        "identity": Identity(identity(cfg, world, dims, spec, data)),
+        "nonfinite": guard,
+    }
     if resumed:
         restore(parts, asdict(resumed), parts)
+    flush = Flush(telemetry, progress)
     saves = Saves(
-        cfg, world, engine=held, paths=paths, metrics=metrics, layout=layout, parts=parts, before_save=flush,
+        cfg, world, engine=held.engine, paths=paths, metrics=metrics, layout=layout, parts=parts, before_save=flush,
         paused=watchdog.paused, say=say, writes=writes_checkpoints(cfg), tokenizer=Path(data.tokenizer_path), disks=disks,
     )  # fmt: skip
-    telemetry.review = lambda rows: guard.review(rows, saves.newest)  # each interval's steps, as they are read
-    # A clean stop (the end, a preemption, a one-line error agreed by every rank) lets the
-    # checkpoint in flight complete; a crash does not wait for it (it stays without its marker).
-    stack.push(
-        lambda kind, *_: saves.wait() if kind is None or issubclass(kind, (UserError, Preempted, OutOfMemoryRestart)) else None
-    )
+    telemetry.review = partial(guard.review, newest=saves.newest)  # each interval's steps, as they are read
+    stack.push(saves.wait_on_clean_stop)
     stack.callback(watchdog.close)  # first: a long wait at the end is no hang
     loss = distill.loss if distill else spec.loss
     run = Run(
-        cfg=cfg, world=world, say=say, paths=paths, resumed_from=resume_from, engine=engine, batches=batches,
+        cfg=cfg, world=world, say=say, paths=paths, resumed_from=resume_from, held=held, batches=batches,
         loss=per_trained_token(loss, batches, dp_size * dims.cp) if data.masked else loss,
         telemetry=telemetry, metrics=metrics, guard=guard,
-        replicas=ReplicaCheck(world, engine.name, cfg.guards.weight_hash_every, hosts, dims),
-        watchdog=watchdog, watch=watch, progress=progress, saves=saves,
-        drills=Drills(lambda: held().model, saves.wait, lambda: watch.signum != 0),
+        replicas=ReplicaCheck(world, held.engine().name, cfg.guards.weight_hash_every, hosts, dims),
+        watchdog=watchdog, watch=watch, progress=progress, saves=saves, drills=Drills(held.model, saves.wait, watch.received),
         evaluation=Evaluation(
-            cfg, world, held, evalset, eval_loss(spec), dims, flush, [telemetry.event, progress.evaluated], watchdog.beat,
-            telemetry.drop_routing,
+            cfg, world, held.engine, evalset, eval_loss(spec), dims, flush, [telemetry.event, progress.evaluated],
+            watchdog.beat, telemetry.drop_routing,
         ),
-        peak_lr=peak_lr, tokens_per_step=tokens_per_step, parts=parts,
+        peak_lr=scaled_lr(cfg.train, sequences), tokens_per_step=sequences * cfg.data.seq_len, parts=parts,
     )  # fmt: skip
-    del engine  # from here on the run holds it
+    _attach_model_state(run, resumed, dims, stack)
+    # The engine (a DDP wrapper, say) must not outlive the process group (see train()),
+    # whatever an exception's traceback still holds.
+    stack.callback(held.release)
+    return run
+
+
+def _announce(
+    cfg: Config, world: World, console: Console, engine: Engine, telemetry: Telemetry, paths: RunPaths, about: tuple[Any, ...],
+    say: Say,
+) -> None:  # fmt: skip
+    """Rank 0: the engine's files, run.json, what the engine and the optimizer groups are, the
+    banner; every rank: telemetry's readers of the optimizer groups and the data mixture."""
+    dims, hosts, spec, data, batches, sequences, resume_from = about
+    if world.is_main:
+        oom.log_new(paths.root, telemetry.event)
+    described, lines = engine.describe()  # e.g. a pipeline's stages
+    if (cfg.train.param_groups or cfg.train.optimizer != "adamw") and hasattr(engine, "optimizer"):  # what each group got
+        lines = [*lines, *describe_groups(engine.optimizer)]
+        telemetry.recorder.group_lrs = partial(group_lrs, engine.optimizer)  # and at what rate, each interval
+    if isinstance(data, DataMix):  # each interval's realised shares (data/mix.py), computed, not gathered
+        telemetry.recorder.mix = MixShares(data, partial(getattr, batches, "position")).take
+    if not world.is_main:
+        return
+    for name, text in engine.checkpoint_files().items():  # e.g. the exact DeepSpeed JSON
+        (paths.root / name).write_text(text)
+    write_run_info(paths, cfg, world, dims, hosts, resume_from, telemetry.run_info() | described)
+    for line in lines:
+        say(line)
+    peak_lr, tokens = scaled_lr(cfg.train, sequences), sequences * cfg.data.seq_len
+    print_banner(console, cfg, world, spec, data.samples_per_epoch, tokens, sequences, peak_lr, resume_from)
+
+
+def _attach_model_state(run: Run, resumed: TrainerState | None, dims: ParallelDims, stack: ExitStack) -> None:
+    """What the run keeps of the model beside the engine: replica groups' quorum
+    (fault_tolerance), the experts' bias (joins the Stateful map), and the experts' load per
+    interval, counted by one rank of each tp group (all of them route the same tokens: llama_tp.py)."""
+    cfg, world, telemetry = run.cfg, run.world, run.telemetry
     if cfg.fault_tolerance.groups > 1:
         run.groups = ReplicaGroups(
-            cfg, world, held, step, lambda in_step: _trainer_state(run, in_step), lambda s: _restore(run, s), telemetry.event
+            cfg, world, run.held.engine, run.step, run.position_for_peers, run.take_position, telemetry.event
         )
-        stack.push(lambda kind, *_: run.groups.close(run.step, clean=kind is None))
+        stack.push(partial(_close_groups, run))
     saved_bias = resumed.expert_bias if resumed else None
     run.balance = attach_expert_bias(cfg, run.engine.model, world.device, saved_bias, _sum_over_ranks(world))
     if run.balance is not None:
-        parts["expert_bias"] = run.balance
-        table = run.balance.table
-        telemetry.recorder.bias = lambda: table  # each interval row's bias, read with the rest
-    # A mixture of experts' load per interval (a weak reference: _release still frees the model),
-    # counted by one rank of each tp group: all of them route the same tokens (llama_tp.py).
+        run.parts["expert_bias"] = run.balance
+        telemetry.recorder.bias = partial(getattr, run.balance, "table")  # each interval row's bias, read with the rest
+    # A weak reference to the model: releasing the engine still frees it.
     take = routing_stats(run.engine.model)
-    telemetry.watch_routing(take if dims.coordinates(world.rank)["tp"] == 0 else lambda: (take(), None)[1])
-    # The engine (a DDP wrapper, say) must not outlive the process group (see train()),
-    # whatever an exception's traceback still holds.
-    stack.callback(_release, run)
-    return run
+    telemetry.watch_routing(take if dims.coordinates(world.rank)["tp"] == 0 else partial(_count_only, take))
+
+
+def _close_groups(run: Run, kind: type[BaseException] | None, *_: Any) -> None:
+    run.groups.close(run.step, clean=kind is None)
+
+
+def _count_only(take: Any) -> None:
+    """A tp rank but the first: the load read (and reset) as every rank must, not recorded."""
+    take()
 
 
 def _checked_plan(
@@ -501,37 +509,6 @@ def per_trained_token(loss: Any, batches: RankBatches, ranks: int) -> Any:
         return loss(output, targets) * (trained(targets) * scale)
 
     return weighted
-
-
-def _trainer_state(run: Run, in_step: bool) -> dict[str, int]:
-    """What a replica group sends a rejoining one besides the engine's state; `in_step`:
-    from inside the optimizer step (DiLoCo's hook), as it is once that step ends (the data
-    position has moved on already: the step's batch was taken before its forward)."""
-    if not in_step:
-        return {"step": run.step, "position": run.batches.position, "tokens_seen": run.tokens_seen}
-    return {"step": run.step + 1, "position": run.batches.position, "tokens_seen": run.tokens_seen + run.trained_tokens()}
-
-
-def _restore(run: Run, state: dict[str, int]) -> None:
-    run.position.load_state_dict({"step": state["step"], "tokens_seen": state["tokens_seen"], "data_position": state["position"]})
-    run.progress.advance(run.step)
-
-
-def _identity(cfg: Config, world: World, dims: ParallelDims, spec: ModelSpec, data: PackedTokens | DataMix) -> dict[str, Any]:
-    """What every checkpoint of this start records of the run besides the loop's position and
-    the engine's state: the layout, the model, the data, and with checkpoint.frozen=reference
-    where the frozen parameters (left out of state/) come from."""
-    return {
-        "world_size": world.world_size,
-        "parallel": dims.as_dict(),
-        "model": spec.config(),
-        "data_fingerprint": data.fingerprint,
-        "base": base_reference(cfg) if cfg.checkpoint.frozen == "reference" else None,
-    }
-
-
-def _release(run: Run) -> None:
-    run.engine = None  # type: ignore[assignment]  # its one holder: the others reach it through the run
 
 
 def _training_data(cfg: Config, world: World) -> PackedTokens | DataMix:

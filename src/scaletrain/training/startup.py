@@ -1,0 +1,116 @@
+"""The pieces training/trainer.py's `start` builds a run from, each on its own: the run's
+directories and disks, the checkpoint it resumes, what it is (its identity in every
+checkpoint), the engine's one holder, and the small callables its collaborators are handed
+(a line for the log, the metrics flushed) as objects rather than closures over the trainer."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from scaletrain import checkpoint
+from scaletrain.checkpoint.disks import check_disks, checkpoints_root, find_disks
+from scaletrain.checkpoint.frozen_base import base_reference
+from scaletrain.checkpoint.remote import bring_back, check_store, same_everywhere
+from scaletrain.config import Config
+from scaletrain.config.parallel import ParallelDims, dims_for
+from scaletrain.data import DataMix, PackedTokens
+from scaletrain.engines import Engine
+from scaletrain.launch.distributed import World, barrier
+from scaletrain.models import ModelSpec
+from scaletrain.resilience.replica_groups import group_dir
+from scaletrain.telemetry import TrainProgress
+from scaletrain.telemetry.session import Telemetry
+from scaletrain.training.paths import make_dir
+from scaletrain.training.rundir import RunPaths, branch_cooldown, resume_point
+
+
+class Held:
+    """The run's engine, held here alone: collaborators reach it through `engine` or `model`
+    (bound methods), so that `release` lets it go for all of them (a DDP wrapper must not
+    outlive the process group: see train())."""
+
+    def __init__(self, engine: Engine):
+        self._engine: Engine | None = engine
+
+    def engine(self) -> Engine:
+        assert self._engine is not None, "the run's engine was released"
+        return self._engine
+
+    def model(self) -> Any:
+        return self.engine().model
+
+    def release(self) -> None:
+        self._engine = None
+
+
+class Say:
+    """A line for the log: on rank 0 (`main`) to the console, or (console None) to stderr on every rank."""
+
+    def __init__(self, console: Console | None, main: bool):
+        self.console, self.main = console, main
+
+    def __call__(self, line: str) -> None:
+        if self.console is None:
+            print(line, file=sys.stderr, flush=True)
+        elif self.main:
+            self.console.print(line, highlight=False, soft_wrap=True)
+
+
+class Flush:
+    """The metrics of the steps so far read, reviewed and shown (before a save, an evaluation)."""
+
+    def __init__(self, telemetry: Telemetry, progress: TrainProgress):
+        self.telemetry, self.progress = telemetry, progress
+
+    def __call__(self) -> None:
+        self.progress.show(self.telemetry.flush())
+
+
+def directories(cfg: Config, world: World, say: Say) -> tuple[RunPaths, Any]:
+    """The run's directories, checked on every rank (the same verdict everywhere), and which
+    ranks share a disk; with object storage, its newest checkpoint brought back onto each disk."""
+    dims_for(cfg.parallel, world.world_size)  # a bad layout stops here, before any work
+    root = group_dir(cfg, make_dir(cfg.run.dir, "run.dir"))
+    paths = RunPaths(root, checkpoints_root(root, world))
+    paths.root.mkdir(parents=True, exist_ok=True)
+    if "nvme" in (cfg.parallel.offload_optimizer, cfg.parallel.offload_params) and cfg.parallel.nvme_path:
+        make_dir(cfg.parallel.nvme_path, "parallel.nvme_path")
+    if cfg.checkpoint.dir:
+        check_store(cfg.checkpoint.dir)
+    disks = find_disks(paths.checkpoints, world)  # nodes without a shared disk need checkpoint.dir
+    check_disks(disks, cfg.checkpoint.dir, cfg.run.dir)
+    if cfg.checkpoint.dir and cfg.train.resume == "auto":
+        if disks.leader:
+            bring_back(cfg.checkpoint.dir, paths.checkpoints, say)
+        barrier(world)
+        if not disks.shared:
+            same_everywhere(paths.checkpoints, world)
+    return paths, disks
+
+
+def checkpoint_to_resume(cfg: Config, world: World, paths: RunPaths, say: Say) -> tuple[Config, Path | None]:
+    """The newest whole checkpoint to resume (None: a fresh start); a cooldown's branch."""
+    resume_from = resume_point(cfg.train.resume, paths, world, say)
+    if cfg.train.cooldown_steps is not None and resume_from is not None:
+        cfg, line = branch_cooldown(cfg, resume_from, paths.root)
+        say(line)
+        # A branch that was stopped goes on from its own newest checkpoint, not from the origin again.
+        resume_from = checkpoint.latest_valid(paths.checkpoints, world, say) or resume_from
+    return cfg, resume_from
+
+
+def identity(cfg: Config, world: World, dims: ParallelDims, spec: ModelSpec, data: PackedTokens | DataMix) -> dict[str, Any]:
+    """What every checkpoint of this start records of the run besides the loop's position and
+    the engine's state: the layout, the model, the data, and with checkpoint.frozen=reference
+    where the frozen parameters (left out of state/) come from."""
+    return {
+        "world_size": world.world_size,
+        "parallel": dims.as_dict(),
+        "model": spec.config(),
+        "data_fingerprint": data.fingerprint,
+        "base": base_reference(cfg) if cfg.checkpoint.frozen == "reference" else None,
+    }
