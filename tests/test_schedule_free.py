@@ -46,7 +46,7 @@ def test_the_config_takes_a_constant_schedule_unless_told_and_refuses_in_one_lin
     for overrides, said in (
         (["parallel.strategy=zero2"], "not with parallel.strategy=zero2 (DeepSpeed's ZeRO optimizer"),
         (["parallel.strategy=fsdp", "parallel.tp=2"], "not with parallel.tp=2 (not checked yet); accepted: parallel.tp=1"),
-        (["train.optimizer=sgd"], "train.optimizer=sgd is not one scaletrain builds; accepted: adamw, muon or schedule_free"),
+        (["train.optimizer=sgd"], "train.optimizer=sgd is not one scaletrain knows; accepted: adamw, muon or schedule_free"),
     ):
         with pytest.raises(UserError) as err:
             load_config([], [*SF, *overrides])

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, field_serializer, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_serializer, field_validator, model_validator
 
 from scaletrain.config.data import DataConfig, MixSource  # noqa: F401  # re-exported: the schema's data section
 from scaletrain.config.eval import EvalConfig
@@ -145,18 +145,13 @@ class TrainConfig(Section):
                 data = {**data, "schedule": entry.schedule}
         return data
 
-    @field_validator("optimizer")
+    @field_validator("optimizer", "schedule")
     @classmethod
-    def _known_optimizer(cls, v: str) -> str:
-        if v not in OPTIMIZERS:
-            raise ValueError(f"train.optimizer={v} is not one scaletrain builds; accepted: {registered(OPTIMIZERS)}")
-        return v
-
-    @field_validator("schedule")
-    @classmethod
-    def _known_schedule(cls, v: str) -> str:
-        if v not in LR_SCHEDULES:
-            raise ValueError(f"train.schedule={v} is not one scaletrain knows; accepted: {registered(LR_SCHEDULES)}")
+    def _registered(cls, v: str, info: ValidationInfo) -> str:
+        """A name of optim/registry.py's table for the key."""
+        table: dict[str, Any] = OPTIMIZERS if info.field_name == "optimizer" else LR_SCHEDULES
+        if v not in table:
+            raise ValueError(f"train.{info.field_name}={v} is not one scaletrain knows; accepted: {registered(table)}")
         return v
 
     @field_validator("loss_scale_init")
