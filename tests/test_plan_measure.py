@@ -1,6 +1,6 @@
 """Acceptance: predicted peaks agree with measured ones (CPU, MemTracker) within 15%.
 
-Each case runs `scaletrain plan --measure` exactly as a user would: three real steps of
+Each case runs `scaletrain plan --measure` exactly as a user would: two real steps of
 the configured engine at the given world size, compared with the planner's prediction.
 docs/planner.md records the errors these give.
 """

@@ -1,5 +1,5 @@
 """`scaletrain plan`: the planner's estimate for every strategy and its choice; with
---measure, the configured strategy's prediction against 3 real steps.
+--measure, the configured strategy's prediction against 2 real steps.
 
 CLI glue around the pure planner (scaletrain.planning): the planner never imports this, nor
 the engines or the trainer that --measure runs. The table or JSON and --emit-deepspeed are
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentP
     )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument("--emit-deepspeed", metavar="PATH", help="write the chosen plan as DeepSpeed JSON for HF Trainer")
-    pl.add_argument("--measure", action="store_true", help="run 3 real steps and compare measured with predicted peaks")
+    pl.add_argument("--measure", action="store_true", help="run 2 real steps and compare measured with predicted peaks")
     pl.add_argument(
         "--explain-time",
         action="store_true",

@@ -1,5 +1,5 @@
 """`scaletrain plan --measure`: the configured strategy's predicted peak memory against the
-one measured over 3 real steps of its engine, at this process world (plan.py checks first
+one measured over 2 real steps of its engine, at this process world (plan.py checks first
 what it cannot measure)."""
 
 from __future__ import annotations
@@ -67,8 +67,13 @@ def measure(cfg: Config, as_json: bool) -> int:
     return 0
 
 
-def measure_peak(cfg: Config, world: Any, model: ModelSpec, steps: int = 3) -> dict[str, float]:
+def measure_peak(cfg: Config, world: Any, model: ModelSpec, steps: int = 2) -> dict[str, float]:
     """Bytes at this rank's peak, by component, plus 'peak' (and 'cuda_max_allocated' on GPU).
+
+    Two steps: the optimizer's state appears in the first one's step, so the second runs
+    forward and backward beside everything a step holds, and a third only repeats it (on this
+    CPU the same peak to the byte over 3 and 2 steps for ddp, fsdp with tiles, fsdp with
+    activation checkpointing at world 2, zero2 and zero3 bf16 at world 2; 2026-11-29).
 
     Every allocation from before the model is built to the end of the last step is tracked
     by torch's MemTracker (a dispatch-mode tensor tracker that also sorts tensors into
