@@ -44,7 +44,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokenizer(referen
     one_line_error(scaletrain(["ckpt", "export", str(reference_run), str(out)]), "already exists")
 
 
-def tiny_checkpoint(tmp_path, trained):
+def tiny_checkpoint(tmp_path, trained, optimizer=torch.optim.AdamW):
     """A DCP checkpoint of a tiny untied Llama whose optimizer held only `trained` (frozen base)."""
     shape = ModelShape(
         vocab_size=64,
@@ -59,7 +59,7 @@ def tiny_checkpoint(tmp_path, trained):
     )
     model = build_model(shape, 16, seed=0)
     params = [p for n, p in model.named_parameters() if n in trained]
-    opt = torch.optim.AdamW(params)
+    opt = optimizer(params)
     model(torch.randint(0, 64, (2, 16))).sum().backward()
     opt.step()
     ckpt = tmp_path / "step_1"
@@ -69,9 +69,12 @@ def tiny_checkpoint(tmp_path, trained):
 
 
 @pytest.mark.unit
-def test_bf16_and_trainable_only_export_in_small_shards(tmp_path):
+# What is trained is read from the optimizer's state whatever its names: AdamW's exp_avg and
+# exp_avg_sq, or momentum_buffer alone (SGD with momentum here: Muon's state for a matrix).
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)])
+def test_bf16_and_trainable_only_export_in_small_shards(tmp_path, optimizer):
     trained = {"layers.1.attention.wq.weight", "output.weight"}
-    ckpt, shape, model = tiny_checkpoint(tmp_path, trained)
+    ckpt, shape, model = tiny_checkpoint(tmp_path, trained, optimizer)
     layout = ParamLayout(build_model(shape, 16, seed=0).to("meta"))
     out = tmp_path / "hf"
     # 3 KiB shards: each of these tensors (2-8 KiB in bf16) gets a file of its own or shares one.

@@ -98,6 +98,13 @@ def test_the_guard_reads_at_the_end_of_the_interval(data, tmp_path, monkeypatch)
     assert not list((run_dir / "checkpoints").glob("step_*"))
 
 
+def test_a_rollback_with_no_checkpoint_stops_in_one_line(data, tmp_path, monkeypatch):
+    # The guard calls for the rollback; the saves find nothing to go back to; the guard's line.
+    with pytest.raises(Diverged, match=r"^steps 2-2: 1 non-finite steps in a row and no valid checkpoint to roll back to; "):
+        run(tmp_path / "nothing", monkeypatch, "nan:2", "checkpoint.every=0", "train.log_every=1",
+            "train.nonfinite=rollback", "train.nonfinite_patience=1")  # fmt: skip
+
+
 @pytest.mark.timeout(300)
 def test_rollback_reloads_the_checkpoint_and_skips_the_bad_data(data, tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "rollback"

@@ -95,24 +95,42 @@ class _Batches:
     position = 0
 
 
-def test_the_runs_stateful_parts_restore_an_old_checkpoint_and_write_it_back_field_for_field():
+def test_the_runs_stateful_parts_restore_an_old_checkpoint_and_write_it_back_field_for_field(tmp_path):
     """training/state.py: each part owns its slice of TrainerState; together with the engine's
     stamp and extras they are the whole file, and an old checkpoint's slices load back into
-    the parts and come out as they went in."""
-    from dataclasses import asdict, fields
+    the parts and come out as they went in. Telemetry's running totals came later: the old
+    file has none, so the device-hours stay what metrics.jsonl's last interval said."""
+    from dataclasses import asdict, fields, replace
 
+    import torch
+
+    from scaletrain.launch.distributed import World
     from scaletrain.resilience.nonfinite import NonfiniteGuard
+    from scaletrain.telemetry import MetricsLog
+    from scaletrain.telemetry.session import Telemetry
     from scaletrain.training.state import Identity, Position, restore, state_of
 
     saved = TrainerState.read(FIXTURE / "step_2")
     identity = {k: getattr(saved, k) for k in ("world_size", "parallel", "model", "data_fingerprint", "base")}
     cfg = load_config([], [])
-    parts = {"position": Position(_Batches()), "identity": Identity(identity), "nonfinite": NonfiniteGuard(cfg.train, "fp32")}
+    metrics = MetricsLog(tmp_path / "metrics.jsonl", enabled=True)
+    metrics.write([{"step": 2, "event": "interval", "gpu_hours": 0.25}])
+    telemetry = Telemetry(cfg, World(0, 1, 0, torch.device("cpu"), None), 1, ["h"], 1e6, tmp_path, metrics, 2)
+    parts = {
+        "position": Position(_Batches()),
+        "identity": Identity(identity),
+        "nonfinite": NonfiniteGuard(cfg.train, "fp32"),
+        "telemetry": telemetry,
+    }
     restore(parts, asdict(saved), parts)
     assert (parts["position"].step, parts["position"].tokens_seen, parts["position"].batches.position) == (2, 128, 8)
     engine_owned = {"format", "engine", "engine_state"}
     written = state_of(parts)
     optional = {"expert_bias", "converted_from", "version"}  # a MoE bias part, `ckpt convert`'s note, the file's own
     assert set(written) | engine_owned | optional == {f.name for f in fields(TrainerState)}
+    assert written.pop("telemetry") == {"gpu_hours": 0.25}  # the old file had none: metrics.jsonl's figure
     assert TrainerState(**written, format=saved.format, engine=saved.engine, engine_state=saved.engine_state) == saved
+    # A checkpoint that holds the totals wins over the metrics file (one copied without its run's rows, say).
+    restore(parts, asdict(replace(saved, telemetry={"gpu_hours": 1.5})), ["telemetry"])
+    assert state_of(parts)["telemetry"] == {"gpu_hours": 1.5}
     assert parts["position"].advance(64) == 3 and state_of(parts)["tokens_seen"] == 192  # the step's one writer

@@ -67,7 +67,10 @@ class DcpTensors:
     def __init__(self, reader: FileSystemReader):
         self._reader = reader
         self._meta = reader.read_metadata().state_dict_metadata
-        self.trained = {k[len("optim.state.") : -len(".exp_avg")] for k in self._meta if k.endswith(".exp_avg")}
+        # A parameter is trained where the optimizer holds state for it, whatever that state's
+        # names are (AdamW's exp_avg, Muon's momentum_buffer, schedule-free's z): the key's
+        # last part is the state's name, the rest the parameter's.
+        self.trained = {k[len("optim.state.") :].rsplit(".", 1)[0] for k in self._meta if k.startswith("optim.state.")}
 
     def holds(self, name: str) -> bool:
         return f"model.{name}" in self._meta

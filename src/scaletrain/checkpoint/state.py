@@ -43,6 +43,9 @@ class TrainerState:
     # model.moe.balance=bias: each MoE layer's expert bias [layers][experts] (models/moe.py
     # ExpertBias), model state that no engine holds; None without one.
     expert_bias: list[list[float]] | None = None
+    # Telemetry's running totals (telemetry/session.py): the device-hours so far, which cost is
+    # computed from; None in checkpoints written before (their resume reads metrics.jsonl's).
+    telemetry: dict[str, float] | None = None
     # `scaletrain ckpt convert`: the checkpoint this one was converted from (path, engine, world size).
     converted_from: dict[str, Any] | None = None
     version: int = VERSION

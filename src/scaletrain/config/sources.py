@@ -36,6 +36,10 @@ class Source:
     float8: bool  # train.float8: which Linear is a router is known
     tiles: bool  # train.tile_tokens: its feed-forward, experts and loss tile
     experts: str  # "section": model.moe or an MoE preset; "spec": its spec says at build; "": none
+    # Whether the section fixes the vocabulary (else the planner plans the tokenizer's the run
+    # would train), and how banners name the model (the section, the built spec).
+    knows_vocab: Callable[[Any], bool]
+    label: Callable[[Any, Any], str]
 
 
 def _builtin(m: Any, at: str) -> str | None:
@@ -59,22 +63,51 @@ def _python(m: Any, at: str) -> str | None:
     return None
 
 
+def _builtin_vocab(m: Any) -> bool:
+    from scaletrain.config.presets import PRESETS
+
+    return m.vocab_size is not None or PRESETS[m.preset]["vocab_size"] is not None
+
+
+def _hf_vocab(m: Any) -> bool:
+    return m.path is not None or "vocab_size" in (m.hf_config or {})
+
+
+def _python_vocab(m: Any) -> bool:
+    return "vocab_size" in m.spec_args
+
+
+def _builtin_label(m: Any, spec: Any) -> str:
+    return str(m.preset)
+
+
+def _hf_label(m: Any, spec: Any) -> str:
+    return f"{spec.model_type} (Hugging Face, {m.path or 'inline config'})"
+
+
+def _python_label(m: Any, spec: Any) -> str:
+    return f"{spec.name} ({m.spec})"
+
+
 SOURCES: dict[str, Source] = {
     s.name: s
     for s in (
         Source(
             "builtin", "the built-in model", SHAPE_FIELDS, "", _builtin, "scaletrain.models.spec",
             lora=True, document_mask=True, cp_modes=("allgather", "ulysses"), float8=True, tiles=True, experts="section",
+            knows_vocab=_builtin_vocab, label=_builtin_label,
         ),
         Source(
             "hf", "Hugging Face models", ("path", "hf_config"), "its config's fields in {at}.hf_config", _hf,
             "scaletrain.models.hf",
             lora=True, document_mask=False, cp_modes=("ulysses",), float8=False, tiles=False, experts="spec",
+            knows_vocab=_hf_vocab, label=_hf_label,
         ),
         Source(
             "python", "a model of your own", ("spec", "spec_args"), "its arguments in {at}.spec_args", _python,
             "scaletrain.models.module_spec",
             lora=False, document_mask=False, cp_modes=(), float8=False, tiles=False, experts="",
+            knows_vocab=_python_vocab, label=_python_label,
         ),
     )
 }  # fmt: skip

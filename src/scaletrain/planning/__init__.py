@@ -7,8 +7,9 @@ process group, no engine, no training loop; those use the planner, never the rev
 from __future__ import annotations
 
 from scaletrain.config import Config
+from scaletrain.config.sources import SOURCES
 from scaletrain.data.remote import store_options
-from scaletrain.models import PRESETS, ModelSpec, model_spec
+from scaletrain.models import ModelSpec, model_spec
 from scaletrain.planning.candidate import Candidate, Plan
 from scaletrain.planning.memory import Memory, estimate
 from scaletrain.planning.planner import make_plan
@@ -18,12 +19,7 @@ from scaletrain.planning.setup import Setup
 def planning_spec(cfg: Config) -> ModelSpec:
     """The model to plan for before any tokenizer exists: the preset's vocabulary, or (CPU
     presets) the size of the tokenizer the run would train."""
-    if cfg.model.source == "hf":
-        has_vocab = cfg.model.path is not None or "vocab_size" in (cfg.model.hf_config or {})
-    elif cfg.model.source == "python":
-        has_vocab = "vocab_size" in cfg.model.spec_args
-    else:
-        has_vocab = cfg.model.vocab_size is not None or PRESETS[cfg.model.preset]["vocab_size"] is not None
+    has_vocab = SOURCES[cfg.model.source].knows_vocab(cfg.model)
     spec = model_spec(cfg, None if has_vocab else cfg.data.vocab_size)
     return _with_documents(cfg, spec) if cfg.data.document_mask else spec
 

@@ -25,7 +25,7 @@ and into trainer.json, so they survive a resume.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,17 @@ MAX_ROLLBACKS_TO_ONE = 3
 
 
 class Diverged(UserError):
-    """Training stopped on non-finite steps (train.nonfinite): one line, exit code 2."""
+    """Training stopped on non-finite steps (train.nonfinite): one line, exit code 2.
+
+    A line that names where to go back to holds `WHERE`, filled in by `locate` with the newest
+    complete checkpoint: the run's saves know it once the save in flight is complete
+    (training/saves.py, as the run stops), so the guard never asks them while it reviews."""
+
+    WHERE = "{newest checkpoint}"
+
+    def locate(self, newest: Path | str | None) -> None:
+        where = f"newest checkpoint: {newest}" if newest else "no checkpoint yet"
+        self.args = tuple(str(arg).replace(self.WHERE, where) for arg in self.args)
 
 
 class NonfiniteGuard:
@@ -64,7 +74,7 @@ class NonfiniteGuard:
         saved = state.get("nonfinite") or {}
         self.steps, self.rollbacks = saved.get("nonfinite_steps", 0), saved.get("rollbacks", 0)
 
-    def review(self, rows: list[dict[str, Any]], newest: Callable[[], Path | str | None]) -> Diverged | None:
+    def review(self, rows: list[dict[str, Any]]) -> Diverged | None:
         """The steps of a log interval, in order, as telemetry read them (rows of "step",
         "loss": the mean over ranks, non-finite when any rank's is, and "grad_norm": the
         global norm): each row gets the counters as of its step; `rollback_due` is set when
@@ -77,20 +87,19 @@ class NonfiniteGuard:
                 bad_loss = not math.isfinite(row["loss"])
                 bad_grad = self.check_grad and not math.isfinite(row["grad_norm"])
                 if bad_loss or bad_grad:
-                    stop = self._bad(row["step"], "loss" if bad_loss else "gradient norm", newest)
+                    stop = self._bad(row["step"], "loss" if bad_loss else "gradient norm")
                 else:
                     self.in_a_row = 0
             row.update(self.counters())
         return stop
 
-    def _bad(self, step: int, what: str, newest: Callable[[], Path | str | None]) -> Diverged | None:
+    def _bad(self, step: int, what: str) -> Diverged | None:
         self.steps += 1
         self.in_a_row += 1
         self.first_bad = self.first_bad if self.in_a_row > 1 else step
         if self.policy != "abort" and self.in_a_row < self.patience:
             return None
-        last = newest()
-        where = f"newest checkpoint: {last}" if last else "no checkpoint yet"
+        where = Diverged.WHERE
         if self.policy == "abort":
             # Read at the end of the log interval: the steps after it ran, and go with the run.
             return Diverged(
@@ -103,13 +112,17 @@ class NonfiniteGuard:
                 f"none applied; train.nonfinite=skip gives up ({where}); accepted: train.nonfinite=rollback, "
                 "a lower train.lr, a larger train.nonfinite_patience"
             )
-        if last is None:
-            return Diverged(
-                f"steps {self.first_bad}-{step}: {self.in_a_row} non-finite steps in a row and no checkpoint to roll "
-                "back to; accepted: checkpoint.every > 0 so that one exists, or train.nonfinite=skip"
-            )
-        self.rollback_due = True
+        self.rollback_due = True  # the loop rolls back, or finds nothing to go back to (nothing_to_roll_back)
         return None
+
+    def nothing_to_roll_back(self) -> Diverged:
+        """The line when a rollback is due and no valid checkpoint exists (none was written, or
+        every one is damaged)."""
+        last = self.first_bad + self.in_a_row - 1
+        return Diverged(
+            f"steps {self.first_bad}-{last}: {self.in_a_row} non-finite steps in a row and no valid checkpoint to roll "
+            "back to; accepted: checkpoint.every > 0 so that one exists, or train.nonfinite=skip"
+        )
 
     def rolled_back(self, to_step: int) -> str:
         """Count a rollback to the checkpoint of `to_step`; the line that reports it."""

@@ -169,8 +169,6 @@ def print_run_summary(console: Console, paths: Any, summary: dict[str, Any], res
 def model_label(cfg: Any, model: Any) -> str:
     """The built-in model's preset, a Hugging Face model's type and where it came from, or a
     model of your own's name and the function that made it."""
-    if cfg.model.source == "builtin":
-        return str(cfg.model.preset)
-    if cfg.model.source == "python":
-        return f"{model.name} ({cfg.model.spec})"
-    return f"{model.model_type} (Hugging Face, {cfg.model.path or 'inline config'})"
+    from scaletrain.config.sources import SOURCES
+
+    return SOURCES[cfg.model.source].label(cfg.model, model)

@@ -5,7 +5,7 @@ experts' routing among them), and the sinks."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,17 @@ class Telemetry:
         self.metrics.write([row])
         if self.sinks is not None:
             self.sinks.log_event(row)
+
+    # Stateful (training/state.py): the running totals, TrainerState's `telemetry`. A checkpoint
+    # written before has none: the device-hours then stay what metrics.jsonl's last interval
+    # row says (read at construction, the rows after the resumed step dropped).
+    def state_dict(self) -> dict[str, Any]:
+        return {"telemetry": {"gpu_hours": self.recorder.gpu_hours}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = state.get("telemetry") or {}
+        if "gpu_hours" in saved:
+            self.recorder.gpu_hours = float(saved["gpu_hours"])
 
     def close(self) -> None:
         self.window.close()

@@ -139,12 +139,15 @@ class Saves:
             self._pending = (pending, start, blocking, waited)
         self._saved = step
 
-    def wait_on_clean_stop(self, kind: type[BaseException] | None, *_: Any) -> None:
+    def wait_on_clean_stop(self, kind: type[BaseException] | None, error: BaseException | None, *_: Any) -> None:
         """An exit callback: a clean stop (the end, a preemption, a one-line error agreed by
         every rank, an out-of-memory restart) lets the checkpoint in flight complete; a crash
-        does not wait for it (it stays without its marker)."""
+        does not wait for it (it stays without its marker). A run stopped by the non-finite
+        guard is told which checkpoint is then the newest complete one, to go back to."""
         if kind is None or issubclass(kind, (UserError, Preempted, OutOfMemoryRestart)):
             self.wait()
+        if isinstance(error, Diverged):
+            error.locate(self.newest())
 
     def newest(self) -> Path | str | None:
         """The newest complete checkpoint, once the one in flight is done: where the nodes
@@ -177,17 +180,18 @@ class Saves:
         if self._pending is not None:
             self._pending[0].join(timeout_s)
 
-    def roll_back(self) -> TrainerState:
+    def roll_back(self) -> TrainerState | None:
         """Collective, train.nonfinite=rollback: the newest valid checkpoint back into the
-        engine (weights, optimizer, loss scale, RNG); returns its trainer state. The data
-        position is not restored: training goes on after the batches that failed."""
+        engine (weights, optimizer, loss scale, RNG); returns its trainer state (None: no valid
+        checkpoint to go back to). The data position is not restored: training goes on after
+        the batches that failed."""
         engine = self.engine()
         with self.paused():
             self.wait()
             self._bring_back()
             ckpt = checkpoint.latest_valid(self.paths.checkpoints, self.world, self.say)
-            if ckpt is None:  # all damaged since the check: nothing to go back to
-                raise Diverged("train.nonfinite=rollback: no valid checkpoint to roll back to; accepted: train.nonfinite=skip")
+            if ckpt is None:  # none written, or all damaged: nothing to go back to
+                return None
             parallel = self.parts["identity"].state_dict()["parallel"]
             state, _ = checkpoint.resume_state(ckpt, self.world, engine, self.layout, parallel)
         engine.load_extra_state(state.engine_state)

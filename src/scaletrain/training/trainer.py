@@ -280,7 +280,10 @@ class Phase:
 
 def roll_back(run: Run) -> None:
     """train.nonfinite=rollback: back to the newest valid checkpoint; its later rows go."""
-    state = asdict(run.saves.roll_back())
+    saved = run.saves.roll_back()
+    if saved is None:
+        raise run.guard.nothing_to_roll_back()
+    state = asdict(saved)
     # The position's step and tokens and the experts' bias go back; the data position stays
     # (training goes on after the batches that failed), and the guard keeps its tally.
     state["data_position"] = run.position.batches.position
@@ -307,51 +310,30 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     say = Say(console, world.is_main)
     paths, disks = directories(cfg, world, say)
     cfg, resume_from = checkpoint_to_resume(cfg, world, paths, say)
-    cfg, data, spec, distill, dims = _checked_plan(cfg, world, paths, resume_from, say)
-    dp_rank, dp_size = data_ranks(cfg, dims, world.rank)
-    # The global batch's windows (too few: said now); replica groups each evaluate all of them.
-    evalset = open_eval_set(cfg, world, data, dp_size) if cfg.eval.every > 0 else None
+    plan = _checked_plan(cfg, world, paths, resume_from, say)
+    cfg, spec, dims = plan.cfg, plan.spec, plan.dims
+    batches, evalset = _batches(plan, world)
     torch.manual_seed(cfg.train.seed)
-    held = Held(build_engine(spec, world, dims, cfg, decay_groups(cfg.train), distill.teacher if distill else None))
+    held = Held(build_engine(spec, world, dims, cfg, decay_groups(cfg.train), plan.distill.teacher if plan.distill else None))
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
     resumed = _resume(resume_from, world, held.engine(), layout, dims, say) if resume_from else None
-    step, hosts, sequences = resumed.step if resumed else 0, all_hostnames(world), global_batch(cfg.train, dp_size)
-    metrics = MetricsLog(paths.metrics, enabled=world.is_main)
-    if writes_checkpoints(cfg):  # a replica group without checkpoints starts at 0 each life: its rows stay
-        metrics.truncate_after(step)
-    telemetry = Telemetry(cfg, world, dp_size, hosts, spec.flops_per_token(cfg.data.seq_len), paths.root, metrics, step)
-    stack.callback(telemetry.close)
-    batches = RankBatches(
-        data, cfg.train.micro_batch, cfg.train.grad_accum, dp_rank, dp_size, start=resumed.data_position if resumed else 0
-    )
-    _announce(
-        cfg, world, console, held.engine(), telemetry, paths, (dims, hosts, spec, data, batches, sequences, resume_from), say
-    )
-    progress = stack.enter_context(
-        closing(TrainProgress(console, cfg.train.steps, step, cfg.train.log_every, enabled=world.is_main))
-    )
-    watch, guard = stack.enter_context(closing(PreemptionWatch(world))), NonfiniteGuard(cfg.train, cfg.precision)
-    watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=Say(None, True))
-    parts: dict[str, Stateful] = {
-        "position": Position(batches),
-        "identity": Identity(identity(cfg, world, dims, spec, data)),
-        "nonfinite": guard,
-    }
-    if resumed:
-        restore(parts, asdict(resumed), parts)
+    step, hosts = resumed.step if resumed else 0, all_hostnames(world)
+    metrics, telemetry = _telemetry(plan, world, paths, batches.dp_size, hosts, step, stack)
+    _announce(plan, world, console, held.engine(), telemetry, paths, (hosts, batches, resume_from), say)
+    progress, watch, guard, watchdog = _watchers(cfg, world, console, paths, step, stack)
+    parts = _parts(plan, world, batches, {"nonfinite": guard, "telemetry": telemetry}, resumed)
     flush = Flush(telemetry, progress)
     saves = Saves(
         cfg, world, engine=held.engine, paths=paths, metrics=metrics, layout=layout, parts=parts, before_save=flush,
-        paused=watchdog.paused, say=say, writes=writes_checkpoints(cfg), tokenizer=Path(data.tokenizer_path), disks=disks,
+        paused=watchdog.paused, say=say, writes=writes_checkpoints(cfg), tokenizer=Path(plan.data.tokenizer_path), disks=disks,
     )  # fmt: skip
-    telemetry.review = partial(guard.review, newest=saves.newest)  # each interval's steps, as they are read
+    telemetry.review = guard.review  # each interval's steps, as they are read
     stack.push(saves.wait_on_clean_stop)
     stack.callback(watchdog.close)  # first: a long wait at the end is no hang
-    loss = distill.loss if distill else spec.loss
+    sequences = global_batch(cfg.train, batches.dp_size)
     run = Run(
         cfg=cfg, world=world, say=say, paths=paths, resumed_from=resume_from, held=held, batches=batches,
-        loss=per_trained_token(loss, batches, dp_size * dims.cp) if data.masked else loss,
-        telemetry=telemetry, metrics=metrics, guard=guard,
+        loss=_loss(plan, batches), telemetry=telemetry, metrics=metrics, guard=guard,
         replicas=ReplicaCheck(world, held.engine().name, cfg.guards.weight_hash_every, hosts, dims),
         watchdog=watchdog, watch=watch, progress=progress, saves=saves, drills=Drills(held.model, saves.wait, watch.received),
         evaluation=Evaluation(
@@ -367,13 +349,72 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     return run
 
 
+def _batches(plan: Planned, world: World) -> tuple[RankBatches, Any]:
+    """This rank's batches (from the start: a resume's Position moves them) and the eval set:
+    the global batch's windows (too few: said now); replica groups each evaluate all of them."""
+    cfg, data = plan.cfg, plan.data
+    dp_rank, dp_size = data_ranks(cfg, plan.dims, world.rank)
+    evalset = open_eval_set(cfg, world, data, dp_size) if cfg.eval.every > 0 else None
+    return RankBatches(data, cfg.train.micro_batch, cfg.train.grad_accum, dp_rank, dp_size), evalset
+
+
+def _parts(
+    plan: Planned, world: World, batches: RankBatches, others: dict[str, Stateful], resumed: TrainerState | None
+) -> dict[str, Stateful]:
+    """The run's Stateful map (training/state.py), each part restored from the checkpoint resumed."""
+    parts: dict[str, Stateful] = {
+        "position": Position(batches),
+        "identity": Identity(identity(plan.cfg, world, plan.dims, plan.spec, plan.data)),
+        **others,
+    }
+    if resumed is not None:
+        restore(parts, asdict(resumed), parts)
+    return parts
+
+
+def _loss(plan: Planned, batches: RankBatches) -> Any:
+    """The run's loss: the student's against its teacher (model.teacher), else the model's;
+    fine-tuning records' weighted per trained token."""
+    loss = plan.distill.loss if plan.distill else plan.spec.loss
+    return per_trained_token(loss, batches, batches.dp_size * plan.dims.cp) if plan.data.masked else loss
+
+
+def _telemetry(
+    plan: Planned, world: World, paths: RunPaths, dp_size: int, hosts: list[str], step: int, stack: ExitStack
+) -> tuple[MetricsLog, Telemetry]:
+    """metrics.jsonl (rows after the resumed step dropped) and telemetry, closed with the run."""
+    cfg = plan.cfg
+    metrics = MetricsLog(paths.metrics, enabled=world.is_main)
+    if writes_checkpoints(cfg):  # a replica group without checkpoints starts at 0 each life: its rows stay
+        metrics.truncate_after(step)
+    flops = plan.spec.flops_per_token(cfg.data.seq_len)
+    telemetry = Telemetry(cfg, world, dp_size, hosts, flops, paths.root, metrics, step)
+    stack.callback(telemetry.close)
+    return metrics, telemetry
+
+
+def _watchers(
+    cfg: Config, world: World, console: Console, paths: RunPaths, step: int, stack: ExitStack
+) -> tuple[TrainProgress, PreemptionWatch, NonfiniteGuard, Watchdog]:
+    """What watches the run: the progress line, the preemption signal, the non-finite guard
+    and the hang watchdog (which the caller closes once the saves' wait is registered)."""
+    progress = stack.enter_context(
+        closing(TrainProgress(console, cfg.train.steps, step, cfg.train.log_every, enabled=world.is_main))
+    )
+    watch = stack.enter_context(closing(PreemptionWatch(world)))
+    watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=Say(None, True))
+    return progress, watch, NonfiniteGuard(cfg.train, cfg.precision), watchdog
+
+
 def _announce(
-    cfg: Config, world: World, console: Console, engine: Engine, telemetry: Telemetry, paths: RunPaths, about: tuple[Any, ...],
+    plan: Planned, world: World, console: Console, engine: Engine, telemetry: Telemetry, paths: RunPaths, about: tuple[Any, ...],
     say: Say,
 ) -> None:  # fmt: skip
     """Rank 0: the engine's files, run.json, what the engine and the optimizer groups are, the
     banner; every rank: telemetry's readers of the optimizer groups and the data mixture."""
-    dims, hosts, spec, data, batches, sequences, resume_from = about
+    cfg, dims, spec, data = plan.cfg, plan.dims, plan.spec, plan.data
+    hosts, batches, resume_from = about
+    sequences = global_batch(cfg.train, batches.dp_size)
     if world.is_main:
         oom.log_new(paths.root, telemetry.event)
     described, lines = engine.describe()  # e.g. a pipeline's stages
@@ -422,9 +463,19 @@ def _count_only(take: Any) -> None:
     take()
 
 
-def _checked_plan(
-    cfg: Config, world: World, paths: RunPaths, resume_from: Path | None, say: Any
-) -> tuple[Config, PackedTokens | DataMix, ModelSpec, Distill | None, ParallelDims]:
+@dataclass(frozen=True)
+class Planned:
+    """What `_checked_plan` settled: the config as the plan resolved it, the data, the model
+    spec, the teacher (model.teacher) and the layout."""
+
+    cfg: Config
+    data: PackedTokens | DataMix
+    spec: ModelSpec
+    distill: Distill | None
+    dims: ParallelDims
+
+
+def _checked_plan(cfg: Config, world: World, paths: RunPaths, resume_from: Path | None, say: Any) -> Planned:
     """The data, the model spec, the plan (strategy auto resolved) and the layout, and
     whether the checkpoint may be continued: all checked before anything is allocated."""
     data = _training_data(cfg, world)
@@ -465,7 +516,7 @@ def _checked_plan(
         paths.config.write_text(cfg.to_yaml())
     for line in notes:
         say(line)
-    return cfg, data, spec, distill, dims
+    return Planned(cfg, data, spec, distill, dims)
 
 
 def _resume(ckpt: Path, world: World, engine: Engine, layout: ParamLayout, dims: ParallelDims, say: Any) -> TrainerState:
