@@ -444,3 +444,29 @@ def test_the_loss_plot_shows_the_eval_curve_beside_training(make_run):
     assert "eval (the fixed held-out windows)" in figure(page, "plot-loss")
     bare = make_run("bare")  # no evaluation: the training curve alone, no legend
     assert "eval (" not in figure(write_report(bare, diagnose(bare)).read_text(), "plot-loss")
+
+
+@pytest.mark.unit
+def test_task_accuracy_is_drawn_against_tokens_trained(make_run):
+    from matplotlib.figure import Figure
+
+    from scaletrain.diagnose import load_run
+    from scaletrain.diagnose.report import _tasks
+
+    path = make_run(eval_every=15, intervals=3)  # 1,000 tokens a step
+    tasks = [
+        {"step": s, "event": "task", "task": name, "kind": "multiple_choice", "acc": acc, "acc_norm": acc + 0.1, "items": 40,
+         "shots": 0, "eval_s": 0.1}
+        for s, acc in ((15, 0.3), (30, 0.5)) for name in ("arc", "piqa")
+    ]  # fmt: skip
+    with open(path / "metrics.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in tasks))
+    ax = Figure().add_subplot()
+    assert _tasks(ax, load_run(path)) is None
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"arc acc", "arc acc_norm", "piqa acc", "piqa acc_norm"}
+    assert list(lines["arc acc"].get_xdata()) == [15_000, 30_000] and list(lines["arc acc"].get_ydata()) == [0.3, 0.5]
+    assert list(lines["piqa acc_norm"].get_ydata()) == pytest.approx([0.4, 0.6])
+    assert "piqa acc_norm" in figure(write_report(path, diagnose(path)).read_text(), "plot-tasks")
+    bare = make_run("bare")
+    assert 'id="plot-tasks"' not in write_report(bare, diagnose(bare)).read_text()

@@ -27,12 +27,19 @@ CHROMIUM_FLAGS = [
 def render_in_chromium(page: Path, tmp: Path) -> str:
     """Render `page` in headless Chromium: asserts a full-size screenshot was produced and
     returns the rendered DOM."""
+    return render_url_in_chromium(page.resolve().as_uri(), tmp)
+
+
+def render_url_in_chromium(url: str, tmp: Path) -> str:
+    """Render `url` in headless Chromium for its virtual-time budget (timers run, and the
+    clock waits while a fetch is pending): asserts a full-size screenshot was produced and
+    returns the DOM as it is at the end."""
     chromium = shutil.which("chromium")
     assert chromium, "chromium is not installed: `make test` installs it (apt-get install chromium) on a fresh machine"
     png = tmp / "page.png"
     args = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp / 'chromium-profile'}", f"--screenshot={png}", "--dump-dom"]
     # run(): a timeout, and chromium's zygote and renderers are killed with it
-    proc = run([*args, page.resolve().as_uri()], timeout=90, one_thread=False)
+    proc = run([*args, url], timeout=90, one_thread=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000, len(data)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from scaletrain import __version__
-from scaletrain.cli import bench, ckpt, compare, data, diagnose, evaluate, launch, plan, train
+from scaletrain.cli import bench, ckpt, compare, data, diagnose, evaluate, launch, plan, train, watch
 from scaletrain.errors import EXIT_PREEMPTED, EXIT_USAGE, Preempted, UserError
 from scaletrain.launch import startup
 from scaletrain.launch.env import use_build_environment
@@ -43,6 +43,7 @@ COMMANDS: dict[str, Command] = {
     "ckpt": ckpt,
     "diagnose": diagnose,
     "compare": compare,
+    "watch": watch,
     "bench": bench,
 }
 

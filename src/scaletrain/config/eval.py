@@ -6,7 +6,7 @@ data/heldout.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -15,6 +15,30 @@ from scaletrain.config.stages import SCHEDULES
 
 # The share of documents held out when evaluation is on and no eval.data is given.
 DEFAULT_SPLIT = 0.01
+
+
+# What each kind of task reads from a record (data/tasks.py), and the layouts of the standard
+# sets it also reads as they are published: a record's own field names, mapped.
+TASK_KINDS = ("multiple_choice", "last_word")
+TASK_LAYOUTS = ("default", "hellaswag", "arc", "piqa", "winogrande", "lambada")
+
+
+class TaskConfig(Section):
+    """One downstream task of eval.tasks: a local jsonl file scored by the model's
+    log-likelihood (data/tasks.py reads it, training/tasks.py scores it)."""
+
+    name: str = Field(min_length=1)  # the rows' and the plots' name for it
+    path: str  # a local .jsonl file, one record per line (nothing is downloaded)
+    # multiple_choice: each choice's log-likelihood after the context, accuracy and
+    # length-normalised accuracy; last_word: the continuation's greedy exact match and perplexity.
+    kind: Literal["multiple_choice", "last_word"]
+    # How a record is laid out: default ({"context", "choices", "answer"} or {"context",
+    # "continuation"}, renamed by `fields`), or a standard set's own fields as published.
+    layout: Literal["default", "hellaswag", "arc", "piqa", "winogrande", "lambada"] = "default"
+    # The default layout's names in this file: {"context": "question", "choices": "options", ...}.
+    fields: dict[str, str] = Field(default_factory=dict)
+    shots: int = Field(0, ge=0)  # solved examples put before each record's context, drawn from the file
+    limit: int | None = Field(None, ge=1)  # the first `limit` records (None: all)
 
 
 class EvalConfig(Section):
@@ -33,11 +57,22 @@ class EvalConfig(Section):
     # on. Unset: 0.01 when eval.every > 0 and eval.data is empty, else 0 (nothing held out).
     # It decides the training stream, so a resume must keep it (checkpoint/resume.py).
     split: float | None = Field(None, ge=0, lt=1)
+    # Downstream tasks scored at each evaluation beside the loss, and by `scaletrain eval`
+    # (TaskConfig above; docs/evaluation.md).
+    tasks: list[TaskConfig] = Field(default_factory=list)
 
     @field_validator("data", mode="before")
     @classmethod
     def _one_path_is_a_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _tasks_named_once(self) -> EvalConfig:
+        names = [t.name for t in self.tasks]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"eval.tasks names {', '.join(twice)} more than once; accepted: one name per task")
+        return self
 
     @model_validator(mode="after")
     def _held_out_or_given(self) -> EvalConfig:

@@ -1,5 +1,6 @@
-"""report.html: the findings and five plots in one file that needs nothing at view time (a
-fifth for a mixture of experts: the expert load per layer over the run, as a heat map).
+"""report.html: the findings and five plots in one file that needs nothing at view time (one
+more with downstream tasks: their accuracy against tokens trained; one more for a mixture
+of experts: the expert load per layer over the run, as a heat map).
 
 Plots are matplotlib SVG inlined into the page (glyphs as paths, so no font is loaded) and
 a Content-Security-Policy forbids every fetch: the report opens the same on an air-gapped
@@ -56,24 +57,40 @@ def write_report(run_dir: str | Path, findings: list[Finding]) -> Path:
     return path
 
 
+POLICY = "default-src 'none'; style-src 'unsafe-inline'"  # no script, no fetch: report.html as a file
+
+
 def render(run: Run, findings: list[Finding]) -> str:
+    return page_head(run, POLICY) + render_body(run, findings) + "</body></html>\n"
+
+
+def page_head(run: Run, policy: str) -> str:
+    """The page up to its body's content: the title, the style, the Content-Security-Policy."""
     e = html.escape
-    n_warn = sum(f.severity == "warning" for f in findings)
-    head = (
+    return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">\n"
+        f'<meta http-equiv="Content-Security-Policy" content="{e(policy, quote=False)}">\n'
         f"<title>scaletrain diagnose: {e(run.root.name)}</title>\n<style>{_CSS}</style></head>\n<body>\n"
         f"<h1>scaletrain diagnose: {e(run.root.name)}</h1>\n"
+    )
+
+
+def render_body(run: Run, findings: list[Finding]) -> str:
+    """What the files say: the findings and the plots (the live view's fragment too: live.py)."""
+    e = html.escape
+    n_warn = sum(f.severity == "warning" for f in findings)
+    meta = (
         f'<p class="meta">{e(str(run.root.resolve()))} &middot; {n_warn} warning{"s" if n_warn != 1 else ""} &middot; '
         f"written {e(datetime.now(UTC).isoformat(timespec='seconds'))}</p>\n"
     )
-    parts = [head, '<section id="findings"><h2>Findings</h2>\n', *(_finding(f) for f in findings), "</section>\n"]
+    parts = [meta, '<section id="findings"><h2>Findings</h2>\n', *(_finding(f) for f in findings), "</section>\n"]
     parts.append('<section id="plots"><h2>Plots</h2>\n')
-    for plot_id, caption, draw in PLOTS + (EXPERT_PLOT if moe_intervals(run) else ()):
+    tasks = TASK_PLOT if run.events_of("task") else ()  # beside the loss: what the model can do
+    for plot_id, caption, draw in PLOTS[:1] + tasks + PLOTS[1:] + (EXPERT_PLOT if moe_intervals(run) else ()):
         parts.append(
             f'<figure class="plot" id="{plot_id}"><figcaption>{e(caption)}</figcaption>\n{_plot(plot_id, draw, run)}</figure>\n'
         )
-    parts.append("</section>\n</body></html>\n")
+    parts.append("</section>\n")
     return "".join(parts)
 
 
@@ -228,6 +245,28 @@ def _memory(ax: Axes, run: Run) -> str | None:
     return None
 
 
+def _tasks(ax: Axes, run: Run) -> str | None:
+    """Each downstream task's accuracy (eval.tasks) against the tokens trained when it was
+    scored: acc solid, acc_norm dashed in the same colour."""
+    tokens = {r["step"]: r["tokens"] for r in run.steps if isinstance(r.get("tokens"), int | float)}
+    series: dict[str, list[dict]] = defaultdict(list)
+    for e in run.events_of("task"):
+        if e.get("step") in tokens and isinstance(e.get("acc"), int | float):
+            series[str(e.get("task"))].append(e)
+    if not series:
+        return "no task rows (eval.tasks) at steps with a tokens count"
+    for i, (name, rows) in enumerate(sorted(series.items())):
+        color = f"C{i % 10}"  # matplotlib's colour cycle
+        x = [tokens[r["step"]] for r in rows]
+        ax.plot(x, [r["acc"] for r in rows], marker="o", ms=3, lw=1.2, color=color, label=f"{name} acc")
+        if all(isinstance(r.get("acc_norm"), int | float) for r in rows):
+            ax.plot(x, [r["acc_norm"] for r in rows], marker="s", ms=3, lw=1.0, ls="--", color=color, label=f"{name} acc_norm")
+    ax.set(xlabel="tokens trained", ylabel="accuracy")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return None
+
+
 def _expert_load(ax: Axes, run: Run) -> str | None:
     """Rows: each MoE layer's experts; columns: log intervals; colour: the expert's token
     slots over the layer's mean (1 = its fair share, 0 = idle)."""
@@ -277,6 +316,9 @@ PLOTS: tuple[tuple[str, str, Callable[[Axes, Run], str | None]], ...] = (
     ("plot-throughput", "Throughput per log interval", _throughput),
     ("plot-breakdown", "Step time by phase per rank (mean over log intervals after the first)", _breakdown),
     ("plot-memory", "Peak memory per rank", _memory),
+)
+TASK_PLOT: tuple[tuple[str, str, Callable[[Axes, Run], str | None]], ...] = (
+    ("plot-tasks", "Downstream task accuracy (eval.tasks) against tokens trained", _tasks),
 )
 EXPERT_PLOT: tuple[tuple[str, str, Callable[[Axes, Run], str | None]], ...] = (
     ("plot-experts", "Expert load per MoE layer over the run (token slots over the fair share)", _expert_load),

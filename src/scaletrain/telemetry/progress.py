@@ -64,7 +64,12 @@ class TrainProgress:
             )
 
     def evaluated(self, row: dict[str, Any]) -> None:
-        """An evaluation's row: said now, and its loss in every progress line after it."""
+        """An evaluation's row: said now, and its loss in every progress line after it; a
+        task's (eval.tasks) said now."""
+        if row["event"] == "task":
+            if self.enabled:
+                self.console.print(task_line(row), highlight=False, soft_wrap=True)
+            return
         self.eval = row
         if not self.enabled:
             return
@@ -164,6 +169,14 @@ def print_run_summary(console: Console, paths: Any, summary: dict[str, Any], res
     ]
     print_summary(console, "training finished", items)
     return {"loss": rows[-1]["loss"] if rows else None, "eval_loss": evals[-1]["loss"] if evals else None}
+
+
+def task_line(row: dict[str, Any]) -> str:
+    """A task's row as one line: "task hs at step 8: acc 0.4500  acc_norm 0.5000 (40 items, 0-shot, 1.2 s)"."""
+    figures = "  ".join(f"{k} {row[k]:.4f}" for k in ("acc", "acc_norm", "perplexity") if k in row)
+    return (
+        f"task {row['task']} at step {row['step']}: {figures} ({row['items']} items, {row['shots']}-shot, {row['eval_s']:.1f} s)"
+    )
 
 
 def model_label(cfg: Any, model: Any) -> str:

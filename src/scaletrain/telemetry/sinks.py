@@ -129,6 +129,8 @@ class Sinks:
                 scalars.update({f"lr/group_{g['group']}": g["lr"] for g in v})
             elif kind == "interval":
                 scalars[INTERVAL_TAGS.get(k, f"interval/{k}")] = v
+            elif kind == "task":  # eval.tasks: one row per task, its figures under its name
+                scalars[f"tasks/{row['task']}/{k}"] = v
             else:
                 scalars.update(_flatten(f"{kind}/{k}", v))
         self._write(row["step"], scalars)

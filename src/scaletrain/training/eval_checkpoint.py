@@ -1,4 +1,5 @@
-"""`scaletrain eval RUN_OR_CHECKPOINT [key=value ...]`: the eval loss of a checkpoint.
+"""`scaletrain eval RUN_OR_CHECKPOINT [key=value ...]`: the eval loss of a checkpoint, and
+its downstream tasks' accuracy with eval.tasks (training/tasks.py).
 
 The checkpoint's own config (its config.yaml) with the overrides applied says what to
 evaluate on (the eval section) and how to run (parallel.*, run.device, precision); the
@@ -35,7 +36,9 @@ from scaletrain.launch.distributed import World, init_distributed, shutdown
 from scaletrain.models import model_spec
 from scaletrain.models.moe import attach_expert_bias
 from scaletrain.optim.optimizers import decay_groups
+from scaletrain.telemetry.progress import task_line
 from scaletrain.training.evaluation import eval_loss, evaluate, open_eval_set
+from scaletrain.training.tasks import evaluate_tasks, open_tasks
 
 
 def newest_checkpoint(target: str) -> Path:
@@ -90,6 +93,8 @@ def evaluate_checkpoint(target: str, overrides: list[str], say: bool = True) -> 
             f"({row['tokens']:,} tokens of {row['data']}; {row['engine']} at world {world.world_size})",
             flush=True,
         )
+        for task in row.get("tasks", []):
+            print(task_line(task), flush=True)
     return row
 
 
@@ -110,6 +115,7 @@ def _evaluate(ckpt: Path, cfg: Config, world: World) -> dict[str, Any]:
             f"{ckpt} holds another model than its config describes now ({saved.model}); accepted: no model.* override"
         )
     evalset = open_eval_set(cfg, world, data, dims.dp_size)  # before anything is allocated
+    tasks = open_tasks(cfg, str(data.tokenizer_path), data.eos_id)
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(spec, world, dims, cfg, decay_groups(cfg.train))
     try:
@@ -117,7 +123,9 @@ def _evaluate(ckpt: Path, cfg: Config, world: World) -> dict[str, Any]:
         checkpoint.resume_state(ckpt, world, engine, layout, dims.as_dict())
         attach_expert_bias(cfg, engine.model, world.device, saved.expert_bias, lambda load: None)  # routes as trained
         row = evaluate(engine, evalset, eval_loss(spec), world, dims.dp_rank(world.rank), dims.dp_size, lambda: None)
-        return {"step": saved.step, **row, "engine": engine.name}
+        scored = evaluate_tasks(engine, tasks, world, dims, lambda: None)
+        tasks_rows = [{"step": saved.step, **r} for r in scored]
+        return {"step": saved.step, **row, "engine": engine.name} | ({"tasks": tasks_rows} if tasks_rows else {})
     finally:
         del engine
 

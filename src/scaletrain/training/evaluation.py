@@ -48,6 +48,7 @@ from scaletrain.models import ModelSpec
 from scaletrain.models.loss import logits_of
 from scaletrain.models.spec import LossFn
 from scaletrain.training.paths import make_dir
+from scaletrain.training.tasks import TaskSet, evaluate_tasks
 
 EVENT = "eval"
 
@@ -223,10 +224,12 @@ class Evaluation:
         report: list[Callable[[dict[str, Any]], None]],
         beat: Callable[[], None],
         forget: Callable[[], None],
+        tasks: TaskSet | None = None,
     ):
         self.every = cfg.eval.every if evalset is not None else 0
+        self.tasks = tasks  # eval.tasks (training/tasks.py): scored after the loss, one row each
         self.world, self.engine, self.evalset, self.loss = world, engine, evalset, loss
-        self.dp_rank, self.dp_size = dims.dp_rank(world.rank), dims.dp_size
+        self.dims, self.dp_rank, self.dp_size = dims, dims.dp_rank(world.rank), dims.dp_size
         self.flush, self.report, self.beat = flush, report, beat  # report: metrics.jsonl + sinks, the progress line
         self.forget = forget  # what the forwards left in training's telemetry (a mixture of experts' routing counts)
 
@@ -244,7 +247,10 @@ class Evaluation:
             "event": EVENT,
             **evaluate(self.engine(), self.evalset, self.loss, self.world, self.dp_rank, self.dp_size, self.beat),
         }
+        scored = evaluate_tasks(self.engine(), self.tasks, self.world, self.dims, self.beat) if self.tasks else []
+        rows = [row] + [{"step": step, **r} for r in scored]
         self.forget()
-        for report in self.report:
-            report(row)
+        for r in rows:
+            for report in self.report:
+                report(r)
         return row

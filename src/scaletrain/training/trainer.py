@@ -69,6 +69,7 @@ from scaletrain.training.rundir import RunPaths, check_resume, write_run_info
 from scaletrain.training.saves import Saves
 from scaletrain.training.startup import Flush, Held, Say, checkpoint_to_resume, directories, identity
 from scaletrain.training.state import Identity, Position, Stateful, restore
+from scaletrain.training.tasks import open_tasks
 
 
 def train(cfg: Config, console: Console | None = None) -> dict[str, Any]:
@@ -312,7 +313,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     cfg, resume_from = checkpoint_to_resume(cfg, world, paths, say)
     plan = _checked_plan(cfg, world, paths, resume_from, say)
     cfg, spec, dims = plan.cfg, plan.spec, plan.dims
-    batches, evalset = _batches(plan, world)
+    batches, (evalset, tasks) = _batches(plan, world)
     torch.manual_seed(cfg.train.seed)
     held = Held(build_engine(spec, world, dims, cfg, decay_groups(cfg.train), plan.distill.teacher if plan.distill else None))
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
@@ -338,7 +339,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
         watchdog=watchdog, watch=watch, progress=progress, saves=saves, drills=Drills(held.model, saves.wait, watch.received),
         evaluation=Evaluation(
             cfg, world, held.engine, evalset, eval_loss(spec), dims, flush, [telemetry.event, progress.evaluated],
-            watchdog.beat, telemetry.drop_routing,
+            watchdog.beat, telemetry.drop_routing, tasks,
         ),
         peak_lr=scaled_lr(cfg.train, sequences), tokens_per_step=sequences * cfg.data.seq_len, parts=parts,
     )  # fmt: skip
@@ -350,12 +351,14 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
 
 
 def _batches(plan: Planned, world: World) -> tuple[RankBatches, Any]:
-    """This rank's batches (from the start: a resume's Position moves them) and the eval set:
-    the global batch's windows (too few: said now); replica groups each evaluate all of them."""
+    """This rank's batches (from the start: a resume's Position moves them) and what an
+    evaluation reads: the global batch's windows (too few: said now; replica groups each
+    evaluate all of them) and eval.tasks, read and tokenized (a bad record: said now)."""
     cfg, data = plan.cfg, plan.data
     dp_rank, dp_size = data_ranks(cfg, plan.dims, world.rank)
     evalset = open_eval_set(cfg, world, data, dp_size) if cfg.eval.every > 0 else None
-    return RankBatches(data, cfg.train.micro_batch, cfg.train.grad_accum, dp_rank, dp_size), evalset
+    tasks = open_tasks(cfg, str(data.tokenizer_path), data.eos_id) if evalset is not None else None
+    return RankBatches(data, cfg.train.micro_batch, cfg.train.grad_accum, dp_rank, dp_size), (evalset, tasks)
 
 
 def _parts(
