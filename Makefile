@@ -35,6 +35,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 # absent and apt-get is usable (root); elsewhere their tests fail saying what to install.
 setup-test: $(VENV)/.installed-test
 
+# lm-evaluation-harness, what tests/test_tasks.py checks eval.tasks against: into a directory of
+# its own (the tests append it to sys.path last), its shared dependencies held to this
+# environment's versions, so that nothing of ours changes under it.
+LM_EVAL := lm-eval==0.4.13
+
 #
 # The ops build (minutes of both cores, compiled without debug information: launch/env.py) runs beside the rest: pip's download of the
 # test extras and apt's chromium wait mostly on the network and disk. The extras are named
@@ -48,6 +53,8 @@ $(VENV)/.installed-test: $(VENV)/.installed
 		(apt-get update -q && apt-get install -y -q --no-install-recommends libaio-dev))
 	$(BIN)/python -m scaletrain.engines.deepspeed_ops & ops=$$!; \
 	$(BIN)/python -m pip install --quiet $$($(BIN)/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]))') && \
+	$(BIN)/python -m pip freeze --exclude-editable | grep -v '^#' > $(VENV)/constraints.txt && \
+	$(BIN)/python -m pip install --quiet --no-compile --constraint $(VENV)/constraints.txt --target $(VENV)/lm-eval $(LM_EVAL) && \
 	{ command -v chromium >/dev/null || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] || \
 		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q --no-install-recommends chromium || \
 		(apt-get update -q && apt-get install -y -q --no-install-recommends chromium)); }; \

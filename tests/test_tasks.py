@@ -9,6 +9,8 @@ import glob
 import json
 import random
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,12 +23,13 @@ from scaletrain.config.parallel import dims_for
 from scaletrain.data.tasks import Item, load_items, requests
 from scaletrain.errors import UserError
 from scaletrain.launch.distributed import ALONE
+from scaletrain.models import model_spec
 from scaletrain.models.llama import build_model
 from scaletrain.models.presets import ModelShape
 from scaletrain.telemetry.metrics import read_metrics
 from scaletrain.training.tasks import Batching, open_tasks, score, task_row, tasks_problem
 
-from helpers.launch import check, one_line_error, scaletrain, train
+from helpers.launch import check, one_line_error, run, scaletrain, train
 from helpers.runs import SMALL_CORPUS, base_overrides, checkpoint_model
 
 
@@ -332,3 +335,94 @@ def test_a_bad_task_stops_the_run_before_training(small_dataset, tmp_path):
                   "eval.batches=1", f"eval.tasks=[{{name: bad, path: {bad}, kind: multiple_choice}}]"])  # fmt: skip
     one_line_error(proc, "eval.tasks bad: " + bad + " record 1 answer 5 is out of range; accepted: 0 to 1")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+LM_EVAL = Path(__file__).resolve().parents[1] / ".venv" / "lm-eval"  # `make setup-test`: lm-eval in a directory of its own
+LM_EVAL_TASKS = {
+    "next": """output_type: multiple_choice
+doc_to_text: "{{context}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list: [{metric: acc}, {metric: acc_norm}]""",
+    # lm-eval's loglikelihood tasks take the continuation as doc_to_target gives it (its
+    # lambada puts the word's space there); our last_word layout puts one space before it.
+    "last": """output_type: loglikelihood
+doc_to_text: "{{context}}"
+doc_to_target: "{{' ' + continuation}}"
+metric_list: [{metric: perplexity}, {metric: acc}]""",
+}
+
+
+def lm_eval_samples(model_dir, files, tmp_path):
+    """lm-evaluation-harness (its pinned release, from LM_EVAL: apart, so its pins do not touch
+    ours) on each local jsonl task file with the Hugging Face model in `model_dir`, fp32 on
+    the CPU, offline: each task's per-document samples."""
+    tasks = tmp_path / "lm-eval-tasks"
+    tasks.mkdir()
+    for name, path in files.items():
+        (tasks / f"{name}.yaml").write_text(
+            f"task: st_{name}\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {path}}}}}\ntest_split: test\n"
+            + LM_EVAL_TASKS[name]
+        )
+    out = tmp_path / "lm-eval-out"
+    argv = ["lm_eval", "--model", "hf", "--model_args", f"pretrained={model_dir},dtype=float32", "--device", "cpu",
+            "--tasks", ",".join(f"st_{n}" for n in files), "--include_path", str(tasks), "--batch_size", "4",
+            "--output_path", str(out), "--log_samples"]  # fmt: skip
+    code = f"import sys; sys.path.append({str(LM_EVAL)!r}); sys.argv = {argv!r}; from lm_eval.__main__ import cli_evaluate; cli_evaluate()"
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    check(run([sys.executable, "-c", code], env=env, timeout=240))
+    samples = {}
+    for name in files:
+        [path] = out.rglob(f"samples_st_{name}_*.jsonl")
+        samples[name] = [json.loads(line) for line in path.read_text().splitlines()]
+    return samples
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_the_same_figures_as_lm_evaluation_harness(small_dataset, tmp_path):
+    """A Hugging Face model from a local directory and two local task files: each pair's
+    log-likelihood and greedy match, and acc, acc_norm and perplexity, as lm-evaluation-harness
+    computes them on the same files."""
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    assert LM_EVAL.is_dir(), "lm-eval is not installed: `make setup-test` installs it into .venv/lm-eval"
+    model_dir = tmp_path / "model"
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(model_dir))
+    PreTrainedTokenizerFast(tokenizer_file=str(small_dataset / "tokenizer.json"), eos_token="<|endoftext|>").save_pretrained(
+        str(model_dir)
+    )
+    files = {
+        "next": next_word_task(small_dataset, tmp_path / "next.jsonl", n=120),
+        "last": last_word_task(tmp_path / "last.jsonl"),
+    }
+    theirs = lm_eval_samples(model_dir, files, tmp_path)
+
+    # Ours: the model as a run builds it (model.source=hf), the files as eval.tasks reads them.
+    tasks = ", ".join(
+        f"{{name: {n}, path: {p}, kind: {'last_word' if n == 'last' else 'multiple_choice'}}}" for n, p in files.items()
+    )
+    cfg = load_config([], ["model.source=hf", f"model.path={model_dir}", "data.seq_len=64", f"eval.tasks=[{tasks}]"])
+    spec = model_spec(cfg, None)
+    model = spec.build_meta(64)
+    spec.materialize(model, torch.device("cpu"), cfg.train.seed)
+    taskset = open_tasks(cfg, str(model_dir / "tokenizer.json"), 0)
+    for task in taskset.tasks:
+        name = task.config.name
+        figures = score(Engine(model.eval()), task.pairs, ALONE, dims_for(cfg.parallel, 1), taskset.how, lambda: None)
+        docs = sorted(theirs[name], key=lambda s: s["doc_id"])
+        # lm-eval's response per pair: (log-likelihood, is greedy), in our pairs' order.
+        resps = [(float(r[0][0]), r[0][1] == "True") for d in docs for r in d["resps"]]
+        assert len(resps) == len(figures)
+        # Both are fp32 log-softmax sums of the same logits over at most a few tokens; the
+        # batches differ (padding, order), so a few ulps of each term: 1e-4 of values ~6-30.
+        assert figures[:, 0] == pytest.approx([ll for ll, _ in resps], abs=1e-4)
+        assert [bool(g) for g in figures[:, 1]] == [g for _, g in resps]
+        ours = task_row(task, figures, 0.0)
+        for metric in ("acc", "acc_norm") if name == "next" else ("acc",):
+            assert ours[metric] == pytest.approx(np.mean([d[metric] for d in docs]), abs=1e-4), metric
+        if name == "last":  # exp(-mean log-likelihood per document)
+            assert ours["perplexity"] == pytest.approx(np.exp(-np.mean([d["perplexity"] for d in docs])), rel=1e-4)
