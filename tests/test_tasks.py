@@ -426,3 +426,29 @@ def test_the_same_figures_as_lm_evaluation_harness(small_dataset, tmp_path):
             assert ours[metric] == pytest.approx(np.mean([d[metric] for d in docs]), abs=1e-4), metric
         if name == "last":  # exp(-mean log-likelihood per document)
             assert ours["perplexity"] == pytest.approx(np.exp(-np.mean([d["perplexity"] for d in docs])), rel=1e-4)
+
+
+@pytest.mark.e2e
+def test_the_plan_counts_what_evaluation_adds(small_dataset, tmp_path):
+    import scaletrain
+
+    nw = next_word_task(small_dataset, tmp_path / "nw.jsonl", n=30)
+    tasks = f"eval.tasks=[{{name: next, path: {nw}, kind: multiple_choice}}]"
+    plan = scaletrain.plan(load_config([], ["model.preset=1b", "eval.every=500", "eval.batches=4", tasks]))
+    [line] = [n for n in plan.notes if n.startswith("evaluation:")]
+    c = plan.chosen
+    s = c.setup
+    windows = 4 * s.micro_batch * s.grad_accum * s.dp  # eval.batches x the global batch
+    # Forward only, at the chosen layout's forward rate per sequence; 30 records of 4 choices.
+    each = c.time.phases["forward"] / (s.micro_batch * s.grad_accum) * (windows + 120) / s.dp
+    assert line == (
+        f"evaluation: about {each:.3g} s each (forward only: {windows:,} windows + at most 120 task pairs (eval.tasks), "
+        f"a window each), every 500 steps: {100 * each / (500 * c.step_time):.1f}% on top of training"
+    )
+    bad = write(tmp_path / "bad.jsonl", [{"context": "c"}])
+    with pytest.raises(UserError, match=r"eval.tasks b: .*bad.jsonl record 1 has no field 'choices'"):
+        scaletrain.plan(
+            load_config(
+                [], ["model.preset=1b", "eval.every=500", f"eval.tasks=[{{name: b, path: {bad}, kind: multiple_choice}}]"]
+            )
+        )

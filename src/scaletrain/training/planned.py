@@ -51,11 +51,37 @@ def build_plan(cfg: Config, opts: PlanOptions | argparse.Namespace) -> tuple[Pla
         plan.notes.append(f"DeepSpeed JSON ({plan.chosen.setup.label}) for Hugging Face Trainer written to {path}")
         if plan.chosen.setup.ep > 1:  # ZeRO's JSON has no expert parallel: the layout is written without it
             plan.notes.append(f"that JSON has no expert parallel: parallel.ep={plan.chosen.setup.ep} is scaletrain's fsdp only")
+    if cfg.eval.every > 0:
+        plan.notes.append(eval_line(cfg, plan))
     goodput = None
     if opts.mtbf_hours is not None:
         goodput = failure_plan(cfg, plan, world, opts)
         plan.notes += goodput_lines(goodput, cfg.checkpoint.every)
     return plan, goodput, model
+
+
+def eval_line(cfg: Config, plan: Plan) -> str:
+    """What evaluation (eval.every) adds to the chosen layout's time: forward only, at the
+    clock's forward rate per sequence of the step (its forward phase over the sequences a
+    rank runs in it): the eval set's windows and each task pair (eval.tasks) counted as a
+    whole window, so an upper bound for tasks, whose pairs are mostly shorter."""
+    from scaletrain.data.tasks import load_items
+
+    c = plan.chosen
+    s = c.setup
+    sequences = s.micro_batch * s.grad_accum  # per rank per step
+    forward = (c.time.phases.get("forward", 0.0) if c.time is not None else c.step_time / 3) / sequences
+    ranks = max(1, s.dp)
+    windows = cfg.eval.batches * s.micro_batch * s.grad_accum * ranks
+    # A task file that cannot be read stops the plan in one line, as it would stop the run.
+    pairs = sum(len(item.continuations) for task in cfg.eval.tasks for item in load_items(task))
+    each = forward * (windows + pairs) / ranks
+    between = cfg.eval.every * c.step_time
+    tasks = f" + at most {pairs:,} task pairs (eval.tasks), a window each" if pairs else ""
+    return (
+        f"evaluation: about {each:.3g} s each (forward only: {windows:,} windows{tasks}), every {cfg.eval.every} steps: "
+        f"{100 * each / between:.1f}% on top of training"
+    )
 
 
 # A synchronous save (DeepSpeed, or checkpoint.async_save=false) writes every device's state
