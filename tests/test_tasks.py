@@ -292,19 +292,20 @@ def test_tasks_in_the_loop_at_world_1_and_fsdp_2_and_from_the_checkpoint(small_d
         f"eval.tasks=[{{name: next, path: {nw}, kind: multiple_choice, shots: 1}}, {{name: last, path: {lw}, kind: last_word}}]"
     )
     common = ["eval.every=10", f"eval.data={small_dataset}", "eval.batches=1", "eval.micro_batch=3", "checkpoint.every=20", tasks]
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, two, zero3 = tmp_path / "one", tmp_path / "two", tmp_path / "zero3"
     check(train([*base_overrides(small_dataset, one, steps=20), "train.micro_batch=4", *common]))
-    check(
-        train([*base_overrides(small_dataset, two, steps=20), "train.micro_batch=2", "parallel.strategy=fsdp", *common], nproc=2)
-    )
+    for run_dir, strategy in ((two, "fsdp"), (zero3, "zero3")):
+        overrides = [*base_overrides(small_dataset, run_dir, steps=20), "train.micro_batch=2", f"parallel.strategy={strategy}"]
+        check(train([*overrides, *common], nproc=2))
     rows = task_rows(one)
     assert [(r["step"], r["task"], r["items"], r["shots"]) for r in rows] == [
         (s, name, n, shots) for s in (10, 20) for name, n, shots in (("next", 60, 1), ("last", 24, 0))
     ]
-    # The same pairs' figures at world 2 (other ranks score other batches): the same
+    # The same pairs' figures at world 2, fsdp and DeepSpeed's ZeRO-3 (other ranks score
+    # other batches; ZeRO-3 gathers its parameters in each forward, every rank in each): the same
     # accuracy, perplexity within the two runs' training differences (summation order:
     # their eval losses agree to ~1e-7 relative; exp of a sum of 24 log-likelihoods, 1e-4).
-    for a, b in zip(rows, task_rows(two), strict=True):
+    for a, b in [*zip(rows, task_rows(two), strict=True), *zip(rows, task_rows(zero3), strict=True)]:
         assert (a["acc"], a.get("acc_norm")) == (b["acc"], b.get("acc_norm")), (a, b)
         assert a.get("perplexity", 0) == pytest.approx(b.get("perplexity", 0), rel=1e-4)
     # Trained 20 steps on this text, the model picks the word the text uses over its rarest
