@@ -42,6 +42,15 @@ EVAL = {"step": 4, "event": "eval", "loss": 4.75, "perplexity": 115.584284527187
         "data": "eval.split=0.01 (3 of 300 documents)", "eval_s": 0.125}  # fmt: skip
 
 
+# Downstream tasks' rows (training/tasks.py): tasks/<name>/<key>.
+TASKS = [
+    {"step": 4, "event": "task", "task": "arc", "kind": "multiple_choice", "acc": 0.5, "acc_norm": 0.75, "items": 8,
+     "shots": 0, "eval_s": 0.5},
+    {"step": 4, "event": "task", "task": "lambada", "kind": "last_word", "acc": 0.25, "perplexity": 12.5, "items": 8,
+     "shots": 0, "eval_s": 0.25},
+]  # fmt: skip
+
+
 # ---------------------------------------------------------------------------- tests
 
 
@@ -56,6 +65,8 @@ def test_both_sinks_write_what_metrics_jsonl_holds(tmp_path):
     sinks.log_event({"step": 4, "event": "straggler", "rank": 1, "host": "node7", "step_s": 0.8, "excess": 0.3})
     sinks.log_event({"step": 4, "event": "replicas_disagree", "what": "weights", "ranks": [0, 1], "groups": [[0], [1]]})
     sinks.log_event(EVAL)
+    for task in TASKS:
+        sinks.log_event(task)
     sinks.close()
 
     tb = tensorboard_scalars(run / "tensorboard")
@@ -70,6 +81,9 @@ def test_both_sinks_write_what_metrics_jsonl_holds(tmp_path):
     assert tb["checkpoint/blocking_s"] == {4: 0.25} and tb["straggler/excess"] == pytest.approx({4: 0.3})
     assert tb["eval/loss"] == {4: 4.75} and tb["eval/perplexity"] == pytest.approx({4: 115.58428452718766}, rel=1e-6)
     assert tb["eval/tokens"] == {4: 512} and "eval/data" not in tb
+    # Each task's figures under its own name (two tasks at one step must not share a tag).
+    assert tb["tasks/arc/acc"] == {4: 0.5} and tb["tasks/arc/acc_norm"] == {4: 0.75} and tb["tasks/lambada/acc"] == {4: 0.25}
+    assert tb["tasks/lambada/perplexity"] == pytest.approx({4: 12.5}) and "tasks/arc/task" not in tb and "task/acc" not in tb
     assert "throughput/mfu" not in tb and "system/gpu_util" not in tb  # null: unknown, not zero
     assert not [t for t in tb if t.startswith("replicas_disagree/") or t == "straggler/host"]  # no numbers in them
 
@@ -89,6 +103,7 @@ def test_both_sinks_write_what_metrics_jsonl_holds(tmp_path):
     assert history[4]["phases/comm_s"] == 0.06 and history[4]["throughput/tokens_per_s"] == 1638.4
     assert history[4]["checkpoint/async"] == 1 and "throughput/mfu" not in history[4]
     assert history[4]["eval/loss"] == 4.75 and history[4]["eval/perplexity"] == pytest.approx(115.58428452718766)
+    assert history[4]["tasks/arc/acc_norm"] == 0.75 and history[4]["tasks/lambada/acc"] == 0.25
 
 
 def test_resume_neither_sink_keeps_undone_steps(tmp_path):
