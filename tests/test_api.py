@@ -54,9 +54,10 @@ def test_importing_scaletrain_changes_nothing_in_the_process():
 
 
 @pytest.mark.unit
-def test_load_config_takes_paths_strings_and_a_mapping(tmp_path):
+def test_load_config_takes_paths_strings_and_a_mapping(tmp_path, monkeypatch):
     import scaletrain
 
+    monkeypatch.chdir(tmp_path)  # where the default run.dir (runs/...) would be written
     (tmp_path / "a.yaml").write_text("train:\n  steps: 7\n  lr: 0.001\n")
     from_strings = scaletrain.load_config(tmp_path / "a.yaml", ["train.lr=2e-3", "model.preset=small"])
     from_mapping = scaletrain.load_config([str(tmp_path / "a.yaml")], {"train.lr": 2e-3, "model.preset": "small"})
@@ -66,6 +67,17 @@ def test_load_config_takes_paths_strings_and_a_mapping(tmp_path):
         scaletrain.load_config(overrides={"train.steps": 0})
     with pytest.raises(scaletrain.UserError, match="overrides go with YAML paths"):
         scaletrain.train(from_strings, ["train.steps=1"])
+    # None is the embedded default as () is; what the docs do not show is one line naming what is accepted.
+    assert scaletrain.load_config(None, {"train.lr": 2e-3}) == scaletrain.load_config((), {"train.lr": 2e-3})
+    with pytest.raises(scaletrain.UserError, match=r"^the config's paths are dict \(a dict of values goes in the overrides"):
+        scaletrain.train({"not": "a config"})
+    with pytest.raises(scaletrain.UserError, match=r"^the config's paths are int; accepted: a YAML path"):
+        scaletrain.plan(3)
+    with pytest.raises(scaletrain.UserError, match=r"^the overrides are int; accepted: a dict"):
+        scaletrain.load_config((), 5)
+    with pytest.raises(scaletrain.UserError, match=r"^the overrides are list; accepted"):
+        scaletrain.load_config((), ["train.lr=1", 2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.yaml"]  # nothing written
 
 
 @pytest.mark.e2e

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from scaletrain.config import Config
     from scaletrain.planning.candidate import Plan
 
-Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None
 Overrides = Mapping[str, Any] | Sequence[str]
 
 
@@ -52,19 +52,37 @@ def load_config(paths: Paths = (), overrides: Overrides = ()) -> Config:
     return from_tree(config_tree(*_load_args(paths, overrides)))
 
 
+PATHS_ACCEPTED = "a YAML path (str or os.PathLike), a list or tuple of them, or () or None for the embedded default"
+OVERRIDES_ACCEPTED = 'a dict {"train.lr": 3e-4, ...}, a list of "key=value" strings, or ()'
+
+
 def _load_args(paths: Paths, overrides: Overrides) -> tuple[list[str], list[str], Mapping[str, Any] | None]:
-    """load_config's files, overrides and values."""
-    files = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
-    if isinstance(overrides, Mapping):
+    """load_config's files, overrides and values; anything else is a UserError naming what
+    each takes (a dict given for the paths was read as its keys' paths once)."""
+    from scaletrain.errors import UserError
+
+    if paths is None:
+        files = []
+    elif isinstance(paths, (str, os.PathLike)):
+        files = [os.fspath(paths)]
+    elif isinstance(paths, (list, tuple)) and all(isinstance(p, (str, os.PathLike)) for p in paths):
+        files = [os.fspath(p) for p in paths]
+    else:
+        hint = " (a dict of values goes in the overrides: load_config((), {...}))" if isinstance(paths, Mapping) else ""
+        raise UserError(f"the config's paths are {type(paths).__name__}{hint}; accepted: {PATHS_ACCEPTED}")
+    if isinstance(overrides, Mapping) and all(isinstance(k, str) for k in overrides):
         return files, [], overrides
     if isinstance(overrides, str):  # one override given bare: a sequence of its characters otherwise
         overrides = [overrides]
+    if not isinstance(overrides, (list, tuple)) or not all(isinstance(o, str) for o in overrides):
+        raise UserError(f"the overrides are {type(overrides).__name__}; accepted: {OVERRIDES_ACCEPTED}")
     return files, list(overrides), None
 
 
 def train(config: Config | Paths, overrides: Overrides = (), *, spec: Callable[..., Any] | None = None) -> RunSummary:
     """Train as `scaletrain train` does; collective over the launched ranks. `config`: a
-    Config, or YAML paths (with `overrides` as load_config takes them).
+    Config, or YAML paths (with `overrides` as load_config takes them); anything else, a
+    UserError naming those.
 
     `spec`: a model of your own, the function that returns its scaletrain.ModuleSpec (called
     with model.spec_args and the tokenizer's vocab_size, as a config's model.spec is). The

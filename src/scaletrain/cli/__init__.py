@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from scaletrain import __version__
 from scaletrain.cli import bench, ckpt, compare, data, diagnose, evaluate, launch, plan, train, watch
@@ -48,8 +48,17 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line (what is wrong, and where the help is), exit 2: not the
+    usage block argparse prints first. Subcommands' parsers are of this class too
+    (add_subparsers makes them of the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"scaletrain: error: {message}; accepted: see `{self.prog} --help`\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="scaletrain",
         description="Plan, run, watch and recover distributed training of language models.",
         epilog="Under torchrun: torchrun --nproc-per-node N -m scaletrain train [CONFIG.yaml ...] [key=value ...]",
@@ -122,6 +131,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     would leave b=2 over. What it leaves over that is not an option joins the command's
     list, in the order written; an unknown option is argparse's own one-line error."""
     parser = _parser()
+    argv = _dashed_values(parser, argv)
     args, extra = parser.parse_known_args(argv)
     words = next((name for name in _FREE_WORDS if isinstance(getattr(args, name, None), list)), None)
     if not extra:
@@ -130,6 +140,28 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         return parser.parse_args(argv)  # exits 2 naming what it does not recognise
     getattr(args, words).extend(extra)
     return args
+
+
+def _dashed_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """An option's value that starts with a dash (`--gpu-memory -3GiB`) joined to it
+    (`--gpu-memory=-3GiB`), so that the option's own check says what is wrong with it in one
+    line instead of argparse taking the value for an option it does not know."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = commands.choices.get(argv[0]) if argv else None
+    if sub is None:
+        return argv
+    takes_one = {o for a in sub._actions if a.nargs is None and a.option_strings for o in a.option_strings}
+    known = set(sub._option_string_actions)
+    out, i = [argv[0]], 1
+    while i < len(argv):
+        word = argv[i]
+        if word in takes_one and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] not in known:
+            out.append(f"{word}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
 
 
 def _main(argv: list[str]) -> int:

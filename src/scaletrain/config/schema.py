@@ -314,6 +314,10 @@ class ParallelConfig(Section):
         return self
 
 
+# URL schemes whose paths are local or in memory: no bucket to name.
+LOCAL_SCHEMES = ("file", "local", "memory")
+
+
 class CheckpointConfig(Section):
     every: int = Field(100, ge=0)  # steps between checkpoints; 0: only at the end
     keep: int = Field(3, ge=1)  # newest complete checkpoints kept
@@ -347,6 +351,10 @@ class CheckpointConfig(Section):
                 f"checkpoint.dir={v!r} is not a URL; accepted: a URL of object storage (s3://bucket/prefix), or unset "
                 "(checkpoints are written under run.dir/checkpoints)"
             )
+        scheme, _, rest = (v or "").partition("://")
+        if v is not None and scheme not in LOCAL_SCHEMES and not rest.split("/", 1)[0]:
+            # fsspec reads s3:// as the store's root: every copy would then fail, after the run trained.
+            raise ValueError(f"checkpoint.dir={v!r} names no bucket; accepted: {scheme}://bucket/prefix")
         return v
 
 

@@ -58,6 +58,9 @@ def open_store(url: str, what: str) -> tuple[Any, str]:
         ) from None
     except ValueError as e:
         raise UserError(f"{what}={url!r}: {e}; accepted: a URL fsspec knows (s3://bucket/prefix, gs://, file://)") from None
+    scheme = url.split("://", 1)[0]
+    if scheme not in ("file", "local", "memory") and not root.strip("/"):
+        raise UserError(f"{what}={url!r} names no bucket; accepted: {scheme}://bucket/prefix")
     return fs, root.rstrip("/")
 
 
@@ -66,7 +69,23 @@ def _fatal(error: BaseException) -> bool:
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return True
     text = f"{type(error).__name__} {error}"
-    return any(k in text for k in ("NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"))
+    return _no_credentials(error) or any(
+        k in text for k in ("NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "ExpiredToken")
+    )
+
+
+def _no_credentials(error: BaseException) -> bool:
+    """None found at all (botocore's NoCredentialsError, or a key without its secret): no
+    retry brings them."""
+    return type(error).__name__ in ("NoCredentialsError", "PartialCredentialsError")
+
+
+# Where botocore looks for credentials, in its order: named (never their values) when none were found.
+CREDENTIAL_SOURCES = (
+    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (with AWS_SESSION_TOKEN), AWS_PROFILE, the files "
+    "AWS_SHARED_CREDENTIALS_FILE or ~/.aws/credentials and AWS_CONFIG_FILE or ~/.aws/config, "
+    "AWS_WEB_IDENTITY_TOKEN_FILE, a container or instance role"
+)
 
 
 def retried(call: Callable[[], Any], what: str, budget_s: float | None = None) -> Any:
@@ -81,6 +100,11 @@ def retried(call: Callable[[], Any], what: str, budget_s: float | None = None) -
             if _fatal(e):
                 if isinstance(e, FileNotFoundError):
                     raise UserError(f"{what}: not there ({_say(e)}); accepted: an existing object") from None
+                if _no_credentials(e):
+                    raise UserError(
+                        f"{what}: no credentials found ({_say(e)}); looked at: {CREDENTIAL_SOURCES}; accepted: credentials "
+                        "in one of them that may read it"
+                    ) from None
                 raise UserError(
                     f"{what}: the store refused the credentials in the environment ({_say(e)}); accepted: credentials "
                     "that may read it (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, an instance role)"

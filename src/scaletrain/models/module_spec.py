@@ -229,6 +229,10 @@ def from_import(spec: str, args: dict[str, Any], vocab_size: int | None, where: 
         raise UserError(
             f"{where}.spec={spec!r}: cannot import {module_name} ({e}); accepted: a module on every rank's PYTHONPATH"
         ) from None
+    except SyntaxError as e:  # the module's own code: where, and what Python said
+        raise UserError(
+            f"{where}.spec={spec!r}: {e.filename}, line {e.lineno}: {e.msg}; accepted: a module Python can import"
+        ) from None
     make = getattr(module, attr, None)
     if not callable(make) and module_name == "__main__":  # train(config, spec=fn) with fn defined in the script
         raise UserError(
@@ -295,7 +299,7 @@ def named(spec: str) -> Any:
     module_name, _, attr = spec.partition(":")
     try:
         return getattr(importlib.import_module(module_name), attr, None)
-    except (ImportError, ValueError):  # ValueError: no module name at all
+    except (ImportError, ValueError, SyntaxError):  # ValueError: no module name at all; SyntaxError: said where it is built
         return None
 
 

@@ -99,6 +99,12 @@ def resolve_shape(cfg: ModelSource, vocab_size: int | None = None) -> ModelShape
         base["experts_impl"] = cfg.moe.experts_impl
         base["score"] = moe.get("score", base.get("score", "softmax"))
         base["groups"] = moe.get("groups", base.get("groups", 1))
+        if "topk_groups" in moe and base["groups"] == 1:  # a limit among one group would limit nothing
+            raise UserError(
+                f"model.moe.topk_groups={moe['topk_groups']} picks each token's best groups of experts, but the experts "
+                "are in one group (model.moe.groups unset, and the preset has none); accepted: model.moe.groups=G "
+                "(a divisor of the experts) with it, or no topk_groups"
+            )
         base["topk_groups"] = moe.get("topk_groups", base.get("topk_groups", base["groups"]))
     elif base.get("experts"):  # a mixture-of-experts preset: the auxiliary losses' defaults
         base["aux_loss_weight"], base["z_loss_weight"] = AUX_LOSS_WEIGHT, Z_LOSS_WEIGHT

@@ -6,6 +6,7 @@ checkpoint), the engine's one holder, and the small callables its collaborators 
 from __future__ import annotations
 
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from scaletrain.config import Config
 from scaletrain.config.parallel import ParallelDims, dims_for
 from scaletrain.data import DataMix, PackedTokens
 from scaletrain.engines import Engine
+from scaletrain.errors import UserError
 from scaletrain.launch.distributed import World, barrier
 from scaletrain.models import ModelSpec
 from scaletrain.resilience.replica_groups import group_dir
@@ -70,10 +72,31 @@ class Flush:
         self.progress.show(self.telemetry.flush())
 
 
-def directories(cfg: Config, world: World, say: Say) -> tuple[RunPaths, Any]:
+class Unmade:
+    """An exit callback: the directories this start made, removed again when the start stops
+    on a one-line error and they are still empty (bad input leaves nothing written)."""
+
+    def __init__(self, made: list[Path]):
+        self.made = made  # deepest first
+
+    def __call__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        if kind is None or not issubclass(kind, UserError):
+            return
+        for path in self.made:
+            try:
+                path.rmdir()  # only if empty; another rank may have removed it already
+            except OSError:
+                return
+
+
+def directories(cfg: Config, world: World, say: Say, stack: ExitStack) -> tuple[RunPaths, Any]:
     """The run's directories, checked on every rank (the same verdict everywhere), and which
-    ranks share a disk; with object storage, its newest checkpoint brought back onto each disk."""
+    ranks share a disk; with object storage, its newest checkpoint brought back onto each disk.
+    The directories made here go again if the start stops on bad input (Unmade)."""
     dims_for(cfg.parallel, world.world_size)  # a bad layout stops here, before any work
+    wanted = group_dir(cfg, Path(cfg.run.dir).expanduser()).absolute() if "://" not in cfg.run.dir else None
+    made = [p for p in ([wanted, *wanted.parents] if wanted else []) if not p.exists()]
+    stack.push(Unmade(made))
     root = group_dir(cfg, make_dir(cfg.run.dir, "run.dir"))
     paths = RunPaths(root, checkpoints_root(root, world))
     paths.root.mkdir(parents=True, exist_ok=True)

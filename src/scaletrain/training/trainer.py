@@ -309,7 +309,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     """Everything before the first step: the collaborators, built by keyword; closing
     actions go on `stack` in the order they must be undone."""
     say = Say(console, world.is_main)
-    paths, disks = directories(cfg, world, say)
+    paths, disks = directories(cfg, world, say, stack)
     cfg, resume_from = checkpoint_to_resume(cfg, world, paths, say)
     plan = _checked_plan(cfg, world, paths, resume_from, say)
     cfg, spec, dims = plan.cfg, plan.spec, plan.dims
