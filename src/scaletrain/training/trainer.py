@@ -320,9 +320,11 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     resumed = _resume(resume_from, world, held.engine(), layout, dims, say) if resume_from else None
     step, hosts = resumed.step if resumed else 0, all_hostnames(world)
     metrics, telemetry = _telemetry(plan, world, paths, batches.dp_size, hosts, step, stack)
-    _announce(plan, world, console, held.engine(), telemetry, paths, (hosts, batches, resume_from), say)
-    progress, watch, guard, watchdog = _watchers(cfg, world, console, paths, step, stack)
+    guard = NonfiniteGuard(cfg.train, cfg.precision)
+    # The parts restored before anything reads them (the data mixture's shares read the position from here on).
     parts = _parts(plan, world, batches, {"nonfinite": guard, "telemetry": telemetry}, resumed)
+    _announce(plan, world, console, held.engine(), telemetry, paths, (hosts, batches, resume_from), say)
+    progress, watch, watchdog = _watchers(cfg, world, console, paths, step, stack)
     flush = Flush(telemetry, progress)
     saves = Saves(
         cfg, world, engine=held.engine, paths=paths, metrics=metrics, layout=layout, parts=parts, before_save=flush,
@@ -398,15 +400,14 @@ def _telemetry(
 
 def _watchers(
     cfg: Config, world: World, console: Console, paths: RunPaths, step: int, stack: ExitStack
-) -> tuple[TrainProgress, PreemptionWatch, NonfiniteGuard, Watchdog]:
-    """What watches the run: the progress line, the preemption signal, the non-finite guard
-    and the hang watchdog (which the caller closes once the saves' wait is registered)."""
+) -> tuple[TrainProgress, PreemptionWatch, Watchdog]:
+    """What watches the run: the progress line, the preemption signal and the hang watchdog
+    (which the caller closes once the saves' wait is registered)."""
     progress = stack.enter_context(
         closing(TrainProgress(console, cfg.train.steps, step, cfg.train.log_every, enabled=world.is_main))
     )
     watch = stack.enter_context(closing(PreemptionWatch(world)))
-    watchdog = Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=Say(None, True))
-    return progress, watch, NonfiniteGuard(cfg.train, cfg.precision), watchdog
+    return progress, watch, Watchdog(world, paths.root, cfg.guards.hang_timeout_s, say=Say(None, True))
 
 
 def _announce(
