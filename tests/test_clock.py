@@ -240,3 +240,73 @@ def test_a_run_that_only_checks_its_configured_layout_is_planned_without_the_clo
     auto = load_config([], ["model.preset=tiny", "run.device=cpu", "parallel.strategy=auto", "data.seq_len=32"])
     chosen = planner.make_plan(auto, planning_spec(auto), 1, 1, this_cpu(), timed=False).chosen
     assert chosen.time is not None and chosen.step_time > 0
+
+
+# -- a busy machine (clock/contention.py) ---------------------------------------------------
+
+
+def test_other_processes_spinning_on_every_core_read_as_busy():
+    import subprocess
+    import sys
+
+    from scaletrain.planning.clock import contention
+
+    if contention.others_cores() is None and contention._machine_seconds() is None:
+        pytest.skip("this machine's CPU counters are not readable: every measurement counts as quiet, as documented")
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(contention.cores())]
+    try:
+        import time
+
+        time.sleep(0.3)  # the spinners started
+        contention._LAST = (-1e9, None)  # a fresh probe, not the one kept from before
+        # Each spinner keeps a core busy whatever else runs: together at least all but a
+        # fraction of the machine, far past the threshold of a quarter of it.
+        others = contention.busy(1)
+        assert others is not None and others >= 0.5 * contention.cores(), others
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+        contention._LAST = (-1e9, None)
+
+
+def test_a_time_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(tmp_path, monkeypatch):
+    """The tiny preset's step priced at 0.30 s against 0.05 s measured: the cache had kept
+    replays timed while a test suite filled both cores. Planted: `usable` accepting a busy
+    entry whatever the machine is doing now fails the second measurement's count."""
+    from scaletrain.planning.clock import contention
+
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(rates_module, "BUSY_MEASURED", {})
+    now = {"busy": 1.9}
+    monkeypatch.setattr(contention, "busy", lambda threads: now["busy"])
+    times = iter([0.5, 0.001, 0.002])
+    measured = []
+
+    def measure() -> float:
+        measured.append(1)
+        return next(times)
+
+    key = ("test-call", 2, "mm", "[]")
+    assert rates_module._kept(2, measure, *key) == 0.5  # busy: measured and kept, marked
+    assert rates_module.busy_note() and "busy" in rates_module.busy_note()[0] and "1.9 of" in rates_module.busy_note()[0]
+    assert rates_module._kept(2, measure, *key) == 0.5 and len(measured) == 1  # still busy: the busy entry serves
+    now["busy"] = None
+    assert rates_module._kept(2, measure, *key) == 0.001 and len(measured) == 2  # quiet: measured again
+    now["busy"] = 1.9
+    assert rates_module._kept(2, measure, *key) == 0.001 and len(measured) == 2  # a quiet entry serves a busy process
+    # An older file's bare number (busy or not, nobody knows) is measured again.
+    digest = __import__("hashlib").sha256(json.dumps(rates_module._cpu_key(*key)).encode()).hexdigest()
+    path = tmp_path / rates_module.CALLS_FILE
+    path.write_text(json.dumps({digest: 0.7}))
+    now["busy"] = None
+    assert rates_module._kept(2, measure, *key) == 0.002 and len(measured) == 3
+
+
+def test_a_calibration_on_a_busy_machine_says_so():
+    from scaletrain.planning.clock.calibrate import busy
+
+    assert busy(1e9, 1e9) == ""
+    line = busy(1e9, 1e9, others=1.8)
+    assert "busy" in line and "1.8" in line and "calibrate again" in line and "\n" not in line
+    assert "busy" in busy(1e9, 0.5e9)  # the matmul before and after, as before

@@ -23,14 +23,15 @@ from typing import Any
 MAX_ENTRIES = 4096  # a bound on a file's size; past it, the oldest half is dropped
 
 
-def cached(file: str, key: Any, compute: Callable[[], Any]) -> Any:
-    """compute(), or its earlier result under the same JSON-able `key` in `file`."""
+def cached(file: str, key: Any, compute: Callable[[], Any], usable: Callable[[Any], bool] | None = None) -> Any:
+    """compute(), or its earlier result under the same JSON-able `key` in `file` where
+    `usable` (if given) accepts it (else computed again and replaced)."""
     path = cache_path(file)
     if path is None:
         return compute()
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()
     entries = _read(path)
-    if digest in entries:
+    if digest in entries and (usable is None or usable(entries[digest])):
         return entries[digest]
     value = compute()
     # Read again: what other processes kept while this one computed (seconds, for a replay

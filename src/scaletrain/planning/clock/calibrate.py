@@ -12,8 +12,9 @@
   bandwidth by transfer size (the GPU's committed table, clock/tables/<kind>.json).
 
 Every figure is a median of repeats. A machine busy with other work measures slow: the
-calibration measures the same matmul before and after and says so when they differ by
-more than `BUSY`.
+calibration says so when other processes use its CPUs at its start or end (a CPU's:
+clock/contention.py) or when the same matmul measured before and after differs by more
+than `BUSY`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from scaletrain.planning.clock import rates
+from scaletrain.planning.clock import contention, rates
 from scaletrain.planning.clock.measure import (
     _plain_block,
     _tp_block,
@@ -41,8 +42,14 @@ from scaletrain.planning.clock.trace import block_work, head_work
 BUSY = 0.15  # a matmul's rate moving more than this between the start and the end of a calibration
 
 
-def busy(before: float, after: float) -> str:
-    """A line when the machine's matmul rate moved during the calibration, else ''."""
+def busy(before: float, after: float, others: float | None = None) -> str:
+    """A line when other processes used the CPU at the calibration's start or end
+    (clock/contention.py: `others` cores) or the machine's matmul rate moved during it, else ''."""
+    if others is not None:
+        return (
+            f"the machine is busy: other processes used {others:.1f} of its {contention.cores()} cores while it calibrated; "
+            "the rates measured are kept but slow, calibrate again on a quiet machine"
+        )
     if min(before, after) <= 0 or abs(after / before - 1) <= BUSY:
         return ""
     return (
@@ -161,6 +168,7 @@ def calibrate_cpu(world: int = 2) -> tuple[dict[str, Any], list[str]]:
     """This machine's CPU: the host's cost per operation and the copy bandwidth at each
     thread count a run uses (all cores for one process, one for each of several), and gloo's
     collectives between `world` processes; with the lines to print."""
+    others = contention.busy(torch.get_num_threads())
     before = matmul_rate()
     values: dict[str, Any] = {}
     lines = []
@@ -183,7 +191,7 @@ def calibrate_cpu(world: int = 2) -> tuple[dict[str, Any], list[str]]:
             f"{rows[-1][1] * 1e3:.1f} ms at {rows[-1][0] / 2**20:.0f} MiB"
         )
     after = matmul_rate()
-    warning = busy(before, after)
+    warning = busy(before, after, others if others is not None else contention.busy(torch.get_num_threads()))
     return values, [*lines, *([warning] if warning else [])]
 
 

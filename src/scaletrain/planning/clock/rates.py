@@ -26,6 +26,7 @@ import bisect
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from scaletrain import disk_cache
+from scaletrain.planning.clock import contention
 from scaletrain.planning.clock.measure import copy_bandwidth, host_op_seconds, in_sequence, optimizer_seconds
 from scaletrain.planning.clock.trace import Call
 from scaletrain.planning.hardware import Device, is_host, measured_cpu_peak
@@ -234,6 +236,35 @@ def _nearest_rate(entries: list[list[float]], key: tuple[int, ...]) -> float:
 
 # -- this CPU -------------------------------------------------------------------------
 CALLS_FILE = "clock-calls.json"
+# What this process priced with measurements taken while other processes used the CPU: by
+# the measurement's key, the cores they used (clock/contention.py; StepTime's notes say so).
+BUSY_MEASURED: dict[str, float] = {}
+
+
+def _kept(threads: int, measure: Callable[[], float], *fields: Any) -> float:
+    """measure() at `threads` threads, kept in CALLS_FILE with whether the machine was busy
+    when it ran: a busy entry is measured again by a process that finds the machine quiet."""
+
+    def timed() -> dict[str, Any]:
+        return {"busy": contention.busy(threads), "s": measure()}
+
+    def usable(entry: Any) -> bool:
+        if not isinstance(entry, dict) or not isinstance(entry.get("s"), float):
+            return False  # an older file's bare number: whether it was busy is unknown
+        return entry.get("busy") is None or contention.busy(threads) is not None
+
+    key = _cpu_key(*fields)
+    entry = timed() if key is None else disk_cache.cached(CALLS_FILE, key, timed, usable)
+    if entry["busy"] is not None:
+        BUSY_MEASURED[json.dumps(fields)] = entry["busy"]
+    return float(entry["s"])
+
+
+def busy_note() -> list[str]:
+    """A line when this process priced with measurements taken on a busy CPU."""
+    if not BUSY_MEASURED:
+        return []
+    return [contention.note(max(BUSY_MEASURED.values()), len(BUSY_MEASURED))]
 
 
 def _cpu_key(*fields: Any) -> list[Any] | None:
@@ -259,8 +290,7 @@ def _replayed(op: str, args: str, threads: int) -> float:
             except Exception:  # noqa: BLE001 - an operation that cannot be rebuilt is priced by its bytes below
                 return -1.0
 
-    key = _cpu_key("call", threads, op, args)
-    value = float(measure() if key is None else disk_cache.cached(CALLS_FILE, key, measure))
+    value = _kept(threads, measure, "call", threads, op, args)
     if value < 0:
         from scaletrain.planning.clock.replay import call_bytes
 
@@ -274,8 +304,7 @@ def _measured_optimizer(params: int, tensors: int, threads: int) -> float:
         with Threads(threads):
             return optimizer_seconds(params, tensors)
 
-    key = _cpu_key("optimizer", threads, params, tensors)
-    return float(measure() if key is None else disk_cache.cached(CALLS_FILE, key, measure))
+    return _kept(threads, measure, "optimizer", threads, params, tensors)
 
 
 @lru_cache(maxsize=16)
@@ -284,8 +313,7 @@ def cpu_host_op(threads: int) -> float:
         with Threads(threads):
             return host_op_seconds(lambda c: _replayed(c.op, c.args, threads))
 
-    key = _cpu_key("host-op", threads)
-    return float(measure() if key is None else disk_cache.cached(CALLS_FILE, key, measure))
+    return _kept(threads, measure, "host-op", threads)
 
 
 @lru_cache(maxsize=16)
@@ -294,8 +322,7 @@ def cpu_in_sequence(threads: int) -> float:
         with Threads(threads):
             return in_sequence(lambda c: _replayed(c.op, c.args, threads), cpu_host_op(threads))
 
-    key = _cpu_key("in-sequence", threads)
-    return float(measure() if key is None else disk_cache.cached(CALLS_FILE, key, measure))
+    return _kept(threads, measure, "in-sequence", threads)
 
 
 @lru_cache(maxsize=16)
@@ -304,8 +331,7 @@ def cpu_bandwidth(threads: int) -> float:
         with Threads(threads):
             return copy_bandwidth()
 
-    key = _cpu_key("bandwidth", threads)
-    return float(measure() if key is None else disk_cache.cached(CALLS_FILE, key, measure))
+    return _kept(threads, measure, "bandwidth", threads)
 
 
 class Threads:

@@ -17,7 +17,7 @@ from scaletrain.models.spec import ModelSpec
 from scaletrain.planning.clock import engines
 from scaletrain.planning.clock.compute import micro_batch
 from scaletrain.planning.clock.phases import StepTime
-from scaletrain.planning.clock.rates import Rates, rates_for
+from scaletrain.planning.clock.rates import Rates, busy_note, rates_for
 from scaletrain.planning.hardware import Device
 from scaletrain.planning.pipeline import bubble
 from scaletrain.planning.setup import Setup
@@ -63,7 +63,7 @@ def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: in
         largest["bubble"] = (
             (f"{s.pp - 1} of {v * m + s.pp - 1} slots idle ({s.pp_schedule}, {m} micro-batches)", phases["bubble"]),
         )
-    return StepTime(phases, largest, rates.source, tuple(rates.notes + work.notes))
+    return StepTime(phases, largest, rates.source, tuple(rates.notes + work.notes + busy_note()))
 
 
 def _flush(rates: Rates, s: Setup, log_every: int, per_node: int, nodes: int) -> float:

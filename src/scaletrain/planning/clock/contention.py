@@ -1,0 +1,93 @@
+"""Whether other processes are using this machine's CPUs while the clock measures on it.
+
+A replay timed beside other work is not slow by a few percent but by orders of magnitude:
+with every core taken, an OpenMP pool of two threads waits for the scheduler at each
+parallel region (an RMSNorm's mean over 256 x 128 floats replayed at 12 ms instead of
+~10 us, AdamW over 1.3M parameters at 78 ms instead of 3 ms: a tiny run's step predicted
+at 0.30 s against 0.05 s measured, the planner's cache having kept times measured while a
+test suite ran). So each measurement the clock keeps says whether the machine was busy
+when it was taken (clock/rates.py): a process that finds the machine quiet measures such an
+entry again rather than trusting it, and a plan priced with one says so.
+
+How busy: the CPU time the whole machine (its cgroup, in a container) spent over a short
+sleep of this process, less this process's own, in cores. Read from Linux's counters; where
+they are not readable nothing is known and every measurement counts as quiet, as before.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from pathlib import Path
+
+PROBE_S = 0.1  # the sleep the others' CPU time is read over: 10 ticks of the kernel's 100 Hz
+REPROBE_S = 2.0  # a probe holds this long: measurements come in bursts of many short calls
+# Busy: others take more than a quarter of the CPUs this process may use, or leave it fewer
+# cores than its threads (+ a quarter core of slack: an idle machine reads 0.00-0.01 here).
+SHARE, SLACK = 0.25, 0.25
+
+_LAST: tuple[float, float | None] = (-1e9, None)
+
+
+def _machine_seconds() -> float | None:
+    """The CPU seconds the machine (or this container's cgroup) has spent, all processes."""
+    try:  # cgroup v2: this container's own processes, not the host's
+        for line in Path("/sys/fs/cgroup/cpu.stat").read_text().splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1]) / 1e6
+    except (OSError, ValueError):
+        pass
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def others_cores() -> float | None:
+    """Cores other processes kept busy over the last probe (taken again after REPROBE_S), or
+    None where the machine's counters are not readable."""
+    global _LAST
+    now = time.monotonic()
+    if now - _LAST[0] < REPROBE_S:
+        return _LAST[1]
+    t0, m0, o0 = time.perf_counter(), _machine_seconds(), _own_seconds()
+    value = None
+    if m0 is not None:
+        time.sleep(PROBE_S)
+        t1, m1, o1 = time.perf_counter(), _machine_seconds(), _own_seconds()
+        if m1 is not None:
+            value = max(0.0, ((m1 - m0) - (o1 - o0)) / (t1 - t0))
+    _LAST = (time.monotonic(), value)
+    return value
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def busy(threads: int) -> float | None:
+    """The cores others use when that makes measuring at `threads` threads untrustworthy
+    (module docstring), else None."""
+    others = others_cores()
+    n = cores()
+    if others is None or others <= min(SHARE * n, max(0.0, n - threads) + SLACK):
+        return None
+    return round(others, 2)
+
+
+def note(others: float, measured: int) -> str:
+    return (
+        f"this CPU was busy while the clock measured {measured} of the operations it priced (other processes "
+        f"used {others:.1f} of its {cores()} cores): those times are slow; a plan on a quiet machine measures them again"
+    )
