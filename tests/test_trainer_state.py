@@ -126,7 +126,8 @@ def test_the_runs_stateful_parts_restore_an_old_checkpoint_and_write_it_back_fie
     assert (parts["position"].step, parts["position"].tokens_seen, parts["position"].batches.position) == (2, 128, 8)
     engine_owned = {"format", "engine", "engine_state"}
     written = state_of(parts)
-    optional = {"expert_bias", "converted_from", "version"}  # a MoE bias part, `ckpt convert`'s note, the file's own
+    # A MoE bias part, train.spikes' window (the guard on), `ckpt convert`'s note, the file's own.
+    optional = {"expert_bias", "spikes", "converted_from", "version"}
     assert set(written) | engine_owned | optional == {f.name for f in fields(TrainerState)}
     assert written.pop("telemetry") == {"gpu_hours": 0.25}  # the old file had none: metrics.jsonl's figure
     assert TrainerState(**written, format=saved.format, engine=saved.engine, engine_state=saved.engine_state) == saved

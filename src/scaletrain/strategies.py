@@ -87,6 +87,9 @@ class Strategy:
     replica_groups: bool = False
     no_replica_groups_why: str = ""
     grad_compression: bool = False  # parallel.grad_compression (DDP communication hooks)
+    # train.spikes: the gradient norm is known on the device before the optimizer step, which
+    # a flag there can hold back (torch's optimizers); DeepSpeed's step does both in one call.
+    holds_back: bool = False
     deepspeed_json: bool = False  # parallel.deepspeed_extra (merged into its generated DeepSpeed JSON)
     offload_optimizer: tuple[Offload, ...] = ()  # accepted parallel.offload_optimizer besides none
     offload_params: tuple[Offload, ...] = ()  # accepted parallel.offload_params besides none
@@ -147,6 +150,7 @@ TABLE: dict[str, Strategy] = {
             doc="torch DDP: every rank a whole replica, gradients all-reduced",
             compile=True,
             float8=True,
+            holds_back=True,
             grad_compression=True,
             no_ep_why="DDP keeps every weight whole on every rank, and split experts are not",
             cp=True,
@@ -174,6 +178,7 @@ TABLE: dict[str, Strategy] = {
             keeps_gathered=True,
             compile=True,
             float8=True,
+            holds_back=True,
             offload_params=("cpu",),
             partitions=3,
             buffers="fsdp_units",

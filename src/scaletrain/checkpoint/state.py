@@ -46,6 +46,9 @@ class TrainerState:
     # Telemetry's running totals (telemetry/session.py): the device-hours so far, which cost is
     # computed from; None in checkpoints written before (their resume reads metrics.jsonl's).
     telemetry: dict[str, float] | None = None
+    # train.spikes (resilience/spikes.py): its trailing window, recent spikes and lowered rate;
+    # None without the guard, and in checkpoints written before.
+    spikes: dict[str, Any] | None = None
     # `scaletrain ckpt convert`: the checkpoint this one was converted from (path, engine, world size).
     converted_from: dict[str, Any] | None = None
     version: int = VERSION

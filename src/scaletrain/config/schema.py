@@ -32,6 +32,7 @@ from scaletrain.config.model import (  # noqa: F401  # re-exported: the schema's
 )
 from scaletrain.config.sequences import long_sequence_problem
 from scaletrain.config.sources import SOURCES as MODEL_SOURCES
+from scaletrain.config.spikes import SpikesSection, spikes_problem
 from scaletrain.config.stages import SCHEDULES, schedule_problem
 from scaletrain.optim.registry import OPTIMIZERS, layout_problem
 from scaletrain.optim.registry import SCHEDULES as LR_SCHEDULES
@@ -134,6 +135,8 @@ class TrainConfig(Section):
     # a run that only skips is not training.
     nonfinite: Literal["skip", "rollback", "abort"] = "skip"
     nonfinite_patience: int = Field(10, ge=1)
+    # Finite loss and gradient-norm spikes (config/spikes.py, resilience/spikes.py): off by default.
+    spikes: SpikesSection = Field(default_factory=SpikesSection)
 
     @model_validator(mode="before")
     @classmethod
@@ -427,7 +430,7 @@ class Config(Section):
         # Replica groups (config/ft.py), train.float8 (config/float8.py), experts compiled (config/model.py).
         # And context parallel, tiles and activation offload (config/sequences.py).
         problem = fault_tolerance_problem(self) or float8_problem(self) or compiled_experts_problem(self)
-        problem = problem or long_sequence_problem(self)
+        problem = problem or long_sequence_problem(self) or spikes_problem(self)
         if problem:
             raise ValueError(problem)
         return self

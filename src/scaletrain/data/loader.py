@@ -87,6 +87,7 @@ class PackedTokens:
 
     def _local_shards(self) -> list[Any]:
         m, shards = self.manifest, []
+        self._entries: list[dict[str, Any]] = []  # the manifest's entry of each shard kept
         for s in m["shards"]:
             path = self.dir / s["file"]
             if not path.is_file():
@@ -100,6 +101,7 @@ class PackedTokens:
                 )
             if s["tokens"] > 0:
                 shards.append(np.memmap(path, dtype=self.dtype, mode="r", shape=(int(s["tokens"]),)))
+                self._entries.append(s)
         return shards
 
     # -- epoch layout --------------------------------------------------------------------
@@ -201,6 +203,52 @@ class PackedTokens:
                 wanted += self._order[i].ranges([offset], take)
                 start, i = start + take, i + 1
         self.remote.cache.ahead(wanted)
+
+    def origin(self, first: int, stop: int, most: int = 16) -> list[dict[str, Any]]:
+        """Where the global samples [first, stop) came from (at most `most` of them): each
+        one's shard and token offset in it and, where the manifest records its sources
+        (`data prepare` since train.spikes), the input file, the document's number in that
+        file (its n-th non-empty document, from 0) and the token's offset in the document.
+        Data in object storage: the sample's index alone."""
+        rows = []
+        for g in range(first, min(stop, first + most)):
+            row: dict[str, Any] = {"sample": g}
+            start = self.sample_id(g)[1] * self.seq_len
+            i = int(np.searchsorted(self._starts, start, side="right")) - 1
+            at = self._in_shard(self._order[i], start - int(self._starts[i]))
+            if at is not None:
+                row |= self._document(*at)
+            rows.append(row)
+        return rows
+
+    def _in_shard(self, piece: Any, offset: int) -> tuple[int, int] | None:
+        """(index of the shard kept, token offset in it) of `offset` into `piece`: a shard
+        itself, or a slice of one (eval.split's training pieces are views of the memmaps)."""
+        if self.remote is not None:
+            return None
+        for k, shard in enumerate(self._shards):
+            if piece is shard:
+                return k, offset
+            if np.may_share_memory(piece, shard):
+                base = piece.__array_interface__["data"][0] - shard.__array_interface__["data"][0]
+                return k, base // shard.itemsize + offset
+        return None
+
+    def _document(self, k: int, offset: int) -> dict[str, Any]:
+        entry, shard = self._entries[k], self._shards[k]
+        row: dict[str, Any] = {"shard": entry["file"], "offset": offset}
+        sources, before = self.manifest.get("sources"), entry.get("documents_before")
+        if not sources or before is None:
+            return row
+        ends = np.flatnonzero(np.asarray(shard[:offset]) == self.eos_id)
+        document = int(before) + len(ends)  # EOS ends each document: those before the token
+        if len(ends):  # else the document began in an earlier shard
+            row["in_document"] = offset - int(ends[-1]) - 1
+        for source in sources:
+            if document < source["documents"]:
+                return row | {"file": source["path"], "document": document}
+            document -= source["documents"]
+        return row
 
     def verify(self) -> None:
         """Check every shard's sha256 against the manifest (reads all data; optional)."""

@@ -139,9 +139,10 @@ def _sha256_file(path: Path) -> str:
 class _ShardWriter:
     """Appends token arrays to fixed-size shard files, hashing while writing."""
 
-    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int):
-        self.out, self.dtype, self.shard_tokens = out, dtype, shard_tokens
+    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int, eos_id: int):
+        self.out, self.dtype, self.shard_tokens, self.eos_id = out, dtype, shard_tokens, eos_id
         self.shards: list[dict[str, Any]] = []
+        self._documents = 0  # documents ended (EOS written) so far: where a token's document is found
         self._fh: Any = None
         self._hash: Any = None
         self._count = 0
@@ -152,8 +153,9 @@ class _ShardWriter:
             if self._fh is None:
                 name = f"shard_{len(self.shards):05d}.bin"
                 self._fh, self._hash, self._count = (self.out / name).open("wb"), hashlib.sha256(), 0
-                self.shards.append({"file": name, "tokens": 0, "sha256": ""})
+                self.shards.append({"file": name, "tokens": 0, "sha256": "", "documents_before": self._documents})
             n = min(arr.size, self.shard_tokens - self._count)
+            self._documents += int(np.count_nonzero(arr[:n] == self.eos_id))
             data = arr[:n].astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
             self._fh.write(data)
             self._hash.update(data)
@@ -285,8 +287,14 @@ def _build(
         # bit of fine-tuning records needs uint32.
         dtype = np.dtype(np.uint16 if vocab <= 1 << 16 and not masked else np.uint32)
 
-        writer = _ShardWriter(tmp, dtype, shard_tokens)
+        writer = _ShardWriter(tmp, dtype, shard_tokens, eos_id)
         task = progress.add_task("tokenizing", total=len(files), tokens=0)
+        per_file = [0]  # each input file's documents, in order: where a document came from
+
+        def file_done() -> None:
+            progress.advance(task)
+            per_file.append(0)
+
         total = documents = trained = 0
         eos = np.array([eos_id], dtype=np.int64)
 
@@ -314,7 +322,8 @@ def _build(
 
         batch: list[Any] = []
         chars = 0
-        for doc in iter_documents(files, text_field, lambda: progress.advance(task), formats, template):
+        for doc in iter_documents(files, text_field, file_done, formats, template):
+            per_file[-1] += 1
             batch.append(doc)
             chars += len(doc) if isinstance(doc, str) else sum(len(t) for t, _ in doc)
             if len(batch) >= _ENCODE_BATCH_DOCS or chars >= _ENCODE_BATCH_CHARS:
@@ -341,6 +350,9 @@ def _build(
         "total_tokens": total,
         "documents": documents,
         "files": len(files),
+        # Provenance (train.spikes names the document a spike's samples came from): each input
+        # file's documents, in stream order; each shard's "documents_before" counts the EOS before it.
+        "sources": [{"path": str(f), "documents": n} for f, n in zip(files, per_file)],
         "text_field": text_field,
     } | ({"loss_mask": True, "trained_tokens": trained, "formats": sorted(set(formats))} if masked else {})
 

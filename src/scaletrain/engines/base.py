@@ -76,10 +76,11 @@ class Engine(Protocol):
         The ranks of a tensor-parallel group each return their group's; a pipeline stage
         that holds no loss returns zeros. A teacher does not run."""
 
-    def step(self, lr: float, across: Callable[[], bool] | None = None) -> StepStats:
+    def step(self, lr: float, across: Callable[[], bool] | None = None, limit: float | None = None) -> StepStats:
         """Unscale, clip, optimizer step at `lr` (x each group's lr_scale), zero gradients.
-        A step whose global gradient norm is NaN or inf is not applied: weights and
-        optimizer state stay exactly as they were (StepStats.skipped). `across`
+        A step whose global gradient norm is NaN or inf, or above `limit` (train.spikes,
+        the engines whose strategy `holds_back`: decided on the device), is not applied:
+        weights and optimizer state stay exactly as they were (StepStats.skipped). `across`
         (fault_tolerance.groups, torch engines only): called first, it averages the
         gradients over the live replica groups; False: the step is applied nowhere, the
         gradients are dropped (StepStats.committed False)."""

@@ -122,8 +122,9 @@ class DeepSpeedEngine(AccumulationWindow):
         # divides by gradient_accumulation_steps again. It still applies its loss scale.
         self.ds.backward(loss, scale_wrt_gas=False)
 
-    def step(self, lr: float, across: Callable[[], bool] | None = None) -> StepStats:
-        assert across is None  # replica groups take the torch engines only (config/ft.py)
+    def step(self, lr: float, across: Callable[[], bool] | None = None, limit: float | None = None) -> StepStats:
+        # Replica groups and train.spikes take the torch engines only (config/ft.py, config/spikes.py).
+        assert across is None and limit is None
         set_lr(self.optimizer, lr)
         self.ds.step()  # unscale, overflow check, clip, optimizer step, zero grads
         skipped = not self.ds.was_step_applied()

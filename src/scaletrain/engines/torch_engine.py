@@ -167,7 +167,7 @@ class TorchEngineMixin(AccumulationWindow):
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, lr: float, across: Callable[[], bool] | None = None) -> StepStats:
+    def step(self, lr: float, across: Callable[[], bool] | None = None, limit: float | None = None) -> StepStats:
         set_lr(self.optimizer, lr)
         if across is not None and not across():  # before clipping: the norm is of the averaged gradients
             self.optimizer.zero_grad(set_to_none=True)
@@ -176,6 +176,7 @@ class TorchEngineMixin(AccumulationWindow):
             self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip_gradients()
         if self.scaler:
+            assert limit is None  # train.spikes is refused with fp16 (config/spikes.py)
             # What the scaler found while unscaling (all-reduced over a DTensor's mesh), taken
             # before update() forgets it: the step is skipped exactly when it is set.
             skipped = sum(self.scaler._found_inf_per_device(self.optimizer).values()) > 0
@@ -188,6 +189,8 @@ class TorchEngineMixin(AccumulationWindow):
             return self._stepped(grad_norm, loss_scale.detach().clone().reshape(()), skipped)
         # A NaN or inf gradient would poison both Adam moments for good: never applied.
         skipped = ~torch.isfinite(grad_norm)
+        if limit is not None:  # a spike (resilience/spikes.py): compared on the device, no sync
+            skipped = skipped | (grad_norm > limit)
         skip_where(self.optimizer, skipped)
         return self._stepped(grad_norm, None, skipped)
 

@@ -77,6 +77,7 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
     options = [o for o in options if (dims.tp == 1 or TABLE[o.strategy].tp) and (dims.pp == 1 or TABLE[o.strategy].pp)]
     options = [o for o in options if not base.float8 or plannable(o)]  # train.float8: where it runs
     options = [o for o in options if _optimizer_runs(o)]  # train.optimizer: likewise
+    options = [o for o in options if not cfg.train.spikes.enabled or TABLE[o.strategy].holds_back]  # train.spikes
     if p.strategy == "auto":
         return options
     return [base, *(o for o in options if o != base)]

@@ -21,6 +21,8 @@ exactly as an OOM-killer or a lost node would (no handler runs, nothing is flush
            agrees to stop after step <step> + 1 however slowly the launcher forwards it
   nan      not a kill: the loss of step <step> is NaN (so are its gradients), once per
            process, as a blown-up batch would make it (train.nonfinite)
+  spike    not a kill: the loss of step <step> is multiplied by SPIKE_FACTOR (so are its
+           gradients), once per process, as a poisoned batch would (train.spikes)
   perturb  not a kill: after step <step>, one weight of this rank's replica moves by 1e-3,
            as a flipped bit or a bad kernel would (guards.weight_hash_every)
   hang     not a kill: after step <step> the rank stops making progress (sleeps), as a
@@ -57,7 +59,8 @@ from scaletrain.errors import UserError
 from scaletrain.launch.env import GROUP_ENV, RELAUNCH_ENV
 
 ENV = "SCALETRAIN_KILL_AT"
-POINTS = ("step", "down", "save", "upload", "prune", "metrics", "term", "nan", "perturb", "hang", "oom")
+POINTS = ("step", "down", "save", "upload", "prune", "metrics", "term", "nan", "spike", "perturb", "hang", "oom")
+SPIKE_FACTOR = 1000.0
 SLOW_ENV = "SCALETRAIN_SLOW"
 SLOW_KINDS = ("compute", "comm", "upload")
 
@@ -218,6 +221,7 @@ class Drills:
 
     def loss(self, step: int, fn: Callable[..., Any]) -> Callable[..., Any]:
         fn = nan_loss(fn) if fire_once("nan", step) else fn
+        fn = spiked_loss(fn) if fire_once("spike", step) else fn
         fn = out_of_memory(fn) if fire_once("oom", step) else fn
         return slowed(fn, self.slow) if self.slow else fn
 
@@ -237,6 +241,11 @@ class Drills:
 def nan_loss(loss: Callable[..., Any]) -> Callable[..., Any]:
     """The loss function, made NaN inside the graph (so are the gradients): faults point `nan`."""
     return lambda outputs, targets: loss(outputs, targets) * math.nan
+
+
+def spiked_loss(loss: Callable[..., Any]) -> Callable[..., Any]:
+    """The loss function x SPIKE_FACTOR (its gradients with it): faults point `spike`."""
+    return lambda outputs, targets: loss(outputs, targets) * SPIKE_FACTOR
 
 
 def out_of_memory(loss: Callable[..., Any]) -> Callable[..., Any]:

@@ -60,9 +60,10 @@ class Telemetry:
         # telemetry.host_syncs: the host reads of device tensors, counted into each interval row.
         self.syncs = HostSyncs(world.device) if t.host_syncs else None
         self.compiled = cfg.train.compile  # each interval row says what dynamo did (engines/compile_stats.py)
-        # Looks over each interval's rows before they are written (the non-finite guard: it
-        # adds its counters) and may return the error that stops the run, raised after.
-        self.review: Callable[[list[dict[str, Any]]], Exception | None] | None = None
+        # Looks over each interval's rows before they are written (the guards: the non-finite
+        # one adds its counters, the spike guard its rows to the events) and may return the
+        # error that stops the run, raised after.
+        self.review: Callable[[list[dict[str, Any]], list[dict[str, Any]]], Exception | None] | None = None
         self.sinks = None
         if world.is_main and (t.tensorboard or t.wandb):
             from scaletrain.telemetry.sinks import Sinks  # imports its packages only when asked for
@@ -104,7 +105,7 @@ class Telemetry:
         (rank 0); then the review's error, if it has one."""
         with self._counting("flush"):
             flushed = self.recorder.flush(self.sampler.take())
-        stop = self.review(flushed.rows) if self.review is not None and flushed.rows else None
+        stop = self.review(flushed.rows, flushed.events) if self.review is not None and flushed.rows else None
         if self.syncs is not None and flushed.events:
             flushed.events[0]["host_syncs"] = self.syncs.take()  # the interval's steps and this flush
         if self.compiled and flushed.events:

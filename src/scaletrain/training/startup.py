@@ -18,10 +18,19 @@ from scaletrain.checkpoint.frozen_base import base_reference
 from scaletrain.checkpoint.remote import bring_back, check_store, same_everywhere
 from scaletrain.config import Config
 from scaletrain.config.parallel import ParallelDims, dims_for
-from scaletrain.data import DataMix, PackedTokens
+from scaletrain.data import (
+    DataMix,
+    PackedTokens,
+    ensure_prepared,
+    mix_to_prepare,
+    open_mix,
+    prepare_mix,
+    resolve_dataset_dir,
+)
+from scaletrain.data.remote import store_options
 from scaletrain.engines import Engine
 from scaletrain.errors import UserError
-from scaletrain.launch.distributed import World, barrier
+from scaletrain.launch.distributed import World, barrier, rank0_first
 from scaletrain.models import ModelSpec
 from scaletrain.resilience.replica_groups import group_dir
 from scaletrain.telemetry import TrainProgress
@@ -137,3 +146,36 @@ def identity(cfg: Config, world: World, dims: ParallelDims, spec: ModelSpec, dat
         "data_fingerprint": data.fingerprint,
         "base": base_reference(cfg) if cfg.checkpoint.frozen == "reference" else None,
     }
+
+
+def training_data(cfg: Config, world: World) -> PackedTokens | DataMix:
+    """The run's training data: one prepared dataset (rank 0 prepares it, the others wait), or a mixture."""
+    if not cfg.data.mix:
+        return PackedTokens(
+            _prepared_data(cfg, world),
+            cfg.data.seq_len,
+            cfg.train.seed,
+            held_out=cfg.eval.held_out,
+            store=store_options(cfg.data),
+        )
+    if mix_to_prepare(cfg.data):  # every rank judges every source's paths: the same error everywhere
+        make_dir(cfg.data.dir, "data.dir", create=world.is_main)
+    rank0_first(world, lambda: prepare_mix(cfg.data), "preparing the data", cfg.data.prepare_timeout_s, hint=_PREPARE_HINT)
+    return open_mix(cfg.data, cfg.train.seed, held_out=cfg.eval.split or 0.0)
+
+
+_PREPARE_HINT = "accepted: a larger data.prepare_timeout_s, or `scaletrain data prepare` beforehand and data.paths=<its output>"
+
+
+def _prepared_data(cfg: Config, world: World) -> Path:
+    # Every rank validates the paths (same error everywhere); rank 0 alone tokenizes.
+    if resolve_dataset_dir(cfg.data)[1] is not None:  # to prepare, into the cache
+        make_dir(cfg.data.dir, "data.dir", create=world.is_main)
+    rank0_first(
+        world,
+        lambda: ensure_prepared(cfg.data, show_progress=True),
+        "preparing the data",
+        cfg.data.prepare_timeout_s,
+        hint=_PREPARE_HINT,
+    )
+    return resolve_dataset_dir(cfg.data)[0]

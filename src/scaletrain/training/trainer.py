@@ -33,16 +33,10 @@ from scaletrain.data import (
     MixShares,
     PackedTokens,
     RankBatches,
-    ensure_prepared,
-    mix_to_prepare,
-    open_mix,
-    prepare_mix,
-    resolve_dataset_dir,
 )
-from scaletrain.data.remote import store_options
 from scaletrain.engines import Engine, build_engine
 from scaletrain.errors import OutOfMemoryRestart, Preempted, UserError
-from scaletrain.launch.distributed import World, all_hostnames, broadcast_object, init_distributed, rank0_first, shutdown
+from scaletrain.launch.distributed import World, all_hostnames, broadcast_object, init_distributed, shutdown
 from scaletrain.models import ModelSpec, distill_spec, model_spec
 from scaletrain.models.capabilities import check_layout
 from scaletrain.models.distill import Distill
@@ -57,17 +51,17 @@ from scaletrain.resilience.faults import Drills
 from scaletrain.resilience.nonfinite import NonfiniteGuard
 from scaletrain.resilience.preempt import PreemptionWatch
 from scaletrain.resilience.replica_groups import NoGroups, ReplicaGroups, data_ranks, writes_checkpoints
+from scaletrain.resilience.spikes import SpikeGuard
 from scaletrain.resilience.watchdog import Watchdog
 from scaletrain.resilience.weights import ReplicaCheck
 from scaletrain.telemetry import MetricsLog, TrainProgress, print_banner, print_run_summary
 from scaletrain.telemetry.session import Telemetry
 from scaletrain.training import defaults
 from scaletrain.training.evaluation import Evaluation, eval_loss, open_eval_set
-from scaletrain.training.paths import make_dir
 from scaletrain.training.preflight import plan_run, runtime_target
 from scaletrain.training.rundir import RunPaths, check_resume, write_run_info
 from scaletrain.training.saves import Saves
-from scaletrain.training.startup import Flush, Held, Say, checkpoint_to_resume, directories, identity
+from scaletrain.training.startup import Flush, Held, Say, checkpoint_to_resume, directories, identity, training_data
 from scaletrain.training.state import Identity, Position, Stateful, restore
 from scaletrain.training.tasks import open_tasks
 
@@ -103,6 +97,7 @@ class Run:
     telemetry: Telemetry
     metrics: MetricsLog
     guard: NonfiniteGuard
+    spikes: SpikeGuard
     replicas: ReplicaCheck
     watchdog: Watchdog
     watch: PreemptionWatch
@@ -213,10 +208,17 @@ def read_due(run: Run, last: int) -> bool:
 
 
 def settle(run: Run) -> bool:
-    """Collective: the interval's metrics read, reviewed by the non-finite guard (which may
-    stop the run) and shown; True when the guard calls for a rollback."""
+    """Collective: the interval's metrics read, reviewed by the guards (the non-finite one
+    may stop the run) and shown; True when a guard calls for a rollback."""
     run.progress.show(run.telemetry.flush())
-    return run.guard.rollback_due
+    return run.guard.rollback_due or run.spikes.rollback_due
+
+
+def _review(guard: NonfiniteGuard, spikes: SpikeGuard, rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> Any:
+    """Telemetry's review of each interval's rows: the spike guard's rows join the events; the
+    non-finite guard's stop, if any, is returned."""
+    events += spikes.review(rows)
+    return guard.review(rows)
 
 
 def train_step(run: Run) -> None:
@@ -225,15 +227,18 @@ def train_step(run: Run) -> None:
     run.groups.before_step()  # replica groups: a group behind its peers takes their state (step, data position) here
     t0 = time.perf_counter()
     step = run.step + 1
-    lr = lr_at(run.step, run.cfg.train, run.peak_lr)
+    lr = lr_at(run.step, run.cfg.train, run.peak_lr) * run.spikes.lr_scale(step)
     phase = Phase()
     try:
         with run.telemetry.step(step) as mark:
+            first = run.batches.position
             batch = run.batches.next_step()
+            run.spikes.took(step, first, run.batches.position)
             mark("data")
             loss = run.groups.mean(run.engine.forward_backward(batch, run.drills.loss(step, run.loss), phase.marking(mark)))
             phase.now = "optimizer"
-            stats = run.engine.step(lr, run.groups.across)  # a non-finite step is not applied, whatever the policy
+            # A non-finite step is not applied, whatever the policy; nor one above the spike limit.
+            stats = run.engine.step(lr, run.groups.across, run.spikes.limit())
             if run.balance is not None and stats.committed:
                 run.balance.after_step()  # from the step's load, every micro-batch and rank
             mark("optimizer")
@@ -280,17 +285,29 @@ class Phase:
 
 
 def roll_back(run: Run) -> None:
-    """train.nonfinite=rollback: back to the newest valid checkpoint; its later rows go."""
+    """train.nonfinite=rollback or train.spikes: back to the newest valid checkpoint; its
+    later rows go (a spike rollback's own row carries their spike rows)."""
+    spikes = not run.guard.rollback_due
     saved = run.saves.roll_back()
     if saved is None:
-        raise run.guard.nothing_to_roll_back()
+        raise run.spikes.nothing_to_roll_back() if spikes else run.guard.nothing_to_roll_back()
     state = asdict(saved)
     # The position's step and tokens and the experts' bias go back; the data position stays
     # (training goes on after the batches that failed), and the guard keeps its tally.
     state["data_position"] = run.position.batches.position
     restore(run.parts, state, [name for name in ("position", "expert_bias") if name in run.parts])
-    run.say(run.guard.rolled_back(run.step))
+    if spikes:
+        row = run.spikes.rolled_back(run.step, run.position.batches.position)
+        run.say(
+            f"spikes: {len(row['spikes'])} spike(s) since step {run.step}; rolled back to it, the data up to sample "
+            f"{row['data_skipped_to']} skipped"
+        )
+    else:
+        run.spikes.rollback_due = False  # the non-finite guard's rollback serves both
+        run.say(run.guard.rolled_back(run.step))
     run.metrics.truncate_after(run.step)  # the rows of the undone steps; the counters keep the tally
+    if spikes:
+        run.telemetry.event(row)
     run.progress.advance(run.step)
 
 
@@ -321,8 +338,9 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     step, hosts = resumed.step if resumed else 0, all_hostnames(world)
     metrics, telemetry = _telemetry(plan, world, paths, batches.dp_size, hosts, step, stack)
     guard = NonfiniteGuard(cfg.train, cfg.precision)
+    spikes = SpikeGuard(cfg.train.spikes, getattr(plan.data, "origin", None))
     # The parts restored before anything reads them (the data mixture's shares read the position from here on).
-    parts = _parts(plan, world, batches, {"nonfinite": guard, "telemetry": telemetry}, resumed)
+    parts = _parts(plan, world, batches, {"nonfinite": guard, "spikes": spikes, "telemetry": telemetry}, resumed)
     _announce(plan, world, console, held.engine(), telemetry, paths, (hosts, batches, resume_from), say)
     progress, watch, watchdog = _watchers(cfg, world, console, paths, step, stack)
     flush = Flush(telemetry, progress)
@@ -330,13 +348,13 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
         cfg, world, engine=held.engine, paths=paths, metrics=metrics, layout=layout, parts=parts, before_save=flush,
         paused=watchdog.paused, say=say, writes=writes_checkpoints(cfg), tokenizer=Path(plan.data.tokenizer_path), disks=disks,
     )  # fmt: skip
-    telemetry.review = guard.review  # each interval's steps, as they are read
+    telemetry.review = partial(_review, guard, spikes)  # each interval's steps, as they are read
     stack.push(saves.wait_on_clean_stop)
     stack.callback(watchdog.close)  # first: a long wait at the end is no hang
     sequences = global_batch(cfg.train, batches.dp_size)
     run = Run(
         cfg=cfg, world=world, say=say, paths=paths, resumed_from=resume_from, held=held, batches=batches,
-        loss=_loss(plan, batches), telemetry=telemetry, metrics=metrics, guard=guard,
+        loss=_loss(plan, batches), telemetry=telemetry, metrics=metrics, guard=guard, spikes=spikes,
         replicas=ReplicaCheck(world, held.engine().name, cfg.guards.weight_hash_every, hosts, dims),
         watchdog=watchdog, watch=watch, progress=progress, saves=saves, drills=Drills(held.model, saves.wait, watch.received),
         evaluation=Evaluation(
@@ -482,7 +500,7 @@ class Planned:
 def _checked_plan(cfg: Config, world: World, paths: RunPaths, resume_from: Path | None, say: Any) -> Planned:
     """The data, the model spec, the plan (strategy auto resolved) and the layout, and
     whether the checkpoint may be continued: all checked before anything is allocated."""
-    data = _training_data(cfg, world)
+    data = training_data(cfg, world)
     asked = cfg.train.micro_batch  # what the config says, before a plan or an out-of-memory error changes it
     free, target = defaults.unset(cfg), runtime_target(world)  # the keys the device decides, and the device
     spec = model_spec(cfg, data.vocab_size, data.eos_id)
@@ -564,35 +582,3 @@ def per_trained_token(loss: Any, batches: RankBatches, ranks: int) -> Any:
         return loss(output, targets) * (trained(targets) * scale)
 
     return weighted
-
-
-def _training_data(cfg: Config, world: World) -> PackedTokens | DataMix:
-    if not cfg.data.mix:
-        return PackedTokens(
-            _prepared_data(cfg, world),
-            cfg.data.seq_len,
-            cfg.train.seed,
-            held_out=cfg.eval.held_out,
-            store=store_options(cfg.data),
-        )
-    if mix_to_prepare(cfg.data):  # every rank judges every source's paths: the same error everywhere
-        make_dir(cfg.data.dir, "data.dir", create=world.is_main)
-    rank0_first(world, lambda: prepare_mix(cfg.data), "preparing the data", cfg.data.prepare_timeout_s, hint=_PREPARE_HINT)
-    return open_mix(cfg.data, cfg.train.seed, held_out=cfg.eval.split or 0.0)
-
-
-_PREPARE_HINT = "accepted: a larger data.prepare_timeout_s, or `scaletrain data prepare` beforehand and data.paths=<its output>"
-
-
-def _prepared_data(cfg: Config, world: World) -> Path:
-    # Every rank validates the paths (same error everywhere); rank 0 alone tokenizes.
-    if resolve_dataset_dir(cfg.data)[1] is not None:  # to prepare, into the cache
-        make_dir(cfg.data.dir, "data.dir", create=world.is_main)
-    rank0_first(
-        world,
-        lambda: ensure_prepared(cfg.data, show_progress=True),
-        "preparing the data",
-        cfg.data.prepare_timeout_s,
-        hint=_PREPARE_HINT,
-    )
-    return resolve_dataset_dir(cfg.data)[0]
