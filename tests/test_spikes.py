@@ -45,7 +45,7 @@ def test_the_threshold_is_the_median_plus_threshold_robust_sigmas():
 def test_a_gradient_spike_is_held_back_then_the_rate_lowered_then_a_rollback():
     guard = SpikeGuard(ON)
     assert guard.limit() is None and guard.review(rows([(5.0, 1.0)] * 4)) == []
-    assert guard.limit() == pytest.approx(1.0 + 6 * 0.02)  # the device's limit until the next read
+    assert guard.limit() == pytest.approx(1.0 + 6 * 0.5)  # the gradient norm floor; the device's limit until the next read
     guard.took(5, 20, 24)
     first = guard.review(rows([(5.0, 9.0), (5.0, 1.0)], first=5))
     assert [(r["step"], r["metric"], r["action"], r["samples"]) for r in first] == [(5, "grad_norm", "update skipped", [20, 24])]
@@ -206,3 +206,100 @@ def test_a_resumed_run_makes_the_same_decisions(data, tmp_path, monkeypatch):
     assert [(r["loss"], r["grad_norm"]) for r in metric_rows(resumed)] == [
         (r["loss"], r["grad_norm"]) for r in metric_rows(straight)
     ]
+
+
+# -- poisoned documents ------------------------------------------------------------------------
+POISON_STEPS = range(20, 101)  # judged (past min_steps=8) and within the run
+
+
+def _poisoned_steps(data_dir, seed: int) -> dict[int, str] | None:
+    """The steps that read a poisoned document at this seed (a sample of >= half a window of
+    it), found from the tokens themselves (the stream's last two documents, between its last
+    three EOS), not from the guard's provenance. None for a seed where a step reads less of
+    one (a few tokens at a window's edge: spike or not, either is right), where one step
+    reads both, or where either is missed or read before the guard judges (step 20)."""
+    import numpy as np
+
+    from scaletrain.data.loader import PackedTokens
+
+    d = PackedTokens(data_dir, 64, seed)
+    (shard,) = d._shards
+    ends = np.flatnonzero(np.asarray(shard) == d.eos_id)
+    spans = {"zz_greek.txt": (ends[-3] + 1, ends[-2]), "zz_one_token.txt": (ends[-2] + 1, ends[-1])}
+    steps: dict[int, str] = {}
+    for g in range(2 * (POISON_STEPS.stop - 1)):  # 2 samples a step
+        start = d.sample_id(g)[1] * 64
+        for name, (a, b) in spans.items():
+            inside = min(b, start + 65) - max(a, start)
+            if 0 < inside < 32 or (inside >= 32 and steps.get(g // 2 + 1, name) != name):
+                return None
+            if inside >= 32:
+                steps[g // 2 + 1] = name
+    if set(steps.values()) != set(spans) or min(steps) < POISON_STEPS.start:
+        return None
+    return steps
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_poisoned_documents_are_caught_and_named(tmp_path, monkeypatch):
+    """A document of one token repeated and one of another script (random Greek words) in
+    Python sources: each step that reads one is a loss spike (the one-token run's gradient
+    too: its update held back), and its row names the file; no other step is judged a
+    spike. Planted bug it catches: provenance naming the shard's first file (the document
+    index not counted) fails the names."""
+    import random
+
+    from helpers.launch import check, scaletrain
+
+    poison = tmp_path / "poison"
+    poison.mkdir()
+    (poison / "zz_one_token.txt").write_text("z" * 40000)
+    rng = random.Random(0)
+    words = ("".join(chr(rng.randint(0x3B1, 0x3C9)) for _ in range(rng.randint(2, 9))) for _ in range(40))
+    (poison / "zz_greek.txt").write_text(" ".join(words))
+    data_dir = tmp_path / "data"
+    sources = [str(STDLIB / "json" / "*.py"), str(STDLIB / "email" / "*.py"), str(poison / "*.txt")]
+    check(scaletrain(["data", "prepare", "--input", *sources, "--out", str(data_dir), "--vocab-size", "512"]))
+    seed, where = next((s, w) for s in range(200) if (w := _poisoned_steps(data_dir, s)) is not None)
+    monkeypatch.setattr(faults, "_ARMED", None)
+    overrides = [
+        *base_overrides(data_dir, tmp_path / "run", steps=POISON_STEPS.stop - 1), "train.micro_batch=2", f"train.seed={seed}",
+        "train.spikes.enabled=true", "train.spikes.window=16", "train.spikes.min_steps=8", "train.spikes.rollback_after=0",
+        # 8 robust sigmas: the poisoned steps' losses sit 9-15 above their windows' medians, the
+        # clean steps of these runs up to 6.3 (a 6-sigma guard flags one of them at some seeds).
+        "train.spikes.threshold=8",
+    ]  # fmt: skip
+    trainer.train(load_config([], overrides))
+    found = {r["step"]: r for r in spikes(tmp_path / "run")}
+    assert sorted(found) == sorted(where), (sorted(found), where)  # each poisoned step, and no other
+    for step, name in where.items():
+        row = found[step]
+        assert row["metric"] == "loss" and any(o.get("file") == str(poison / name) for o in row["origin"]), row
+        # held back exactly where the gradient norm spiked as well (at some seeds the one-token run's does)
+        assert row["action"].startswith("update skipped") == ("grad_norm" in row.get("also", {}))
+    # diagnose names them too
+    from scaletrain.diagnose.findings import diagnose_run
+    from scaletrain.diagnose.run import load_run
+
+    (finding,) = [f for f in diagnose_run(load_run(tmp_path / "run")) if f.code == "spikes"]
+    assert f"{len(where)} loss or gradient-norm spike" in finding.title and any("zz_greek.txt" in e for e in finding.evidence)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_run_resumed_on_two_ranks_makes_the_same_decisions(data, tmp_path, monkeypatch):
+    """N -> M: the window saved by one process, continued by two (ddp, micro-batch 1 each: the
+    same global batch). Their losses may differ from one process's by summation order only
+    (a few float32 roundings: ~1e-6 relative; measured equal here), far from any threshold:
+    the same spike, step and action; the threshold, computed from the same saved window, equal."""
+    from helpers.launch import check, train
+
+    straight = run(tmp_path, monkeypatch, "straight", "spike:8", *GUARD, "checkpoint.every=5")
+    copy_until(straight, tmp_path / "two", 5)
+    args = [*base_overrides(tmp_path / "data", tmp_path / "two", steps=10), "train.micro_batch=1", *GUARD, "checkpoint.every=5"]
+    check(train(args, nproc=2, env={"SCALETRAIN_KILL_AT": "spike:8"}))
+    (one,), (two,) = spikes(straight), spikes(tmp_path / "two")
+    assert (two["step"], two["metric"], two["action"], two["samples"]) == (one["step"], one["metric"], one["action"], one["samples"])
+    assert two["threshold"] == one["threshold"]  # from the window the checkpoint holds, read at step 5
+    assert two["value"] == pytest.approx(one["value"], rel=1e-4)

@@ -19,10 +19,14 @@ class SpikesSection(Section):
     # no step is judged before it holds `min_steps`.
     window: int = Field(100, ge=4)
     min_steps: int = Field(50, ge=4)
-    # A spike: a value above median + threshold x the robust spread (1.4826 x MAD, at least
-    # `min_spread` x the median: a window of near-equal values would flag every wiggle).
+    # A spike: a value above median + threshold x the robust spread (1.4826 x MAD, at least a
+    # floor x the median: a window of near-equal values would flag every wiggle). Gradient
+    # norms are heavy-tailed where losses are not: on this project's tiny runs a norm 2-3x
+    # its median comes every few dozen steps, so its floor makes a spike at least 4x the
+    # median (1 + 6 x 0.5), the loss's at least 1.12x.
     threshold: float = Field(6.0, gt=0)
-    min_spread: float = Field(0.02, ge=0)
+    loss_floor: float = Field(0.02, ge=0)
+    grad_norm_floor: float = Field(0.5, ge=0)
     # Escalation, over the spikes of the trailing `window` steps: each gradient-norm spike's
     # update is skipped (the norm is known before the optimizer step); at `lr_after` spikes
     # the learning rate is multiplied by `lr_factor` for `lr_steps` steps; at `rollback_after`

@@ -18,6 +18,7 @@ from scaletrain.diagnose.clock import clock
 from scaletrain.diagnose.experts import router_collapse
 from scaletrain.diagnose.groups import replica_groups
 from scaletrain.diagnose.run import Finding, Run, gib, hours_unit, median_of, pct
+from scaletrain.diagnose.spikes import spikes
 from scaletrain.errors import UserError
 from scaletrain.strategies import TABLE, Strategy
 
@@ -452,6 +453,7 @@ RULES: tuple[Callable[[Run], list[Finding]], ...] = (
     hang,
     replicas_disagree,
     nonfinite,
+    spikes,
     out_of_memory,
     memory_high,
     straggler,

@@ -1,9 +1,9 @@
 """train.spikes: finite loss and gradient-norm spikes, caught and handled, each decision a row.
 
 A spike is a value above a robust threshold over the trailing window of accepted steps:
-median + `threshold` x max(1.4826 x MAD, `min_spread` x median) (the MAD scaled to a normal
-distribution's sigma; the floor keeps a window of near-equal values from flagging every
-wiggle). No step is judged before the window holds `min_steps`.
+median + `threshold` x max(1.4826 x MAD, floor x median) (the MAD scaled to a normal
+distribution's sigma; the floor, `loss_floor` or `grad_norm_floor`, keeps a window of
+near-equal values from flagging every wiggle). No step is judged before the window holds `min_steps`.
 
 The loop reads the device only at the end of a log interval (docs/gpu.md), so the guard
 learns the values there (`review`, beside the non-finite guard's) and its thresholds hold
@@ -42,13 +42,15 @@ MAX_PENDING = 1000
 MAD_TO_SIGMA = 1.4826  # a normal distribution's sigma per unit of median absolute deviation
 
 
-def limit_of(values: list[float], s: SpikesSection) -> float | None:
-    """The spike threshold over `values` (module docstring), or None while they are too few."""
+def limit_of(values: list[float], s: SpikesSection, metric: str = "loss") -> float | None:
+    """The spike threshold of `metric` over `values` (module docstring), or None while they
+    are too few."""
     if len(values) < s.min_steps:
         return None
     median = statistics.median(values)
     mad = statistics.median(abs(v - median) for v in values)
-    return median + s.threshold * max(MAD_TO_SIGMA * mad, s.min_spread * abs(median))
+    floor = s.loss_floor if metric == "loss" else s.grad_norm_floor
+    return median + s.threshold * max(MAD_TO_SIGMA * mad, floor * abs(median))
 
 
 class SpikeGuard:
@@ -102,7 +104,7 @@ class SpikeGuard:
             self.recent.append(step)
             events.append(self._row(step, spiked, self._action(step, spiked)))
         for m in METRICS:
-            self.limits[m] = limit_of(self.window[m], self.s)
+            self.limits[m] = limit_of(self.window[m], self.s, m)
         self.samples = {k: v for k, v in self.samples.items() if k > max((int(r["step"]) for r in rows), default=0)}
         self.pending = (self.pending + events)[-MAX_PENDING:]
         return events
@@ -177,5 +179,5 @@ class SpikeGuard:
             return
         self.window = {m: [float(v) for v in saved["window"].get(m, [])][-self.s.window :] for m in METRICS}
         # The thresholds from the window as this config takes it (a resume may change threshold).
-        self.limits = {m: limit_of(self.window[m], self.s) for m in METRICS}
+        self.limits = {m: limit_of(self.window[m], self.s, m) for m in METRICS}
         self.recent, self.lr_until, self.spikes = list(saved["recent"]), int(saved["lr_until"]), int(saved["count"])
