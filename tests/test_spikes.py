@@ -300,6 +300,11 @@ def test_a_run_resumed_on_two_ranks_makes_the_same_decisions(data, tmp_path, mon
     args = [*base_overrides(tmp_path / "data", tmp_path / "two", steps=10), "train.micro_batch=1", *GUARD, "checkpoint.every=5"]
     check(train(args, nproc=2, env={"SCALETRAIN_KILL_AT": "spike:8"}))
     (one,), (two,) = spikes(straight), spikes(tmp_path / "two")
-    assert (two["step"], two["metric"], two["action"], two["samples"]) == (one["step"], one["metric"], one["action"], one["samples"])
+    assert (two["step"], two["metric"], two["action"], two["samples"]) == (
+        one["step"],
+        one["metric"],
+        one["action"],
+        one["samples"],
+    )
     assert two["threshold"] == one["threshold"]  # from the window the checkpoint holds, read at step 5
     assert two["value"] == pytest.approx(one["value"], rel=1e-4)

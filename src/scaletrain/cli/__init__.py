@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import NoReturn, Protocol
 
 from scaletrain import __version__
-from scaletrain.cli import bench, ckpt, compare, data, diagnose, evaluate, launch, plan, train, watch
+from scaletrain.cli import bench, ckpt, compare, data, diagnose, evaluate, launch, plan, train, verify, watch
 from scaletrain.errors import EXIT_PREEMPTED, EXIT_USAGE, Preempted, UserError
 from scaletrain.launch import startup
 from scaletrain.launch.env import use_build_environment
@@ -44,6 +44,7 @@ COMMANDS: dict[str, Command] = {
     "diagnose": diagnose,
     "compare": compare,
     "watch": watch,
+    "verify": verify,
     "bench": bench,
 }
 

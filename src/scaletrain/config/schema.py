@@ -116,6 +116,10 @@ class TrainConfig(Section):
     clip_grad: float = Field(1.0, ge=0)  # max global grad norm; 0 disables clipping
     seed: int = Field(1234, ge=0)
     resume: str = "auto"  # auto | never | PATH of a checkpoint directory
+    # Stop after this step, a checkpoint written there, while the schedule stays train.steps
+    # long (a later run without it goes on as one straight run would); 0: at train.steps.
+    # `scaletrain verify` re-runs a stretch of a run with it.
+    stop_at: int = Field(0, ge=0)
     log_every: int = Field(10, ge=1)  # steps between metric flushes (one host sync each)
     # Opt-in LR scaling with the effective (global) batch: lr was tuned at lr_base_batch
     # sequences; linear (Goyal et al.) or sqrt (Adam-style) scaling to the batch actually run.
@@ -210,6 +214,12 @@ class TrainConfig(Section):
                 f"train.decay_steps={self.decay_steps} is longer than the {stable} steps after the warmup "
                 f"(train.steps={self.steps} - train.warmup_steps={self.warmup_steps}); accepted: 1..{stable}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _stop_inside_the_schedule(self) -> TrainConfig:
+        if self.stop_at > self.steps:
+            raise ValueError(f"train.stop_at={self.stop_at} is past train.steps={self.steps}; accepted: 0..{self.steps}")
         return self
 
     @model_validator(mode="after")

@@ -173,8 +173,8 @@ def _train(cfg: Config, world: World, console: Console) -> dict[str, Any]:
 
 
 def loop(run: Run) -> None:
-    """Optimizer steps until train.steps, a preemption, or an error."""
-    last = run.cfg.train.steps
+    """Optimizer steps until train.steps (or train.stop_at), a preemption, or an error."""
+    last = run.cfg.train.stop_at or run.cfg.train.steps
     while run.step < last:
         train_step(run)
         run.progress.advance(run.step)
