@@ -32,7 +32,8 @@ def verify(run, *args, **kw):
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_clean_run_verifies_bit_for_bit_and_an_edited_record_fails_at_its_step(ddp_run, tmp_path):
-    same = check(verify(ddp_run, "--from", "5", "--scratch", str(tmp_path / "a")))
+    # Without --from: the newest checkpoint with recorded steps after it (step 10's is the last step).
+    same = check(verify(ddp_run, "--scratch", str(tmp_path / "a")))
     assert "steps 6-10" in same.stdout and "bit for bit" in same.stdout and "verify: the same" in same.stdout
     # One loss of the record changed in its 6th significant digit: exit 1, that step named.
     edited = tmp_path / "edited"
@@ -96,8 +97,10 @@ def test_a_run_whose_checkpoints_are_in_object_storage_verifies(small_dataset, s
 @pytest.mark.timeout(120)
 def test_bad_inputs_are_one_line(ddp_run, tmp_path):
     one_line_error(verify(tmp_path), "is not a run directory", "accepted: a run.dir")
-    one_line_error(verify(ddp_run, "--from", "7"), "no complete checkpoint at step 7", "accepted: --from 5|10")
-    one_line_error(verify(ddp_run, "--from", "10"), "no step after its checkpoint at step 10", "accepted: --from an earlier")
+    one_line_error(
+        verify(ddp_run, "--from", "7"), "no complete checkpoint with recorded steps after it at step 7", "accepted: --from 5"
+    )
+    one_line_error(verify(ddp_run, "--from", "10"), "at step 10", "accepted: --from 5")  # the last step: nothing after it
     one_line_error(verify(ddp_run, "--steps", "0"), "--steps 0", "accepted: an integer >= 1")
     one_line_error(verify(ddp_run, "--from", "5", "--nproc", "3"), "does not split over 3 data-parallel ranks")
 

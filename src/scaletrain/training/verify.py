@@ -95,8 +95,9 @@ def compare(recorded: list[dict[str, Any]], rerun: list[dict[str, Any]], steps: 
     return sorted(differences, key=lambda d: d.step)
 
 
-def _checkpoint(run: Path, cfg: dict[str, Any], step: int | None, scratch: Path) -> tuple[Path, int]:
-    """The checkpoint to start from (local, or fetched from checkpoint.dir into `scratch`)."""
+def _checkpoint(run: Path, cfg: dict[str, Any], step: int | None, last: int, scratch: Path) -> tuple[Path, int]:
+    """The checkpoint to start from (local, or fetched from checkpoint.dir into `scratch`): at
+    `step`, or the newest with recorded steps after it (before `last`)."""
     local = dict(complete_checkpoints(run / "checkpoints"))
     url = (cfg.get("checkpoint") or {}).get("dir")
     stored: list[int] = []
@@ -105,12 +106,18 @@ def _checkpoint(run: Path, cfg: dict[str, Any], step: int | None, scratch: Path)
 
         store = CheckpointStore(url)
         stored = store.complete()
-    have = sorted(set(local) | set(stored))
+    have = [s for s in sorted(set(local) | set(stored)) if s < last]
     if not have:
-        raise UserError(f"{run}: no complete checkpoint to verify from; accepted: a run directory with checkpoints/step_N")
+        raise UserError(
+            f"{run}: no complete checkpoint before its last recorded step ({last}) to verify from; accepted: a run "
+            "with checkpoint.every below its length"
+        )
     chosen = have[-1] if step is None else step
     if chosen not in have:
-        raise UserError(f"{run}: no complete checkpoint at step {chosen}; accepted: --from {'|'.join(map(str, have))}")
+        raise UserError(
+            f"{run}: no complete checkpoint with recorded steps after it at step {chosen}; accepted: --from "
+            f"{'|'.join(map(str, have))}"
+        )
     if chosen in local:
         return local[chosen], chosen
     return store.download(chosen, scratch / "fetched"), chosen
@@ -149,12 +156,7 @@ def verify(run: str | Path, from_step: int | None, steps: int | None, nproc: int
     if scratch.exists():
         shutil.rmtree(scratch)
     scratch.mkdir(parents=True)
-    ckpt, start = _checkpoint(run, cfg, from_step, scratch)
-    if start >= last:
-        raise UserError(
-            f"{run}: the run recorded no step after its checkpoint at step {start} (its last is {last}); accepted: "
-            f"--from an earlier checkpoint: {', '.join(str(s) for s, _ in complete_checkpoints(run / 'checkpoints'))}"
-        )
+    ckpt, start = _checkpoint(run, cfg, from_step, last, scratch)
     stop = min(last, start + (steps or DEFAULT_STEPS))
     ranks = nproc or world
     args = [str(config), f"run.dir={scratch / 'run'}", f"train.resume={ckpt}", f"train.stop_at={stop}", *QUIET]
