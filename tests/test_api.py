@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from helpers.launch import check, one_line_error, probe, run, scaletrain
 from helpers.numerics import LOSS_RTOL, assert_same_training
-from helpers.runs import base_overrides, eval_overrides, eval_rows, metric_rows
+from helpers.runs import base_overrides, eval_overrides, eval_rows, final_weights, metric_rows
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt2"
 # A model of one's own (models/module_spec.py), examples/gpt2's: its module on every process's path.
@@ -181,17 +182,19 @@ def test_spec_names_itself_in_the_config_or_keeps_the_configs_name_for_it(gpt2, 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("where", ["module", "script"])
 def test_train_with_a_spec_records_its_import_string_and_resumes_from_it(small_dataset, tmp_path, where):
-    """`train(config, spec=make_spec)` trains 4 steps and records the function's import
-    string; the same script run again to step 6 resumes from the checkpoint, rebuilding the
-    model from the string, and evaluates it. The CLI imports a module's function again
-    (eval: the script's own evaluation); a script's own (__main__) it cannot, in one line."""
+    """`train(config, spec=make_spec)` trains 4 of 6 steps (train.stop_at) and records the
+    function's import string; the same script run again resumes from the checkpoint,
+    rebuilding the model from the string, to step 6, equal bit for bit to the 6 steps run
+    straight (the wrong weights restored would differ: a resume is exact), and evaluates it.
+    The CLI imports a module's function again (eval: the script's own evaluation); a
+    script's own (__main__) it cannot, in one line."""
     run_dir = tmp_path / "run"
 
-    def overrides(steps: int) -> list[str]:
-        base = [o for o in base_overrides(small_dataset, run_dir, steps) if not o.startswith("model.")]
+    def overrides(steps: int, where_to: Path = run_dir) -> list[str]:
+        base = [o for o in base_overrides(small_dataset, where_to, steps) if not o.startswith("model.")]
         return [*base, f"model.spec_args={json.dumps(SPEC_ARGS)}", "train.micro_batch=2"]
 
-    (first,) = probe("api_spec", ["--spec", where, *overrides(4)], tmp_path / "first", env=ENV, timeout=120)
+    (first,) = probe("api_spec", ["--spec", where, *overrides(6), "train.stop_at=4"], tmp_path / "first", env=ENV, timeout=120)
     name = {"module": "gpt2:make_spec", "script": "__main__:make_spec"}[where]
     assert (first["summary"]["steps"], first["summary"]["steps_this_run"]) == (4, 4)
     saved = json.loads((run_dir / "checkpoints" / "step_4" / "trainer.json").read_text())
@@ -205,6 +208,12 @@ def test_train_with_a_spec_records_its_import_string_and_resumes_from_it(small_d
     assert (second["summary"]["steps"], second["summary"]["steps_this_run"]) == (6, 2)  # resumed at step 4
     assert [r["step"] for r in metric_rows(run_dir)] == list(range(1, 7))
     assert second["eval"]["step"] == 6 and second["eval"]["loss"] > 0
+    straight = tmp_path / "straight"
+    probe("api_spec", ["--spec", where, *overrides(6, straight)], tmp_path / "third", env=ENV, timeout=120)
+    figures = ("step", "loss", "grad_norm", "lr")
+    assert [[r[k] for k in figures] for r in metric_rows(run_dir)] == [[r[k] for k in figures] for r in metric_rows(straight)]
+    resumed, whole = final_weights(run_dir, 6), final_weights(straight, 6)
+    assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in resumed)
 
     ckpt = run_dir / "checkpoints" / "step_6"
     cli = ["eval", str(ckpt), f"eval.data={small_dataset}", "eval.batches=1"]

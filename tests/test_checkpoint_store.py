@@ -81,7 +81,11 @@ def test_the_store_s_newest_complete_and_whole_checkpoint_is_the_one_resumed(sma
     state = sorted(p for p in fs.find(f"{s3.bucket}/ckpts/step_4") if "/state/" in p)[0]
     fs.pipe_file(state, b"\0" + fs.cat_file(state)[1:])  # one byte changed
     proc = check(train([*base_overrides(small_dataset, tmp_path / "second", steps=7), *common]))
-    assert "resume: skipping" in proc.stdout and "step_4" in proc.stdout
+    # The line that says the damaged one was skipped, naming it and why (the second run saves
+    # its own step_4 later: "step_4" anywhere in the output would prove nothing).
+    skipped = [line for line in proc.stdout.splitlines() if "resume: skipping" in line]
+    assert len(skipped) == 1, proc.stdout[-3000:]
+    assert f"{s3.url('ckpts')}/step_4: " in skipped[0] and "does not match its checksum" in skipped[0], skipped
     assert "resume: step 2 brought back" in proc.stdout
     assert [r["step"] for r in read_metrics(tmp_path / "second" / "metrics.jsonl")] == [3, 4, 5, 6, 7]
 
