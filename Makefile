@@ -30,7 +30,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 # What the tests need besides: the test extras, DeepSpeed's CPU ops compiled once (a JIT
 # build inside the first DeepSpeed test would cost minutes of its timeout), Debian's
 # libaio-dev, which DeepSpeed's async_io op links for NVMe offload (tests/test_nvme_offload.py;
-# before the ops, which build async_io only where libaio is found), and Debian's chromium,
+# before the ops, which build async_io only where libaio is found), Debian's ninja-build (a
+# ninja of another version than the environment's, which tests/test_deepspeed_tools.py puts
+# first on PATH to show the ops are not rebuilt), and Debian's chromium,
 # which renders diagnose's report.html in tests/test_diagnose.py. Both are installed where
 # absent and apt-get is usable (root); elsewhere their tests fail saying what to install.
 setup-test: $(VENV)/.installed-test
@@ -48,9 +50,9 @@ LM_EVAL := lm-eval==0.4.13
 # main set-up does not have (`pip install --dry-run` lists only new ones), so nothing the
 # build imports changes under it.
 $(VENV)/.installed-test: $(VENV)/.installed
-	[ -e /usr/include/libaio.h ] || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] || \
-		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q --no-install-recommends libaio-dev || \
-		(apt-get update -q && apt-get install -y -q --no-install-recommends libaio-dev))
+	{ [ -e /usr/include/libaio.h ] && [ -x /usr/bin/ninja ]; } || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] || \
+		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q --no-install-recommends libaio-dev ninja-build || \
+		(apt-get update -q && apt-get install -y -q --no-install-recommends libaio-dev ninja-build))
 	$(BIN)/python -m scaletrain.engines.deepspeed_ops & ops=$$!; \
 	$(BIN)/python -m pip install --quiet $$($(BIN)/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]))') && \
 	$(BIN)/python -m pip freeze --exclude-editable | grep -v '^#' > $(VENV)/constraints.txt && \
