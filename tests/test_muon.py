@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -190,6 +191,25 @@ STEPS = 8
 # world 2 after 8 steps: 8e-3 in the attention output projections.) Losses and grad norms keep
 # the standing tolerances.
 MUON_WEIGHTS_RTOL = STEPS * 2**-8
+
+
+# What AdamW steps beside Muon (embeddings, head, norm gains) differs only through the gradients
+# the Muon-stepped blocks above pass down: measured <= 2.4e-4 after 8 steps (ddp, fsdp,
+# fsdp-tp2, the experts cut inside; avx512 kernels), just over the standing WEIGHTS_RTOL. A
+# weight decay missing or doubled in one layout moves them by sum(lr) x 0.1 = 1.65e-3 (lr 3e-3,
+# warmup 2, cosine over 8). Allowed 8e-4: 3x the measured, half the decay's. A mixture of
+# experts' routing turns those differences into other experts chosen for some tokens (its
+# embeddings measured 1.7e-3 apart): held to the Muon bound, as its matrices.
+MUON_ADAMW_RTOL = 8e-4
+
+
+def muon_weights_rtol(name: str, tensor: torch.Tensor, moe: bool = False) -> float:
+    """The bound above for what Muon steps (the blocks' matrices, stacked experts included),
+    MUON_ADAMW_RTOL for what AdamW steps beside it (a mixture of experts': the Muon bound)."""
+    muon = name.startswith("layers.") and tensor.dim() >= 2
+    return MUON_WEIGHTS_RTOL if muon or moe else MUON_ADAMW_RTOL
+
+
 # Losses (training and evaluation) feel those roundings too, from step 2 on: where AdamW's
 # updates differ by fp32 roundings (~6e-8, the standing 1e-5), Muon's differ by bf16 ones in a
 # random-signed fraction of their elements, far below 2^-8 of a step's loss decrease (0.3
@@ -243,7 +263,8 @@ def test_world_2_equals_one_process_and_its_checkpoint_resumes_at_world_1(
     # holds them all under ddp; fsdp's ranks gather each matrix's update, tp's and ep's
     # included: optim/muon.py ShardedMuon). The orthogonalised half of a matrix is another
     # matrix: its updates differ from the first step on, far beyond these tolerances.
-    assert_same_training(w2, ref, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL, loss_rtol=MUON_LOSS_RTOL)
+    rtol = partial(muon_weights_rtol, moe=layout == "moe-fsdp-ep2")
+    assert_same_training(w2, ref, steps=STEPS, weights_rtol=rtol, loss_rtol=MUON_LOSS_RTOL)
     # N -> M: world 2's step 4 continued by one process (fsdp: its sharded momenta resharded
     # by DCP), against one process straight through.
     moved = tmp_path / "moved"
@@ -251,7 +272,7 @@ def test_world_2_equals_one_process_and_its_checkpoint_resumes_at_world_1(
     out = check(train([*base_overrides(small_dataset, moved, steps=STEPS), *MUON, *model, "train.micro_batch=8",
                        "checkpoint.every=4", *eval_overrides(small_dataset)])).stdout  # fmt: skip
     assert "resumed from step_4" in out
-    assert_same_training(moved, ref, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL, loss_rtol=MUON_LOSS_RTOL)
+    assert_same_training(moved, ref, steps=STEPS, weights_rtol=rtol, loss_rtol=MUON_LOSS_RTOL)
 
 
 @pytest.mark.dist
@@ -267,7 +288,7 @@ def test_experts_fsdp_cuts_inside_are_gathered_whole(small_dataset, tmp_path):
     run = tmp_path / "w4"
     args = [*base_overrides(small_dataset, run, steps=STEPS), *MUON, *model, "train.micro_batch=2", "checkpoint.every=4"]
     check(train([*args, "parallel.strategy=fsdp", "parallel.ep=2", *eval_overrides(small_dataset)], nproc=4))
-    assert_same_training(run, ref, steps=STEPS, weights_rtol=MUON_WEIGHTS_RTOL, loss_rtol=MUON_LOSS_RTOL)
+    assert_same_training(run, ref, steps=STEPS, weights_rtol=muon_weights_rtol, loss_rtol=MUON_LOSS_RTOL)
 
 
 @pytest.mark.e2e

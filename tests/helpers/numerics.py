@@ -4,6 +4,7 @@ assertions of equivalence, bit-exact resumes and exports that load elsewhere."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,7 @@ def assert_same_training(
     ref: Path,
     steps: int = 10,
     evals: bool = True,
-    weights_rtol: float = WEIGHTS_RTOL,
+    weights_rtol: float | Callable[[str, torch.Tensor], float] = WEIGHTS_RTOL,
     gradient_free: dict[str, slice] | None = None,
     loss_rtol: float = LOSS_RTOL,
 ) -> None:
@@ -99,13 +100,15 @@ GRADIENT_FREE_STEP = 3e-3  # base_overrides' peak train.lr, at the default betas
 def assert_weights_close(
     got: dict[str, torch.Tensor],
     want: dict[str, torch.Tensor],
-    rtol: float = WEIGHTS_RTOL,
+    rtol: float | Callable[[str, torch.Tensor], float] = WEIGHTS_RTOL,
     gradient_free: dict[str, slice] | None = None,
     steps: int = 0,
 ) -> None:
+    """`rtol`: one tolerance, or each tensor's by its name and value (Muon's matrices, say)."""
     # Key equality: wrappers (activation checkpointing, FSDP, DeepSpeed) leave names plain.
     assert got.keys() == want.keys()
     for k in got:
+        tol = rtol(k, want[k]) if callable(rtol) else rtol
         assert got[k].shape == want[k].shape, k
         a, b = got[k].double().flatten(), want[k].double().flatten()
         if gradient_free and k in gradient_free:
@@ -115,7 +118,7 @@ def assert_weights_close(
             assert apart <= 2 * steps * GRADIENT_FREE_STEP, f"{k}: gradient-free elements {apart:.2e} apart"
             a, b = a[~free], b[~free]
         rel = ((a - b).norm() / b.norm()).item()
-        assert rel <= rtol, f"{k}: relative difference {rel:.2e} (up to {rtol:.0e} allowed)"
+        assert rel <= tol, f"{k}: relative difference {rel:.2e} (up to {tol:.0e} allowed)"
 
 
 def assert_bit_exact(run: Path, straight: Path, step: int) -> None:
