@@ -16,9 +16,11 @@ from scaletrain.cli import main
 from scaletrain.config import load_config
 from scaletrain.config.parallel import dims_for
 from scaletrain.models import model_spec
+from scaletrain.models.spec import with_fields
+from scaletrain.planning import planning_spec
 from scaletrain.planning.context import cp_comm_bytes_per_step
 from scaletrain.planning.hardware import gpu, this_cpu
-from scaletrain.planning.longest import MAX_TOKENS
+from scaletrain.planning.longest import GRANULE, LOSS_CHUNK, MAX_TOKENS, longest_sequences
 from scaletrain.planning.memory import estimate, ffn_hidden_bytes
 from scaletrain.planning.planner import evaluate
 from scaletrain.planning.setup import Setup
@@ -59,7 +61,12 @@ def test_tiles_take_the_hidden_activations_and_the_whole_logits_out(eight_b):
     plain, tiled = estimate(model, base), estimate(model, replace(base, tile_tokens=8192))
     blocks = model.n_blocks
     saved = plain.activations - tiled.activations
-    assert saved == pytest.approx(blocks * ffn_hidden_bytes(model, base, SEQ))  # 4 x 14336 wide, bf16, per block
+    # Written out from the 8b's shape, not from the planner's own helper: each of its 32 blocks
+    # keeps four tensors of 65536 positions x 14336 (the feed-forward's width), 2 bytes each,
+    # which a tile recomputes instead: 32 x 4 x 65536 x 14336 x 2 = 224 GiB.
+    assert (blocks, model.shape.ffn_dim) == (32, 14336)
+    assert saved == 32 * 4 * 65536 * 14336 * 2 == 240_518_168_576
+    assert saved == pytest.approx(blocks * ffn_hidden_bytes(model, base, SEQ))
     assert tiled.loss < plain.loss / 4  # one tile's logits and their fp32 work, not 65536 positions'
 
 
@@ -90,6 +97,18 @@ def test_the_longest_sequence_for_8b_on_one_node_is_past_alsts_3_7_million(capsy
     rows = {r["layout"]: r for r in json.loads(capsys.readouterr().out)["longest"]}
     best = max(rows.values(), key=lambda r: r["seq_len"])
     assert best["seq_len"] >= 3_700_000 and "cp 8" in best["layout"] and "activations->cpu" in best["layout"]
+    # The answer, in every layout: its length fits and one more step of the search's granule does not.
+    cfg = load_config([], ["model.preset=8b", "precision=bf16"])
+    h100, model = gpu(None, "80GiB"), planning_spec(cfg)
+    chunked = with_fields(model, loss_chunk_tokens=LOSS_CHUNK)  # as the search takes a 128k vocabulary
+    for row in longest_sequences(cfg, model, 8, 1, h100, h100.memory * 0.9, None):
+        s = row.candidate.setup
+        step = GRANULE * (2 * s.cp if s.cp_mode == "allgather" and s.cp > 1 else s.cp)
+        fits = [
+            evaluate(chunked, replace(s, seq_len=n), cfg, h100, 1, h100.memory * 0.9, None).fits
+            for n in (row.seq_len, row.seq_len + step)
+        ]
+        assert fits == [True, False], (row.layout, row.seq_len)
     assert best["peak"] <= 0.9 * 80 * 2**30 and best["cpu"] > 0 and best["step_time_s"] > 0
     # Each of tiles, offload and cp lengthens what fits; Ulysses (no gathered keys) beyond the all-gather.
     plain, tiles = rows["fsdp + AC"]["seq_len"], rows["fsdp + tiles 8192 + AC"]["seq_len"]
@@ -187,3 +206,19 @@ def test_a_row_the_search_ends_says_so(capsys):
     assert rows["fsdp + AC"]["capped"] == "" and rows["fsdp + AC"]["seq_len"] < MAX_TOKENS
     assert main(args) == 0
     assert f"the search ends at {MAX_TOKENS:,} tokens: memory would hold more" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_blocks_past_the_traced_length_equal_a_direct_trace(preset):
+    """Past BLOCK_TRACE a block's saved bytes are extended from traces at 4k, 8k and 16k
+    positions (planning/activations.py): at 32k and 48k they equal a trace at that length,
+    byte for byte (dense and a mixture of experts, one and two sequences)."""
+    import torch
+
+    from scaletrain.planning.activations import BLOCK_TRACE, _trace_block, block_activations
+
+    model = planning_spec(load_config([], [f"model.preset={preset}"]))
+    for seq in (2 * BLOCK_TRACE, 3 * BLOCK_TRACE):
+        for micro_batch in (1, 2):
+            direct, _ = _trace_block(model, micro_batch, seq, "pure16", torch.bfloat16)
+            assert block_activations(model, micro_batch, seq, "pure16").saved == direct, (seq, micro_batch)
