@@ -126,9 +126,28 @@ def test_the_eval_set_and_what_it_refuses(documents):
     with pytest.raises(UserError, match="pp_schedule=zbv: torch 2.13's eval path .* accepted: parallel.pp_schedule=gpipe|1f1b"):
         open_eval_set(load_config([], [*pp, "eval.every=4", "parallel.pp_schedule=zbv"]), ALONE, data, 1)
     with pytest.raises(
-        UserError, match="nothing to evaluate on: eval.split=0 held no training document out; accepted: eval.data"
+        UserError,
+        match="nothing to evaluate on: eval.split=0 held no training document out; accepted: eval.data=PATHS, eval.data=train",
     ):
         open_eval_set(load_config([], []), ALONE, PackedTokens(documents, SEQ, SEED), 1)
+
+
+@pytest.mark.unit
+def test_eval_batches_left_unset_take_what_the_split_holds_and_a_number_set_does_not(documents):
+    """issue 60: `scaletrain train eval.every=100` on the embedded default refused its own
+    defaults (8 batches, a 1% split holding 5). Unset: up to 8, what the data holds, said;
+    a number the data cannot hold: the one-line error, as before."""
+    data = PackedTokens(documents, SEQ, SEED, held_out=0.1)
+    windows = Windows(data.documents(held=True), SEQ).count
+    g = 2 * windows // 5  # a global batch that leaves room for two of them
+    cfg = load_config([], [f"data.seq_len={SEQ}", "eval.every=4", "eval.split=0.1", f"train.micro_batch={g}"])
+    assert cfg.eval.batches is None
+    evalset = open_eval_set(cfg, ALONE, data, 1)
+    assert evalset.batches == windows // g == 2 and "eval: 2 global batches" in evalset.note and "up to 8" in evalset.note
+    enough = load_config([], [f"data.seq_len={SEQ}", "eval.every=4", "eval.split=0.1", "train.micro_batch=1"])
+    assert (open_eval_set(enough, ALONE, data, 1).batches, open_eval_set(enough, ALONE, data, 1).note) == (8, "")
+    with pytest.raises(UserError, match=rf"eval.batches=3 needs {3 * g} windows .* accepted: eval.batches <= 2"):
+        open_eval_set(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"batches": 3})}), ALONE, data, 1)
 
 
 @pytest.mark.unit
@@ -226,3 +245,22 @@ def test_scaletrain_eval_of_the_final_checkpoint_gives_the_last_eval_row_at_worl
         UserError, match=r"eval.split=0.5: .*step_8 was trained with eval.split=0.1, .* accepted: eval.split <= 0.1"
     ):
         checkpoint_config(run / "checkpoints" / "step_8", ["eval.split=0.5"])
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_run_without_a_held_out_split_is_evaluated_on_its_own_documents_when_asked(small_dataset, tmp_path):
+    """issue 60: `scaletrain eval` on a run trained without eval.split says in one line how to
+    get an evaluation; eval.data=train evaluates on the run's own (trained-on) documents, and
+    says so: the same number as eval.data naming its prepared directory."""
+    from helpers.launch import check, one_line_error, scaletrain, train
+    from helpers.runs import base_overrides
+
+    run = tmp_path / "run"
+    check(train([*base_overrides(small_dataset, run, steps=2), "train.micro_batch=2"]))
+    one_line_error(scaletrain(["eval", str(run)]), "nothing to evaluate on", "eval.data=train", "eval.every > 0 holds 1%")
+    own = check(scaletrain(["eval", str(run), "eval.data=train", "eval.batches=1"])).stdout
+    named = check(scaletrain(["eval", str(run), f"eval.data={small_dataset}", "eval.batches=1"])).stdout
+    assert "the run's own training documents, which it trained on: not a held-out loss" in own
+    loss = lambda out: out.split("): loss ", 1)[1].split()[0]  # noqa: E731
+    assert loss(own) == loss(named)

@@ -15,6 +15,7 @@ from scaletrain.config.stages import SCHEDULES
 
 # The share of documents held out when evaluation is on and no eval.data is given.
 DEFAULT_SPLIT = 0.01
+DEFAULT_BATCHES = 8  # eval.batches unset: at most this many global batches per evaluation
 
 
 # What each kind of task reads from a record (data/tasks.py), and the layouts of the standard
@@ -45,8 +46,10 @@ class EvalConfig(Section):
     # Steps between evaluations, and one after the last step; 0: off.
     every: int = Field(0, ge=0)
     # Global eval batches per evaluation, each of train.global_batch sequences: the first
-    # batches x global_batch windows of the eval stream, the same ones every time.
-    batches: int = Field(8, ge=1)
+    # batches x global_batch windows of the eval stream, the same ones every time. Unset:
+    # DEFAULT_BATCHES, or as many as the eval data holds if fewer (said at start); a number
+    # the data cannot hold is a one-line error.
+    batches: int | None = Field(None, ge=1)
     # Sequences per rank per forward (a memory setting: the loss is the same at any
     # value). Unset: train.micro_batch. Under a pipeline the schedule's own micro-batches run.
     micro_batch: int | None = Field(None, ge=1)

@@ -76,10 +76,27 @@ def checkpoint_config(ckpt: Path, overrides: list[str]) -> Config:
     return cfg
 
 
+OWN = ("eval.data=train", "eval.data=[train]")
+
+
+def own_training_data(ckpt: Path, overrides: list[str]) -> tuple[list[str], bool]:
+    """`eval.data=train`: the run's own training documents (its prepared dataset) as eval.data,
+    for a run trained without a held-out split; the overrides then, and whether it was asked."""
+    if not any(o.replace(" ", "") in OWN for o in overrides):
+        return overrides, False
+    saved = load_config([str(ckpt / "config.yaml")])
+    if saved.data.mix:
+        raise UserError("eval.data=train takes a run of one dataset (data.paths), not data.mix; accepted: eval.data=PATHS")
+    prepared, _ = resolve_dataset_dir(saved.data)
+    rest = [o for o in overrides if o.replace(" ", "") not in OWN]
+    return [*rest, f"eval.data={prepared}"], True
+
+
 def evaluate_checkpoint(target: str, overrides: list[str], say: bool = True) -> dict[str, Any]:
     """Collective over the launched ranks: the eval figures of the checkpoint `target`; rank 0
     prints them (unless not `say`: scaletrain.evaluate returns them only)."""
     ckpt = newest_checkpoint(target)
+    overrides, own = own_training_data(ckpt, overrides)
     cfg = checkpoint_config(ckpt, overrides)
     world = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
@@ -93,6 +110,8 @@ def evaluate_checkpoint(target: str, overrides: list[str], say: bool = True) -> 
             f"({row['tokens']:,} tokens of {row['data']}; {row['engine']} at world {world.world_size})",
             flush=True,
         )
+        if own:
+            print("  (eval.data=train: the run's own training documents, which it trained on: not a held-out loss)", flush=True)
         for task in row.get("tasks", []):
             print(task_line(task), flush=True)
     return row

@@ -35,7 +35,7 @@ import torch
 
 from scaletrain.config import Config
 from scaletrain.config.batch import global_batch
-from scaletrain.config.eval import eval_problem
+from scaletrain.config.eval import DEFAULT_BATCHES, eval_problem
 from scaletrain.config.parallel import ParallelDims
 from scaletrain.data import MANIFEST, PackedTokens, ensure_prepared, resolve_dataset_dir
 from scaletrain.data.heldout import Windows
@@ -74,6 +74,7 @@ class EvalSet:
     batches: int
     micro_batch: int  # sequences per rank per forward
     masked: bool = False  # fine-tuning records: the loss over their trained targets (data/loader.py)
+    note: str = ""  # a line for the log: eval.batches unset and fewer batches than the default held
 
     @property
     def samples(self) -> int:
@@ -122,20 +123,32 @@ def open_eval_set(cfg: Config, world: World, data: Any, dp_size: int) -> EvalSet
             f"eval: nothing to evaluate on: eval.split={e.held_out:g} held no training document out"
             + (" (held-out documents of data.mix are not built yet)" if e.held_out > 0 else "")
             + "; accepted: eval.data=PATHS"
-            + ("" if e.held_out > 0 else ", or a run trained with eval.split > 0")
+            + (
+                ""
+                if e.held_out > 0
+                else ", eval.data=train (`scaletrain eval`: the run's own training documents), or a run trained with "
+                "eval.split > 0 (eval.every > 0 holds 1% of the documents out)"
+            )
         )
     g = global_batch(cfg.train, dp_size)
-    need = e.batches * g
+    fits = windows.count // g
+    batches = e.batches or min(DEFAULT_BATCHES, fits)  # unset: what the data holds, up to the default
+    need = max(batches, 1) * g
     if windows.count < need:
-        fits = windows.count // g
+        asked = f"eval.batches={e.batches}" if e.batches else "one eval batch"
         raise UserError(
-            f"eval.batches={e.batches} needs {need} windows of {cfg.data.seq_len} tokens ({e.batches} x train.global_batch={g}), "
+            f"{asked} needs {need} windows of {cfg.data.seq_len} tokens ({max(batches, 1)} x train.global_batch={g}), "
             f"but {where} holds {windows.count}; accepted: "
             + (f"eval.batches <= {fits}, " if fits else "")
             + ("a larger eval.split, " if not e.data else "")
             + "or more eval data"
         )
-    evalset = EvalSet(windows, where, g, e.batches, e.micro_batch or cfg.train.micro_batch, masked)
+    evalset = EvalSet(windows, where, g, batches, e.micro_batch or cfg.train.micro_batch, masked)
+    if not e.batches and batches < DEFAULT_BATCHES:
+        evalset.note = (
+            f"eval: {batches} global batch{'es' * (batches != 1)} of {g} sequences per evaluation, what {where} holds "
+            f"(eval.batches unset: up to {DEFAULT_BATCHES}); a larger eval.split or more eval.data holds more"
+        )
     if evalset.tokens == 0:
         raise UserError(
             f"eval: the {need} windows of {where} hold no trained token (fine-tuning records' prompts only); "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.config import Config
+from scaletrain.config.eval import DEFAULT_BATCHES
 from scaletrain.config.parallel import dims_for
 from scaletrain.engines.deepspeed_config import build_deepspeed_config
 from scaletrain.errors import UserError
@@ -72,7 +73,7 @@ def eval_line(cfg: Config, plan: Plan) -> str:
     sequences = s.micro_batch * s.grad_accum  # per rank per step
     forward = (c.time.phases.get("forward", 0.0) if c.time is not None else c.step_time / 3) / sequences
     ranks = max(1, s.dp)
-    windows = cfg.eval.batches * s.micro_batch * s.grad_accum * ranks
+    windows = (cfg.eval.batches or DEFAULT_BATCHES) * s.micro_batch * s.grad_accum * ranks  # unset: at most the default
     # A task file that cannot be read stops the plan in one line, as it would stop the run.
     pairs = sum(len(item.continuations) for task in cfg.eval.tasks for item in load_items(task))
     each = forward * (windows + pairs) / ranks

@@ -331,6 +331,8 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     plan = _checked_plan(cfg, world, paths, resume_from, say)
     cfg, spec, dims = plan.cfg, plan.spec, plan.dims
     batches, (evalset, tasks) = _batches(plan, world)
+    if evalset is not None and evalset.note:
+        say(evalset.note)
     torch.manual_seed(cfg.train.seed)
     held = Held(build_engine(spec, world, dims, cfg, decay_groups(cfg.train), plan.distill.teacher if plan.distill else None))
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))
