@@ -14,15 +14,12 @@ import torch
 
 import scaletrain.training.trainer as trainer
 from scaletrain import checkpoint
-from scaletrain.checkpoint.neutral import ParamLayout, read_state
 from scaletrain.config import load_config
-from scaletrain.models import LlamaSpec
-from scaletrain.models.presets import ModelShape
 from scaletrain.resilience import faults
 from scaletrain.resilience.nonfinite import Diverged
 
 from helpers.launch import check, train
-from helpers.runs import base_overrides, metric_rows
+from helpers.runs import base_overrides, checkpoint_state, metric_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -33,12 +30,6 @@ def run(tmp_path, monkeypatch, fault: str, *overrides: str):
     monkeypatch.setattr(faults, "_ARMED", faults.parse(fault)[0][:2])  # as SCALETRAIN_KILL_AT=<fault> at start
     cfg = load_config([], [*base_overrides(tmp_path.parent / "data", tmp_path, steps=6), "train.micro_batch=2", *overrides])
     return trainer.train(cfg)
-
-
-def state(run_dir, step):
-    ckpt = run_dir / "checkpoints" / f"step_{step}"
-    shape = ModelShape(**json.loads((ckpt / "trainer.json").read_text())["model"])
-    return read_state(ckpt, ParamLayout(LlamaSpec(shape).build_meta(64)))
 
 
 @pytest.fixture
@@ -67,7 +58,7 @@ def assert_skipped_step_3(run_dir):
     rows = metric_rows(run_dir)
     assert math.isnan(rows[2]["loss"]) and all(math.isfinite(r["loss"]) for i, r in enumerate(rows) if i != 2)
     assert [r["nonfinite_steps"] for r in rows] == [0, 0, 1, 1, 1, 1] and {r["rollbacks"] for r in rows} == {0}
-    before, skipped, after = (state(run_dir, s) for s in (2, 3, 4))
+    before, skipped, after = (checkpoint_state(run_dir, s) for s in (2, 3, 4))
     # The NaN step changed nothing: every weight, both Adam moments and Adam's step count.
     assert checkpoint.restore.first_difference(skipped, before) is None
     assert checkpoint.restore.first_difference(after, skipped) is not None  # and the next step trained
@@ -135,7 +126,7 @@ def test_rollback_reloads_the_checkpoint_and_skips_the_bad_data(data, tmp_path, 
     overrides = [*base_overrides(tmp_path / "data", ref, steps=6), "train.micro_batch=2", "checkpoint.every=3"]
     check(train(overrides))
     assert [r["loss"] for r in metric_rows(ref)] == [r["loss"] for r in rows]
-    assert checkpoint.restore.first_difference(state(ref, 6), state(run_dir, 6)) is None
+    assert checkpoint.restore.first_difference(checkpoint_state(ref, 6), checkpoint_state(run_dir, 6)) is None
 
 
 def _edit_trainer_json(ckpt, **changes):

@@ -20,7 +20,7 @@ from scaletrain.resilience.nonfinite import Diverged
 from scaletrain.resilience.spikes import SpikeGuard, limit_of
 from scaletrain.telemetry.metrics import read_metrics
 
-from helpers.runs import STDLIB, base_overrides, copy_until, metric_rows
+from helpers.runs import STDLIB, base_overrides, checkpoint_state, copy_until, metric_rows
 
 ON = SpikesSection(enabled=True, window=8, min_steps=4, threshold=6.0, lr_after=2, lr_factor=0.5, lr_steps=3, rollback_after=3)
 
@@ -136,16 +136,6 @@ def spikes(run_dir):
     return [r for r in read_metrics(run_dir / "metrics.jsonl", events=True) if r.get("event") == "spike"]
 
 
-def state(run_dir, step):
-    from scaletrain.checkpoint.neutral import ParamLayout, read_state
-    from scaletrain.models import LlamaSpec
-    from scaletrain.models.presets import ModelShape
-
-    ckpt = run_dir / "checkpoints" / f"step_{step}"
-    shape = ModelShape(**json.loads((ckpt / "trainer.json").read_text())["model"])
-    return read_state(ckpt, ParamLayout(LlamaSpec(shape).build_meta(64)))
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_planted_spike_is_held_back_and_named_to_its_documents(data, tmp_path, monkeypatch):
@@ -160,10 +150,10 @@ def test_a_planted_spike_is_held_back_and_named_to_its_documents(data, tmp_path,
         assert origin["shard"].startswith("shard_") and origin["offset"] >= 0
         assert origin["file"].startswith(str(STDLIB)) and origin["file"].endswith(".py") and origin["document"] == 0
     # Held back: every weight, both moments and Adam's step count as after step 7; step 9 trained.
-    before, spiked, after = (state(run_dir, s) for s in (7, 8, 9))
+    before, spiked, after = (checkpoint_state(run_dir, s) for s in (7, 8, 9))
     assert checkpoint.restore.first_difference(spiked, before) is None
     assert checkpoint.restore.first_difference(after, spiked) is not None
-    assert {v.item() for k, v in state(run_dir, 10)["optim"].items() if k.endswith(".step")} == {9.0}
+    assert {v.item() for k, v in checkpoint_state(run_dir, 10)["optim"].items() if k.endswith(".step")} == {9.0}
     saved = json.loads((run_dir / "checkpoints" / "step_10" / "trainer.json").read_text())["spikes"]
     assert saved["count"] == 1 and saved["recent"] == [8] and len(saved["window"]["loss"]) == 8
 
@@ -175,7 +165,7 @@ def test_the_guard_without_a_spike_is_the_run_without_it_bit_for_bit(data, tmp_p
     on = run(tmp_path, monkeypatch, "on", None, *GUARD)
     assert spikes(on) == []
     assert [(r["loss"], r["grad_norm"]) for r in metric_rows(on)] == [(r["loss"], r["grad_norm"]) for r in metric_rows(off)]
-    assert checkpoint.restore.first_difference(state(on, 10), state(off, 10)) is None
+    assert checkpoint.restore.first_difference(checkpoint_state(on, 10), checkpoint_state(off, 10)) is None
 
 
 @pytest.mark.e2e

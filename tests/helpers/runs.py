@@ -173,3 +173,14 @@ Z3_PARTITION_ALL = "parallel.deepspeed_extra={zero_optimization: {stage3_param_p
 # scale halves (skipped steps) and grows again, before and after the checkpoint at step 5,
 # so the resumed run is only identical if the scaler's whole state came back.
 FP16_MOVING_SCALE = ["precision=fp16", "train.loss_scale_init=1048576", "train.loss_scale_window=2"]
+
+
+def checkpoint_state(run_dir: Path, step: int, seq_len: int = 64) -> dict[str, Any]:
+    """The neutral state (weights and optimizer) of a tiny-shaped run's checkpoint at `step`."""
+    from scaletrain.checkpoint.neutral import ParamLayout, read_state
+    from scaletrain.models import LlamaSpec
+    from scaletrain.models.presets import ModelShape
+
+    ckpt = run_dir / "checkpoints" / f"step_{step}"
+    shape = ModelShape(**json.loads((ckpt / "trainer.json").read_text())["model"])
+    return read_state(ckpt, ParamLayout(LlamaSpec(shape).build_meta(seq_len)))

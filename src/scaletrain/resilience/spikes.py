@@ -168,7 +168,7 @@ class SpikeGuard:
             return {}
         return {
             "spikes": {
-                "window": self.window, "limits": self.limits, "recent": self.recent, "lr_until": self.lr_until,
+                "window": self.window, "recent": self.recent, "lr_until": self.lr_until,
                 "count": self.spikes,
             }
         }  # fmt: skip
