@@ -12,9 +12,8 @@ from scaletrain import checkpoint
 from scaletrain.checkpoint.restore import first_difference
 from scaletrain.config import load_config
 from scaletrain.telemetry import read_metrics
-from test_nonfinite import state
 
-from helpers.runs import base_overrides, metric_rows
+from helpers.runs import base_overrides, checkpoint_state, metric_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +29,7 @@ def test_background_save_writes_the_state_of_its_step(small_dataset, tmp_path):
     # Saved while the next steps already changed the weights: same bits as a save that waited.
     for step in (1, 2, 3, 4):
         assert checkpoint.find_problem(background / "checkpoints" / f"step_{step}", checkpoint.manager.ALONE) is None
-        assert first_difference(state(background, step), state(synchronous, step)) is None, step
+        assert first_difference(checkpoint_state(background, step), checkpoint_state(synchronous, step)) is None, step
     assert [r["loss"] for r in metric_rows(background)] == [r["loss"] for r in metric_rows(synchronous)]
     for run_dir, is_async in ((background, True), (synchronous, False)):
         events = [r for r in read_metrics(run_dir / "metrics.jsonl", events=True) if r.get("event") == "checkpoint"]
