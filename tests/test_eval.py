@@ -24,6 +24,7 @@ from scaletrain.errors import UserError
 from scaletrain.launch.distributed import ALONE
 from scaletrain.models.presets import resolve_shape
 from scaletrain.models.spec import LlamaSpec
+from scaletrain.telemetry.metrics import read_metrics
 from scaletrain.training.eval_checkpoint import checkpoint_config
 from scaletrain.training.evaluation import eval_loss, open_eval_set
 
@@ -253,8 +254,7 @@ def test_a_run_without_a_held_out_split_is_evaluated_on_its_own_documents_when_a
     """issue 60: `scaletrain eval` on a run trained without eval.split says in one line how to
     get an evaluation; eval.data=train evaluates on the run's own (trained-on) documents, and
     says so: the same number as eval.data naming its prepared directory."""
-    from helpers.launch import check, one_line_error, scaletrain, train
-    from helpers.runs import base_overrides
+    from helpers.launch import one_line_error
 
     run = tmp_path / "run"
     check(train([*base_overrides(small_dataset, run, steps=2), "train.micro_batch=2"]))
@@ -264,3 +264,27 @@ def test_a_run_without_a_held_out_split_is_evaluated_on_its_own_documents_when_a
     assert "the run's own training documents, which it trained on: not a held-out loss" in own
     loss = lambda out: out.split("): loss ", 1)[1].split()[0]  # noqa: E731
     assert loss(own) == loss(named)
+    # Evaluating from here on would hold out documents this run trained on: refused, and
+    # eval.split=0 is not offered (it leaves nothing to evaluate on).
+    resumed = train([*base_overrides(small_dataset, run, steps=4), "train.micro_batch=2", "eval.every=2"])
+    said = one_line_error(resumed, "eval.every=2 holds 1% of the documents out by default", "trained on all of them")
+    assert "accepted: eval.data=PATHS (evaluate on other text), or a new run.dir" in said
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_resume_that_sets_no_split_keeps_the_held_out_documents_out(small_dataset, tmp_path):
+    """issue 60: `make demo` (eval.every=100, so 1% held out) and then the README's `scaletrain
+    train` (no evaluation, so no split by eval.split's rule) refused to resume over a split
+    nobody set. A resume without eval.split keeps the checkpoint's: the same stream as a run
+    that held those documents out from the start, bit for bit."""
+    held = ["eval.split=0.1", "train.micro_batch=2"]
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    # Stopped at step 4 of a 6-step schedule (train.stop_at): the resume's steps take the same rates.
+    check(train([*base_overrides(small_dataset, run, steps=6), *held, "train.stop_at=4", "eval.every=4", "eval.batches=1"]))
+    proc = check(train([*base_overrides(small_dataset, run, steps=6), "train.micro_batch=2"]))
+    assert "eval.split=0.1 as step_4 was trained: the documents it held out stay out (eval.every=0)" in proc.stdout
+    assert load_config([str(run / "config.yaml")]).eval.split == 0.1
+    check(train([*base_overrides(small_dataset, straight, steps=6), *held]))
+    losses = lambda r: [x["loss"] for x in read_metrics(r / "metrics.jsonl")]  # noqa: E731
+    assert losses(run) == losses(straight) and len(losses(run)) == 6

@@ -73,6 +73,14 @@ def check_config(path: Path, cfg: Config, saved_state: TrainerState, model: dict
         check_base(path, saved_state.base, cfg)
     for key in _DATA_KEYS:
         if saved_cfg.get(key) != now.get(key):
+            if key == "eval.split" and not cfg.eval.split_given and not saved_cfg.get(key):
+                # The default split of eval.every > 0 over a run that held nothing out: eval.split=0
+                # would not do (nothing to evaluate on), so the accepted ways are other ones.
+                raise UserError(
+                    f"eval.every={cfg.eval.every} holds {100 * now.get(key):g}% of the documents out by default, but checkpoint "
+                    f"{path} trained on all of them (eval.split=0: the data position would point elsewhere); accepted: "
+                    "eval.data=PATHS (evaluate on other text), or a new run.dir"
+                )
             raise refuse(key, saved_cfg.get(key), now.get(key), "the data position would point elsewhere")
     return [
         f"{key} {saved_cfg.get(key)!r} -> {now.get(key)!r}"

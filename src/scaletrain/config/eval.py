@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from scaletrain.config.model import Section
 from scaletrain.config.stages import SCHEDULES
@@ -63,6 +63,10 @@ class EvalConfig(Section):
     # Downstream tasks scored at each evaluation beside the loss, and by `scaletrain eval`
     # (TaskConfig above; docs/evaluation.md).
     tasks: list[TaskConfig] = Field(default_factory=list)
+    # Whether eval.split came from the user (a YAML file, an override, a saved config.yaml)
+    # or from the rule above: a resume keeps the checkpoint's split where the user set none
+    # (training/startup.py, checkpoint_to_resume).
+    _split_given: bool = PrivateAttr(default=True)
 
     @field_validator("data", mode="before")
     @classmethod
@@ -80,6 +84,7 @@ class EvalConfig(Section):
     @model_validator(mode="after")
     def _held_out_or_given(self) -> EvalConfig:
         if self.split is None:
+            self._split_given = False
             # Resolved here, so the run's config.yaml records what the training stream
             # skipped (validate_assignment runs this validator once more; split is set then).
             self.split = DEFAULT_SPLIT if self.every > 0 and not self.data else 0.0
@@ -94,6 +99,11 @@ class EvalConfig(Section):
                 f"eval.split in (0, 1) (default {DEFAULT_SPLIT}), eval.data=PATHS, or eval.every=0"
             )
         return self
+
+    @property
+    def split_given(self) -> bool:
+        """Whether eval.split was set rather than resolved from eval.every and eval.data."""
+        return self._split_given
 
     @property
     def held_out(self) -> float:

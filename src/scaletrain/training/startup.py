@@ -10,6 +10,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import yaml
 from rich.console import Console
 
 from scaletrain import checkpoint
@@ -132,7 +133,31 @@ def checkpoint_to_resume(cfg: Config, world: World, paths: RunPaths, say: Say) -
         say(line)
         # A branch that was stopped goes on from its own newest checkpoint, not from the origin again.
         resume_from = checkpoint.latest_valid(paths.checkpoints, world, say) or resume_from
+    if resume_from is not None:
+        cfg = _keep_held_out(cfg, resume_from, say)
     return cfg, resume_from
+
+
+def _keep_held_out(cfg: Config, resume_from: Path, say: Say) -> Config:
+    """A resume where the user set no eval.split holds out what the checkpoint's run held out.
+
+    eval.split's rule (0.01 when evaluating on held-out documents, else 0) follows this
+    start's eval.every, but which documents training skips is part of the data position:
+    `make demo` (eval.every=100) and then the README's `scaletrain train` (eval.every=0) would
+    otherwise refuse to resume over a split nobody asked for. An eval.split the user gives,
+    and a checkpoint that held nothing out, keep the check of checkpoint/resume.py."""
+    if cfg.eval.split_given or cfg.eval.data:
+        return cfg
+    saved = (yaml.safe_load((resume_from / "config.yaml").read_text()) or {}).get("eval") or {}
+    split = saved.get("split")
+    if not isinstance(split, int | float) or not split > 0 or split == cfg.eval.split:
+        return cfg
+    kept = cfg.model_copy(deep=True)
+    kept.eval.split = float(split)
+    say(
+        f"eval.split={split:g} as {resume_from.name} was trained: the documents it held out stay out (eval.every={cfg.eval.every})"
+    )
+    return kept
 
 
 def identity(cfg: Config, world: World, dims: ParallelDims, spec: ModelSpec, data: PackedTokens | DataMix) -> dict[str, Any]:
