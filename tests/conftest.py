@@ -32,6 +32,7 @@ TIERS = ("unit", "dist", "e2e")
 # every other file under 50.
 FIRST = (
     "test_plan_measure.py",
+    "test_readme.py",  # ~5 min alone (the demo's 300 steps): not last on a worker
     "test_gradients.py",
     "test_replica_groups.py",
     "test_moe.py",
