@@ -394,20 +394,34 @@ def test_the_cpus_measured_peak_is_kept_per_machine(tmp_path, monkeypatch):
 
     from scaletrain.planning import hardware
 
+    from scaletrain.planning.clock import contention
+
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
-    rates = iter([3e10, 5e10, 7e10])
+    rates = iter([3e10, 5e10, 7e10, 9e10])
     monkeypatch.setattr(hardware, "_matmul_rate", lambda: next(rates))
-    for _ in range(2):  # two "processes"
+    others = {"cores": None}  # what contention.busy reads: None, a quiet machine
+    monkeypatch.setattr(contention, "busy", lambda threads: others["cores"])
+
+    def peak() -> float:  # as a new process reads it
         hardware.measured_cpu_peak.cache_clear()
-        assert hardware.measured_cpu_peak() == 3e10
+        return hardware.measured_cpu_peak()
+
+    assert [peak(), peak()] == [3e10, 3e10]  # two "processes": measured once, then kept
+    others["cores"] = 1.5
+    assert peak() == 3e10  # a quiet measurement is kept on a busy machine too
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(threads + 1)
-        hardware.measured_cpu_peak.cache_clear()
-        assert hardware.measured_cpu_peak() == 5e10
+        torch.set_num_threads(threads + 1)  # another thread count: another measurement,
+        assert [peak(), peak()] == [5e10, 5e10]  # taken while busy: kept while still busy,
+        others["cores"] = None
+        assert [peak(), peak()] == [7e10, 7e10]  # measured again once quiet (a busy peak was 40% of the CPU's)
     finally:
         torch.set_num_threads(threads)
         hardware.measured_cpu_peak.cache_clear()
+    # A file from before the busy flag (bare numbers): not trusted, measured again.
+    path = tmp_path / hardware.PEAK_FILE
+    path.write_text(json.dumps({k: 1e9 for k in json.loads(path.read_text())}))
+    assert peak() == 9e10
 
 
 @pytest.mark.unit

@@ -109,11 +109,27 @@ def measured_cpu_peak() -> float:
     Measured once per machine, thread count, kernel family and torch (0.1-0.2 s of a
     core, which every rank of every run paid), then kept (disk_cache.py); with
     SCALETRAIN_CACHE=off, or where the CPU cannot be identified, in every process."""
+    from scaletrain.planning.clock import contention
+
     cpu = disk_cache.cpu_identity()
     if cpu is None:
         return _matmul_rate()
-    key = ["cpu-peak", *cpu, torch.__version__, torch.get_num_threads(), os.environ.get("ATEN_CPU_CAPABILITY", "")]
-    return float(disk_cache.cached(PEAK_FILE, key, _matmul_rate))
+    threads = torch.get_num_threads()
+
+    # Kept with whether the machine was busy (clock/contention.py): a peak measured beside
+    # other work was a fraction of the CPU's (a 2-thread peak kept at 60 GFLOP/s where the
+    # quiet machine does 149; every later run's MFU read 150% against it), so a process
+    # that finds the machine quiet measures such an entry again.
+    def measured() -> dict[str, float | None]:
+        return {"busy": contention.busy(threads), "flops": _matmul_rate()}
+
+    def usable(entry: object) -> bool:
+        if not isinstance(entry, dict) or not isinstance(entry.get("flops"), float):
+            return False  # an older file's bare number: whether it was busy is unknown
+        return entry.get("busy") is None or contention.busy(threads) is not None
+
+    key = ["cpu-peak", *cpu, torch.__version__, threads, os.environ.get("ATEN_CPU_CAPABILITY", "")]
+    return float(disk_cache.cached(PEAK_FILE, key, measured, usable)["flops"])
 
 
 PEAK_FILE = "cpu-peak.json"
