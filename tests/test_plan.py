@@ -393,7 +393,6 @@ def test_the_cpus_measured_peak_is_kept_per_machine(tmp_path, monkeypatch):
     import torch
 
     from scaletrain.planning import hardware
-
     from scaletrain.planning.clock import contention
 
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))

@@ -5,8 +5,12 @@ ended, and the one-line refusals."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import urllib.request
 
 import pytest
 
@@ -102,3 +106,27 @@ def test_a_port_in_use_is_one_line(half_run):
         port = taken.getsockname()[1]
         proc = scaletrain(["watch", str(half_run), "--port", str(port)])
     one_line_error(proc, f"cannot serve on 127.0.0.1:{port} (Address already in use); accepted: another --port")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])
+def test_ctrl_c_or_a_kill_ends_it_with_0_also_where_sigint_started_ignored(half_run, stop):
+    # A background job of a script (or nohup) starts with SIGINT ignored, and Python then
+    # installs no handler: the watcher served on after Ctrl-C (the README test, run so).
+    # A new process, not the suite's fork: its signal dispositions are what is tested.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scaletrain", "watch", str(half_run), "--port", str(port)],
+        stdout=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and "watching" in proc.stdout.readline()  # serving from here on
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as page:
+            assert page.status == 200
+        proc.send_signal(stop)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()

@@ -77,7 +77,7 @@ def check_config(path: Path, cfg: Config, saved_state: TrainerState, model: dict
                 # The default split of eval.every > 0 over a run that held nothing out: eval.split=0
                 # would not do (nothing to evaluate on), so the accepted ways are other ones.
                 raise UserError(
-                    f"eval.every={cfg.eval.every} holds {100 * now.get(key):g}% of the documents out by default, but checkpoint "
+                    f"eval.every={cfg.eval.every} holds {100 * cfg.eval.held_out:g}% of the documents out by default, but checkpoint "
                     f"{path} trained on all of them (eval.split=0: the data position would point elsewhere); accepted: "
                     "eval.data=PATHS (evaluate on other text), or a new run.dir"
                 )

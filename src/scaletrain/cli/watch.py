@@ -4,6 +4,8 @@ the run writes (diagnose/live.py); CLI glue only."""
 from __future__ import annotations
 
 import argparse
+import signal
+from typing import Any
 
 from scaletrain.launch import startup
 
@@ -30,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
     server = serve(live, args.host, args.port)
     port = server.server_address[1]
     print(f"watching {args.run_dir} at http://{args.host}:{port}/ (Ctrl-C stops)", flush=True)
+    # Ctrl-C, or a kill, ends the serving with exit 0: set here, since a process started
+    # with SIGINT ignored (a background job of a script, nohup) gets no handler from Python.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, _interrupt)
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:
@@ -37,3 +43,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from scaletrain.config.model import Section
 from scaletrain.config.stages import SCHEDULES
@@ -63,10 +63,6 @@ class EvalConfig(Section):
     # Downstream tasks scored at each evaluation beside the loss, and by `scaletrain eval`
     # (TaskConfig above; docs/evaluation.md).
     tasks: list[TaskConfig] = Field(default_factory=list)
-    # Whether eval.split came from the user (a YAML file, an override, a saved config.yaml)
-    # or from the rule above: a resume keeps the checkpoint's split where the user set none
-    # (training/startup.py, checkpoint_to_resume).
-    _split_given: bool = PrivateAttr(default=True)
 
     @field_validator("data", mode="before")
     @classmethod
@@ -84,16 +80,17 @@ class EvalConfig(Section):
     @model_validator(mode="after")
     def _held_out_or_given(self) -> EvalConfig:
         if self.split is None:
-            self._split_given = False
             # Resolved here, so the run's config.yaml records what the training stream
-            # skipped (validate_assignment runs this validator once more; split is set then).
-            self.split = DEFAULT_SPLIT if self.every > 0 and not self.data else 0.0
-        if self.split > 0 and self.data:
+            # skipped. Set past pydantic's assignment, which would count it among the fields
+            # the user set: `split_given` tells a resume whether to keep the checkpoint's.
+            object.__setattr__(self, "split", DEFAULT_SPLIT if self.every > 0 and not self.data else 0.0)
+        split = self.held_out
+        if split > 0 and self.data:
             raise ValueError(
-                f"eval.split={self.split:g} and eval.data={self.data} both say what to evaluate on; accepted: one of "
+                f"eval.split={split:g} and eval.data={self.data} both say what to evaluate on; accepted: one of "
                 "them (eval.data: another corpus, and training keeps every document)"
             )
-        if self.every > 0 and self.split == 0 and not self.data:
+        if self.every > 0 and split == 0 and not self.data:
             raise ValueError(
                 f"eval.every={self.every} needs data to evaluate on, but eval.split=0 holds no document out; accepted: "
                 f"eval.split in (0, 1) (default {DEFAULT_SPLIT}), eval.data=PATHS, or eval.every=0"
@@ -102,8 +99,10 @@ class EvalConfig(Section):
 
     @property
     def split_given(self) -> bool:
-        """Whether eval.split was set rather than resolved from eval.every and eval.data."""
-        return self._split_given
+        """Whether eval.split was set (a YAML file, an override, a saved config.yaml) rather
+        than resolved from eval.every and eval.data: a resume keeps the checkpoint's split
+        where it was not (training/startup.py, checkpoint_to_resume)."""
+        return "split" in self.model_fields_set
 
     @property
     def held_out(self) -> float:
