@@ -115,21 +115,11 @@ def measured_cpu_peak() -> float:
     if cpu is None:
         return _matmul_rate()
     threads = torch.get_num_threads()
-
-    # Kept with whether the machine was busy (clock/contention.py): a peak measured beside
-    # other work was a fraction of the CPU's (a 2-thread peak kept at 60 GFLOP/s where the
-    # quiet machine does 149; every later run's MFU read 150% against it), so a process
-    # that finds the machine quiet measures such an entry again.
-    def measured() -> dict[str, float | None]:
-        return {"busy": contention.busy(threads), "flops": _matmul_rate()}
-
-    def usable(entry: object) -> bool:
-        if not isinstance(entry, dict) or not isinstance(entry.get("flops"), float):
-            return False  # an older file's bare number: whether it was busy is unknown
-        return entry.get("busy") is None or contention.busy(threads) is not None
-
     key = ["cpu-peak", *cpu, torch.__version__, threads, os.environ.get("ATEN_CPU_CAPABILITY", "")]
-    return float(disk_cache.cached(PEAK_FILE, key, measured, usable)["flops"])
+    # Kept with whether the machine was busy, as the clock's replays: a peak measured beside
+    # other work was a fraction of the CPU's (a 2-thread peak kept at 60 GFLOP/s where the
+    # quiet machine does 149; every later run's MFU read 150% against it).
+    return float(contention.kept(PEAK_FILE, key, threads, _matmul_rate, "flops")["flops"])
 
 
 PEAK_FILE = "cpu-peak.json"

@@ -19,7 +19,11 @@ from __future__ import annotations
 import os
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from scaletrain import disk_cache
 
 PROBE_S = 0.1  # the sleep the others' CPU time is read over: 10 ticks of the kernel's 100 Hz
 REPROBE_S = 2.0  # a probe holds this long: measurements come in bursts of many short calls
@@ -91,3 +95,20 @@ def note(others: float, measured: int) -> str:
         f"this CPU was busy while the clock measured {measured} of the operations it priced (other processes "
         f"used {others:.1f} of its {cores()} cores): those times are slow; a plan on a quiet machine measures them again"
     )
+
+
+def kept(file: str, key: list[Any] | None, threads: int, measure: Callable[[], float], name: str) -> dict[str, Any]:
+    """measure() at `threads` threads as `{name: value, "busy": cores or None}`, kept in the
+    disk cache's `file` under `key` (None: not kept): an entry measured on a busy machine, or
+    an older file's bare number (whether it was busy is unknown), is measured again by a
+    process that finds the machine quiet."""
+
+    def timed() -> dict[str, Any]:
+        return {"busy": busy(threads), name: measure()}
+
+    def usable(entry: Any) -> bool:
+        if not isinstance(entry, dict) or not isinstance(entry.get(name), float):
+            return False
+        return entry.get("busy") is None or busy(threads) is not None
+
+    return timed() if key is None else disk_cache.cached(file, key, timed, usable)

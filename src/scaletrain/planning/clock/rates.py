@@ -245,16 +245,7 @@ def _kept(threads: int, measure: Callable[[], float], *fields: Any) -> float:
     """measure() at `threads` threads, kept in CALLS_FILE with whether the machine was busy
     when it ran: a busy entry is measured again by a process that finds the machine quiet."""
 
-    def timed() -> dict[str, Any]:
-        return {"busy": contention.busy(threads), "s": measure()}
-
-    def usable(entry: Any) -> bool:
-        if not isinstance(entry, dict) or not isinstance(entry.get("s"), float):
-            return False  # an older file's bare number: whether it was busy is unknown
-        return entry.get("busy") is None or contention.busy(threads) is not None
-
-    key = _cpu_key(*fields)
-    entry = timed() if key is None else disk_cache.cached(CALLS_FILE, key, timed, usable)
+    entry = contention.kept(CALLS_FILE, _cpu_key(*fields), threads, measure, "s")
     if entry["busy"] is not None:
         BUSY_MEASURED[json.dumps(fields)] = entry["busy"]
     return float(entry["s"])
