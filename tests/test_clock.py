@@ -183,12 +183,13 @@ def test_float8_pays_where_its_weight_casts_spread_over_enough_tokens():
     # Each FSDP gather casts the whole converted weight (9 bytes a parameter eager): at one
     # sequence of 2048 tokens that takes back the matmuls' saving, at 16 it does not, and
     # compiled (the amax folded into the producer's kernel) float8 pays more.
+    # On the datasheet's rates (the H100 has no measured table): the rule, not a table's entries.
     spec = LlamaSpec(resolve_shape(ModelConfig(preset="1b"), None))
-    h200 = gpu("h200", None)
+    h100 = gpu("h100", None)
     ratio = lambda mb, **train: (
-        _time(spec, Setup("fsdp", 1, mb, 2048, "bf16"), h200, **train).total
+        _time(spec, Setup("fsdp", 1, mb, 2048, "bf16"), h100, **train).total
         / _time(  # noqa: E731
-            spec, Setup("fsdp", 1, mb, 2048, "bf16", float8=True), h200, **train
+            spec, Setup("fsdp", 1, mb, 2048, "bf16", float8=True), h100, **train
         ).total
     )
     assert ratio(1) < 1.01 and 1.05 < ratio(16) < ratio(16, compile="true")
@@ -310,3 +311,48 @@ def test_a_calibration_on_a_busy_machine_says_so():
     line = busy(1e9, 1e9, others=1.8)
     assert "busy" in line and "1.8" in line and "calibrate again" in line and "\n" not in line
     assert "busy" in busy(1e9, 0.5e9)  # the matmul before and after, as before
+
+
+def _rates_with(table: dict) -> rates_module.Rates:
+    """The H200's prices from `table` alone (not the committed one)."""
+    h200 = gpu("h200", None)
+    return rates_module.Rates("h200", "test", True, 2e-5, 6e-5, 1e-5, 4e12, [], table, h200)
+
+
+def test_a_tables_optimizer_and_attention_are_read_as_they_were_measured():
+    # AdamW measured at two sizes: its fixed cost and bytes' rate. The first H200 table's single
+    # 32M-parameter step scaled up (1.05e12 B/s, its fixed cost scaled with it) is not used: a
+    # pass over memory at the table's bandwidth instead (~3.8e12 B/s moved in the profiled 1b step).
+    params = 1.2e9
+    assert _rates_with({"optimizer_fixed_s": 1e-3, "optimizer_bytes_per_s": 3e12}).optimizer(params, 100) == pytest.approx(
+        1e-3 + 40 * params / 3e12
+    )
+    assert _rates_with({"optimizer_bytes_per_s": 1.05e12}).optimizer(params, 100) == pytest.approx(
+        40 * params / 4e12 + 600 * 1e-5
+    )
+    # Attention at 2048 tokens, head size 64: an old table's rows measured on 2^16 / length heads
+    # (a few GFLOPs a call: launch-bound) give way to the datasheet factor; its 16k-and-longer rows
+    # serve lengths within 2x; a table measured on enough heads is read at every length.
+    call = rates_module.Call("aten._scaled_dot_product_flash_attention_backward.default", "attention", "", 1e12, 0, 1,
+                             (512, 2048, 2048, 64, 1))  # fmt: skip
+    rows = [[2048, 64, 1.1e14], [16384, 64, 4.0e14], [32768, 64, 4.1e14]]
+    datasheet = rates_module.DATASHEET_ATTENTION * gpu("h200", None).peak_flops_16
+    old = {"attention": {"forward": rows, "backward": rows}}
+    assert _rates_with(old).call(call) == pytest.approx(1e12 / datasheet)
+    long_call = replace(call, shape=(8, 18000, 18000, 64, 1))  # nearest measured: 16384
+    assert _rates_with(old).call(long_call) == pytest.approx(1e12 / 4.0e14)
+    new = {"attention": {"forward": rows, "backward": rows, "heads": "2^31 / length^2, at least 8"}}
+    assert _rates_with(new).call(call) == pytest.approx(1e12 / 1.1e14)
+
+
+def test_a_hugging_face_block_is_traced_in_the_engines_compute_dtype_and_lora_freezes_its_base():
+    # A bf16 engine's HF block was traced with fp32 weights and priced at fp32's matmul rate (a lent
+    # H200's 251 ms step predicted at 2.7 s); a LoRA run's base was traced with weight gradients.
+    llama = "{model_type: llama, hidden_size: 64, intermediate_size: 96, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 128}"
+    hf = planning_spec(load_config([], ["model.source=hf", f"model.hf_config={llama}"]))
+    work = block_work(hf, 1, 32, "pure16")
+    matmuls = [c for p in (work.forward, work.backward) for c in p.of("matmul")]
+    assert matmuls and {c.dtype for c in matmuls} == {"bfloat16"}
+    lora = planning_spec(load_config([], ["model.source=hf", f"model.hf_config={llama}", "model.lora={r: 4}"]))
+    full, frozen = (sum(c.count for c in block_work(s, 1, 32, "pure16").backward.of("matmul")) for s in (hf, lora))
+    assert frozen < full  # no weight gradients: the inputs' gradients alone

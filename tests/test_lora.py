@@ -109,3 +109,27 @@ def test_an_adapter_export_of_a_run_without_lora_says_what_is_accepted(tmp_path)
     with pytest.raises(UserError, match=r"was not trained with model.lora; accepted: --lora merged \(the default\)"):
         export_adapter(tmp_path / "ckpt", tmp_path / "out", None, export_target(plain, 16))  # type: ignore[arg-type]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("source", ["hf", "builtin"])
+def test_lora_counts_each_weight_once_and_its_frozen_base_without_weight_gradients(source):
+    # A lent H200 reported MFU 112% for LoRA on the 1b shape: PEFT's layer answers `.weight` with
+    # its base layer's, which counted every adapted weight twice, and the frozen base was counted
+    # at 6 FLOPs per parameter and token where it costs 4 (no weight gradient).
+    shape = (
+        ["model.source=hf", f"model.hf_config={json.dumps(LLAMA | {'vocab_size': 64})}"]
+        if source == "hf"
+        else ["model.vocab_size=64"]
+    )
+    plain = model_spec(load_config([], shape), 64).counts()
+    spec = model_spec(load_config([], [*shape, "model.lora={r: 4, target_modules: []}"]), 64)
+    lora = spec.counts()
+    adapters = lora.total - plain.total
+    assert adapters > 0 and lora.trainable == adapters  # only the adapters train
+    assert lora.matmul == plain.matmul + adapters  # each base weight once, the adapters beside
+    assert lora.frozen_matmul == plain.matmul and plain.frozen_matmul == 0
+    # What telemetry's MFU counts per token: 4 per frozen weight, 6 per adapter weight, attention as before.
+    attention = model_spec(load_config([], shape), 64).flops_per_token(32) - 6 * plain.matmul
+    counted = spec.flops_per_token(32) - 2 * lora.frozen_matmul
+    assert counted == pytest.approx(4 * plain.matmul + 6 * adapters + attention)

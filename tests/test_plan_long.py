@@ -187,7 +187,9 @@ def test_auto_plans_ulysses_for_a_hugging_face_model_whose_sequence_fits_no_rank
             "--gpu-memory", "80GiB", "--json"]  # fmt: skip
     assert main(args) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["chosen"] == "fsdp + cp 4 (ulysses) + AC"
+    # Without activation checkpointing since the HF block is traced in bf16 as the engine runs it
+    # (in fp32 until 2026-11-29, twice its activations: "+ AC" was needed then).
+    assert plan["chosen"] == "fsdp + cp 4 (ulysses)"
     with_cp = [c["strategy"] for c in plan["candidates"] if " cp " in c["strategy"]]
     assert with_cp and all("(ulysses)" in c and "cp 8" not in c for c in with_cp), with_cp
     assert not [c for c in plan["candidates"] if c["fits"] and " cp " not in c["strategy"]]

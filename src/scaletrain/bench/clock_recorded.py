@@ -64,6 +64,9 @@ def recorded_runs(root: Path) -> list[Recorded]:
             if "train" not in args or not data.get("step_s") or data.get("device", "cuda") != "cuda":
                 continue
             overrides = tuple(a for a in args[args.index("train") + 1 :] if not a.startswith(_RUN_ONLY))
+            # The defaults the run applied, where its row records them (scripts/gpu_peers.py): the
+            # run is planned as it ran, not as today's defaults would resolve its command.
+            overrides += tuple(data.get("resolved") or ())
             device = env.get("device_name") or row.get("device_name") or "NVIDIA H100"
             memory = int(env.get("device_memory") or row.get("device_memory") or 80 * 2**30)
             out.append(Recorded(str(results.relative_to(root)), row["name"], device, memory, overrides, float(data["step_s"])))

@@ -1,6 +1,6 @@
 """The popular trainers on the same work as scaletrain, for `scaletrain bench --peers`:
 
-    torchrun --nproc-per-node N -m scaletrain.bench.peers {hf-trainer|accelerate} RESOLVED.yaml RESULT.json
+    torchrun --nproc-per-node N -m scaletrain.bench.peers {hf-trainer|accelerate} RESOLVED.yaml RESULT.json [--liger]
 
 The model is the Hugging Face Llama of the built-in model's exact shape (the config's
 model section says so; runner.hf_model_of), built and initialised as scaletrain builds it,
@@ -12,6 +12,10 @@ accumulation, precision, learning-rate schedule, AdamW settings and clipping.
 - hf-trainer: `Trainer` with `TrainingArguments`; for a ZeRO strategy the DeepSpeed JSON
   scaletrain generates is passed as `deepspeed=` (same engine settings; Trainer builds the
   engine through Accelerate).
+  As its documentation recommends for speed: `torch_compile` where the config compiles,
+  fused AdamW (`adamw_torch_fused`) on CUDA, `use_liger_kernel` with `--liger`; where the
+  config has `model.lora`, PEFT's `LoraConfig` on the same modules (the base loaded in the
+  run's precision, as PEFT's guides load it: frozen weights need no fp32 copy).
 - accelerate: `Accelerator(gradient_accumulation_steps=...)`, `prepare`, `accumulate`,
   `backward`, `clip_grad_norm_`: its documented loop. DDP only.
 
@@ -56,31 +60,46 @@ class Windows(torch.utils.data.Dataset):
 
 
 def main(argv: list[str]) -> int:
-    which, config_path, out = argv
+    which, config_path, out, *flags = argv
+    unknown = set(flags) - {"--liger"}
+    if unknown or (flags and which != "hf-trainer"):
+        raise SystemExit(f"peers: {' '.join(flags)} not accepted for {which}; accepted: --liger with hf-trainer")
     cfg = load_config([config_path])
     data = PackedTokens(resolve_dataset_dir(cfg.data)[0], cfg.data.seq_len, cfg.train.seed)
-    spec = model_spec(cfg, data.vocab_size, data.eos_id)
+    # The base model: a LoRA config's adapters are the peer's own (PEFT, below), not scaletrain's.
+    base = cfg if cfg.model.lora is None else cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
+    spec = model_spec(base, data.vocab_size, data.eos_id)
     cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     model = spec.build_meta(cfg.data.seq_len)
     spec.materialize(model, device, cfg.train.seed)  # scaletrain's initial weights
     world = int(os.environ.get("WORLD_SIZE", "1"))
     examples = Windows(data, cfg.train.steps * global_batch(cfg.train, world))
-    run = hf_trainer if which == "hf-trainer" else accelerate_loop
-    intervals, losses = run(cfg, model, examples, Path(out).parent, cuda)
+    counts: dict[str, int] = {}
+    if which == "hf-trainer":
+        intervals, losses = hf_trainer(cfg, model, examples, Path(out).parent, cuda, liger="--liger" in flags, counts=counts)
+    else:
+        intervals, losses = accelerate_loop(cfg, model, examples, Path(out).parent, cuda)
     peak = torch.tensor(float(peak_bytes(device)), device=device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
     if int(os.environ.get("RANK", "0")) == 0:
-        result = {"loop": which, "engine": cfg.parallel.strategy, "intervals": intervals, "losses": losses}
+        result = {"loop": which, "engine": cfg.parallel.strategy, "intervals": intervals, "losses": losses, **counts}
         Path(out).write_text(json.dumps(result | {"peak_bytes": int(peak.item()), "world_size": world}))
     return 0
 
 
-def hf_trainer(cfg: Config, model: Any, examples: Windows, out: Path, cuda: bool) -> tuple[list[Any], list[Any]]:
+def hf_trainer(
+    cfg: Config, model: Any, examples: Windows, out: Path, cuda: bool, liger: bool = False, counts: dict[str, int] | None = None
+) -> tuple[list[Any], list[Any]]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     t = cfg.train
+    if cfg.model.lora is not None:
+        model = peft_model(cfg, model)
+    if counts is not None:  # what the peer trains: the same as scaletrain's run of this config
+        counts["params"] = sum(p.numel() for p in model.parameters())
+        counts["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ds = None
     if strategy(cfg.parallel.strategy).deepspeed_json:  # HF Trainer drives it through DeepSpeed
         from scaletrain.engines.deepspeed_config import build_deepspeed_config
@@ -128,10 +147,27 @@ def hf_trainer(cfg: Config, model: Any, examples: Windows, out: Path, cuda: bool
         remove_unused_columns=False,  # shift_labels goes to the model's loss
         disable_tqdm=True,
         dataloader_num_workers=0,
+        torch_compile=t.compile,
+        optim="adamw_torch_fused" if cuda else "adamw_torch",
+        use_liger_kernel=liger,
     )
     clock = Clock()
     Trainer(model=model, args=args, train_dataset=examples, callbacks=[clock]).train()
     return clock.intervals, clock.losses
+
+
+def peft_model(cfg: Config, model: Any) -> Any:
+    """The model with PEFT's adapters on the config's LoRA modules, its base in the run's
+    precision (bf16 or fp16: PEFT's guides load the base so; the adapters stay fp32)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = cfg.model.lora
+    assert lora is not None
+    if cfg.precision in ("bf16", "fp16"):
+        model = model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision])
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules or None, task_type="CAUSAL_LM")  # fmt: skip
+    return get_peft_model(model, config)
 
 
 def accelerate_loop(cfg: Config, model: Any, examples: Windows, out: Path, cuda: bool) -> tuple[list[Any], list[Any]]:

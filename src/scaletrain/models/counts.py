@@ -32,6 +32,16 @@ class ModelCounts:
     expert_layers: int = 0  # blocks that hold such stacked expert weights
 
     @property
+    def frozen_matmul(self) -> int:
+        """Matmul parameters that do not train (a LoRA base, model.trainable's others): each costs
+        4 FLOPs per token, not 6 (forward and the input's gradient; no weight gradient). The
+        trainable ones are taken as matmul weights (adapters are; a trained norm's few
+        elements are counted frozen-side short)."""
+        if not 0 < self.trainable < self.total:
+            return 0
+        return max(0, self.matmul - self.trainable)
+
+    @property
     def largest(self) -> int:
         return max(self.numels)
 
@@ -46,13 +56,14 @@ def counts_of(spec: Any) -> ModelCounts:
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     embedding = sum(distinct[i].numel() for i in embedding_ids)
     # Every 2-D weight outside an embedding table multiplies activations: nn.Linear, and
-    # the same under other names (GPT-2's Conv1D); a tied head counts again here.
-    linear_weights = [
-        w
+    # the same under other names (GPT-2's Conv1D); a tied head counts again here. Each tensor
+    # once: PEFT's LoRA layer answers `.weight` with its base layer's, which is a module too.
+    linear_weights = {
+        id(w): w
         for m in model.modules()
         if isinstance(w := getattr(m, "weight", None), torch.Tensor) and w.dim() == 2
         if not isinstance(m, nn.Embedding)
-    ]
+    }.values()
     output = _output_head(model)
     untied_output = output.weight.numel() if output is not None and id(output.weight) not in embedding_ids else 0
     return ModelCounts(

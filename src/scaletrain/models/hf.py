@@ -166,12 +166,16 @@ class HFSpec:
 
     def _build(self, conf: Any) -> nn.Module:
         tf = transformers_module()
-        # fp32 parameters: the engines keep fp32 masters and cast for compute themselves.
+        # Parameters in torch's default dtype: fp32 for a run (the engines keep fp32 masters and
+        # cast for compute themselves); the planner's traces set the regime's compute dtype (a
+        # bf16 engine's block traced in fp32 priced its matmuls at fp32's rate: 10x the step).
         # sdpa: torch's fused attention, on every device.
         # A copy of the config: transformers keeps the one it is given as the model's own,
         # and a later build (the trainer's layout, a traced block) would set its attention
         # back on a model already built (cp_mode=ulysses sets its own, apply_cp).
-        return tf.AutoModelForCausalLM.from_config(copy.deepcopy(conf), dtype=torch.float32, attn_implementation="sdpa")
+        return tf.AutoModelForCausalLM.from_config(
+            copy.deepcopy(conf), dtype=torch.get_default_dtype(), attn_implementation="sdpa"
+        )
 
     def build_meta(self, max_seq_len: int) -> nn.Module:
         if self.max_positions is not None and max_seq_len > self.max_positions:
@@ -511,6 +515,14 @@ def _captured_block(spec: HFSpec, seq_len: int) -> nn.Module:
     """The first decoder layer of a one-layer copy, and what the model passes it for a
     [1, seq_len] batch (run under the caller's FakeTensorMode: nothing is allocated)."""
     model = spec._build(spec._one_layer())
+    # Frozen as the run's model is (build_meta): a frozen weight's gradient is never computed,
+    # and the trace prices what runs (LoRA's base was priced at its full backward: +68%). LoRA's
+    # adapters themselves are left out (peft cannot swap layers under FakeTensorMode): rank-r
+    # products beside each d x d one, ~r/d of its FLOPs.
+    if spec.lora is not None:
+        model.requires_grad_(False)  # the base: peft freezes all of it (model.trainable aside, a few norms)
+    else:
+        freeze_all_but(model, trainable_patterns(spec.trainable, None))
     return first_call(model, next(decoder_layers(model).children()), seq_len, _CapturedCall)
 
 

@@ -232,6 +232,12 @@ def matmul_shapes(models: list[Any], tokens: tuple[int, ...] = (2048, 16384)) ->
     return sorted(shapes)
 
 
+def attention_heads(length: int) -> int:
+    """Heads of one attention call in the calibration: about 2^31 x head size causal FLOPs at
+    length up to 16384 (512 heads at 2048 tokens), 8 heads beyond."""
+    return max(8, (1 << 31) // (length * length))
+
+
 def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, Any]:
     """This GPU's table: matmuls at the models' shapes (bf16 and fp32), FlashAttention by
     length and head size through SDPA, copy bandwidth by size, the host's cost per operation
@@ -257,24 +263,31 @@ def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, An
         for m, n, k in shapes:
             a = torch.randn(m, k, device=device, dtype=dtype)
             b = torch.randn(k, n, device=device, dtype=dtype)
-            seconds = median_seconds(lambda: a @ b, repeats=5, sync=sync)  # noqa: B023 - called within this iteration
+            # Back to back, as a step runs them: one call between syncs measured 615 TFLOP/s at the 1b
+            # preset's largest shapes where its profiled step ran its matmuls at ~730 (the first table).
+            once = median_seconds(lambda: a @ b, repeats=3, sync=sync)  # noqa: B023 - called within this iteration
+            burst = max(1, min(20, int(2e-3 / max(once, 1e-6))))
+            seconds = median_seconds(lambda: [a @ b for _ in range(burst)], repeats=5, sync=sync) / burst  # noqa: B023
             rows.append([m, n, k, 2.0 * m * n * k / seconds])
         table["matmul"][str(dtype).removeprefix("torch.")] = rows
     say(f"matmuls: {len(shapes)} shapes in bf16 and fp32")
     for d in ATTENTION_HEADS_DIMS:
         for t in ATTENTION_LENGTHS:
-            heads = max(1, (1 << 16) // t)  # about the same work at each length
+            # As many heads as a training micro-batch gives the kernel (16 x 32 at 2048 tokens): the
+            # first table (2026-11-29) used 2^16 / t, a few GFLOPs at short lengths, launch-bound.
+            heads = attention_heads(t)
             q, key, v = (torch.randn(1, heads, t, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
             flops = 2 * 2.0 * heads * t * (t + 1) / 2 * d  # the causal kernel's two products
 
             def forward() -> torch.Tensor:
                 return scaled_dot_product_attention(q, key, v, is_causal=True)  # noqa: B023 - called within this iteration
 
-            seed = torch.ones_like(q)
+            out, seed = forward(), torch.ones_like(q)
             fwd = median_seconds(forward, repeats=5, sync=sync)
-            both = median_seconds(lambda: forward().backward(seed), repeats=5, sync=sync)  # noqa: B023
+            bwd = median_seconds(lambda: out.backward(seed, retain_graph=True), repeats=5, sync=sync)  # noqa: B023
             table["attention"]["forward"].append([t, d, flops / fwd])
-            table["attention"]["backward"].append([t, d, 2.5 * flops / max(both - fwd, 1e-9)])
+            table["attention"]["backward"].append([t, d, 2.5 * flops / bwd])
+    table["attention"]["heads"] = "2^31 / length^2, at least 8"
     say("attention: SDPA by length and head size")
     rows = []
     for size in BANDWIDTH_SIZES:
@@ -285,8 +298,13 @@ def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, An
     table["memory_bytes_per_s"] = rows[-1][1]
     tiny = torch.empty(1, device=device)
     table["launch_s"] = median_seconds(lambda: [tiny.add_(1) for _ in range(100)], sync=sync) / 100
-    params = 100_000_000
-    table["optimizer_bytes_per_s"] = 40.0 * params / optimizer_seconds(params, 64, device)
+    # Two sizes, whole: the bytes' rate from their difference, the rest a fixed cost per step (the
+    # first table scaled one 32M-parameter step up linearly, its fixed cost with it: 1.05e12 B/s
+    # where the 1b preset's profiled AdamW moved ~3.8e12).
+    small, large = 64 << 20, 256 << 20
+    t_small, t_large = (optimizer_seconds(n, 64, device, cap=n) for n in (small, large))
+    table["optimizer_bytes_per_s"] = 40.0 * (large - small) / max(t_large - t_small, 1e-9)
+    table["optimizer_fixed_s"] = max(0.0, t_small - 40.0 * small / table["optimizer_bytes_per_s"])
     table["host_op_s"], table["host_op_tp_s"] = _cuda_host_op(False), _cuda_host_op(True)
     say(f"host: {table['host_op_s'] * 1e6:.1f} us per operation ({table['host_op_tp_s'] * 1e6:.1f} under tensor parallel)")
     after = matmul_rate(4096, device, torch.bfloat16)
@@ -305,7 +323,12 @@ def _cuda_host_op(tensor_parallel: bool) -> float:
 
     spec = model_spec(load_config([], ["model.preset=tiny"]), 256)
     work = block_work(spec, 1, 8, "fp32")
-    with torch.device("cuda"):
-        run = _tp_block(spec, 8, "cuda") if tensor_parallel else _plain_block(spec, 8)
+    # Not under a CUDA default device for tensor parallel: its weights are drawn on the host from
+    # per-name CPU generators (as every run's are), then copied; the block's inputs name their device.
+    if tensor_parallel:
+        run = _tp_block(spec, 8, "cuda")
+    else:
+        with torch.device("cuda"):
+            run = _plain_block(spec, 8)
     real = median_seconds(run, repeats=31, sync=torch.cuda.synchronize)
     return real / (work.forward.dispatched + work.backward.dispatched)

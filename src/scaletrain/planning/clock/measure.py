@@ -35,13 +35,13 @@ def copy_bandwidth(device: str = "cpu") -> float:
     return 2 * 4 * n / median_seconds(lambda: dst.copy_(src), sync=sync)
 
 
-def optimizer_seconds(params: int, tensors: int, device: str = "cpu") -> float:
+def optimizer_seconds(params: int, tensors: int, device: str = "cpu", cap: int = 32 << 20) -> float:
     """One AdamW step (fused where torch has the kernel) and gradient clipping over `params`
-    fp32 parameters in `tensors` equal tensors; past 32M parameters measured at 32M and
-    scaled (the step is a pass over memory: linear in the parameters)."""
+    fp32 parameters in `tensors` equal tensors; past `cap` parameters measured at `cap` and
+    scaled (on a CPU the step is a pass over memory, linear in the parameters; a GPU's fixed
+    cost per step is not, so calibrate_gpu measures two sizes whole)."""
     from torch.utils import _foreach_utils
 
-    cap = 32 << 20
     scale = max(1.0, params / cap)
     n = max(1, int(params / scale))
     k = max(1, min(tensors, n))
@@ -109,8 +109,8 @@ def _tp_block(spec: Any, tokens: int, device_type: str) -> Callable[[], None]:
     cos, sin = model.rope_cos[:tokens], model.rope_sin[:tokens]
     # The residual stream between blocks is each rank's local shard of the sequence (the
     # plan's layers return local tensors), as in the model.
-    x = torch.randn(1, tokens, spec.hidden_size, requires_grad=True)
-    seed = torch.ones(1, tokens, spec.hidden_size)
+    x = torch.randn(1, tokens, spec.hidden_size, device=device_type, requires_grad=True)
+    seed = torch.ones(1, tokens, spec.hidden_size, device=device_type)
 
     def run() -> None:
         block(x.clone(), cos, sin).backward(seed)

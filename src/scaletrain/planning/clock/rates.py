@@ -125,8 +125,11 @@ class Rates:
             return 0.0
         if self.kind == "cpu":
             return _measured_optimizer(int(params), tensors, self._threads)
-        rate = self._table.get("optimizer_bytes_per_s") or self.memory_bw
-        return 40.0 * params / rate + 6 * tensors * self.launch
+        if "optimizer_fixed_s" in self._table:  # measured at two sizes (calibrate_gpu)
+            return float(self._table["optimizer_fixed_s"]) + 40.0 * params / float(self._table["optimizer_bytes_per_s"])
+        # The datasheet, or a table of one small step scaled up (its fixed cost scaled with it):
+        # a pass over memory at the measured bandwidth, a few launches per tensor.
+        return 40.0 * params / self.memory_bw + 6 * tensors * self.launch
 
     def engine(self, strategy: str) -> dict[str, float]:
         """The engine's own host seconds per unit it wraps (`scaletrain plan --calibrate`'s
@@ -177,8 +180,13 @@ class Rates:
         entries = self._table.get("attention", {})
         direction = "backward" if "backward" in c.op else "forward"
         rows = entries.get(direction)
+        bh, tq, tk, d, causal = c.shape
+        if rows and "heads" not in entries:
+            # The first table measured 2^16 / length heads: below 1e11 FLOPs a call the kernel's
+            # launch, not its rate (2048 tokens: 112-145 TFLOP/s, where the 1b preset's profile ran
+            # FlashAttention at ~26% of the peak): only lengths measured at such work, within 2x.
+            rows = [r for r in rows if 2.0 * 65536 * r[0] * r[1] >= 1e11 and 0.5 <= r[0] / max(tq, 1) <= 2]
         if rows:
-            bh, tq, tk, d, causal = c.shape
             return _nearest_rate(rows, (tq, d))
         assert self._device is not None
         return DATASHEET_ATTENTION * self._device.peak_flops_16
