@@ -6,9 +6,15 @@ expected.json), with what the uninterrupted run logged after step 2 and the dige
 tensor it held at step 4. Resuming that checkpoint with this version must give the same
 losses, gradient norms and learning rates, as the same floats, and the same tensors.
 
-Bit-exact on any x86-64 CPU: the fixture was made, and is resumed, with ATen's portable
-kernels, MKL's reproducible path and one thread (make.sh says why); under avx2 and avx512
-kernels without those pins its step-4 weights differed.
+Bit-exact on the x86-64 CPUs it was checked on: the fixture was made, and is resumed, with
+ATen's portable kernels, MKL's reproducible path and one thread (make.sh says why); under avx2
+and avx512 kernels without those pins its step-4 weights differed. Not on every CPU: on a
+Sapphire Rapids machine (AMX, 2026-11-29) the resume gave the same losses and step 3's gradient
+norm to the bit, and step 4's norm one fp32 ulp off (1.552952528 for 1.552952647), the commits
+before this session's too, whatever oneDNN's ISA or MKL's instruction set was pinned to. So
+where step 4 rounds differently the rows are held to 4 ulps (a norm over 81 tensors summed in
+another order: a few ulps; a lost optimizer state or schedule moves step 4's loss by percents)
+and the final tensors, whose hashes cannot be near, are not compared.
 """
 
 from __future__ import annotations
@@ -49,7 +55,15 @@ def test_a_checkpoint_of_main_before_trainer_state_resumes_bit_exactly(tmp_path)
 
     digest = _digest_module()
     rows = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]  # this run's: the steps after the checkpoint
-    assert [{k: r[k] for k in digest.FIELDS} for r in rows] == expected["rows"]
+    got_rows = [{k: r[k] for k in digest.FIELDS} for r in rows]
+    if got_rows != expected["rows"]:  # a CPU that rounds otherwise (module docstring)
+        assert [(r["step"], r["lr"], r["tokens"]) for r in got_rows] == [
+            (r["step"], r["lr"], r["tokens"]) for r in expected["rows"]
+        ]
+        for got_row, want in zip(got_rows, expected["rows"], strict=True):
+            for key in ("loss", "grad_norm"):
+                assert got_row[key] == pytest.approx(want[key], rel=4 * 2**-23), (got_row, want)
+        return
     final = expected["rows"][-1]["step"]
     got = digest.state_digests(run / "checkpoints" / f"step_{final}" / "state")
     assert got.keys() == expected["final_state"].keys()
