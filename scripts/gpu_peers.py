@@ -73,7 +73,9 @@ def shapes(tiny: bool) -> dict[str, tuple[str, ...]]:
         # (6.9B parameters, 1.3B active); AdamW's states ~110 GB: an H200.
         moe = ("model.preset=1b", "model.vocab_size=50304", "model.n_heads=16", "model.n_kv_heads=16",
                "model.moe={experts: 64, top_k: 8, expert_ffn_dim: 1024}", "parallel.activation_checkpointing=true")  # fmt: skip
-    common = (*run, "precision=bf16", "checkpoint.every=0", "train.resume=never")
+    # bf16 on a GPU; the CPU stand-in in fp32: torch's bf16 CPU kernels need its native vector
+    # kernels on some CPUs (under ATEN_CPU_CAPABILITY=default an AMX machine failed: pack_vnni2).
+    common = (*run, "precision=fp32" if tiny else "precision=bf16", "checkpoint.every=0", "train.resume=never")
     hf = (*common, "model.source=hf", f"model.hf_config={llama}")
     return {"builtin": (*common, *builtin), "hf": hf, "lora": (*hf, f"model.lora={{r: 16, alpha: 32, target_modules: {LINEARS}}}"),
             "moe": (*common, *moe), "run": run}  # fmt: skip
