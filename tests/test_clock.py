@@ -17,7 +17,7 @@ from scaletrain.models import LlamaSpec, resolve_shape
 from scaletrain.planning import planning_spec
 from scaletrain.planning.clock import rates as rates_module
 from scaletrain.planning.clock.calibrate import monotone
-from scaletrain.planning.clock.compute import tp_rank_model
+from scaletrain.planning.clock.compute import micro_batch, tp_rank_model
 from scaletrain.planning.clock.rates import _interpolate, load_table, rates_for
 from scaletrain.planning.clock.replay import arguments, seconds
 from scaletrain.planning.clock.step import step_time
@@ -343,6 +343,38 @@ def test_a_tables_optimizer_and_attention_are_read_as_they_were_measured():
     assert _rates_with(old).call(long_call) == pytest.approx(1e12 / 4.0e14)
     new = {"attention": {"forward": rows, "backward": rows, "heads": "2^31 / length^2, at least 8"}}
     assert _rates_with(new).call(call) == pytest.approx(1e12 / 1.1e14)
+    # Past the longest length measured, the longest's rate (a floor: the kernel's rate does not
+    # fall with the length), in both formats, not the datasheet factor; a call traced at 16k tokens
+    # priced for 193,536 runs at the rate of that length, not of the traced one.
+    longer = replace(call, shape=(8, 193536, 193536, 64, 1))
+    assert _rates_with(old).call(longer) == pytest.approx(1e12 / 4.1e14)
+    assert _rates_with(new).call(longer) == pytest.approx(1e12 / 4.1e14)
+    traced = replace(call, shape=(8, 16384, 16384, 64, 1))
+    assert _rates_with(old).call(traced) == pytest.approx(1e12 / 4.0e14)
+    assert _rates_with(old).call(traced, 193536) == pytest.approx(1e12 / 4.1e14)
+
+
+def test_a_sequence_traced_shorter_is_priced_at_its_own_lengths_attention_rate():
+    # The 1b preset at 193,536 tokens is traced at 16,384 and its attention scaled by the square of
+    # the length: the kernel runs at the whole length, so the table's rate there (the longest
+    # measured: 32k) prices it, not the 16k row's (30% slower in the first H200 table).
+    cfg = load_config([], ["model.preset=1b", "data.seq_len=193536", "train.micro_batch=1", "precision=bf16",
+                           "parallel.strategy=fsdp", "parallel.activation_checkpointing=true"])  # fmt: skip
+    model = planning_spec(cfg)
+    s = setups_for(cfg, 1, 1, False, model)[0]
+    assert s.strategy == "fsdp" and s.activation_checkpointing and s.seq_len == 193536
+
+    def step(rows: list[list[float]]) -> float:
+        table = {"attention": {"forward": rows, "backward": rows, "heads": "2^31 / length^2, at least 8"}}
+        mb = micro_batch(model, s, _rates_with(table), False)
+        return mb.forward + mb.backward
+
+    both = step([[16384, 64, 2.0e14], [32768, 64, 4.0e14]])
+    short = step([[16384, 64, 2.0e14]])
+    # At half the rate the attention's seconds come again: it is most of such a step (~90%).
+    attention = short - both
+    assert 0.8 * both < attention < both, (both, short)
+    assert step([[16384, 64, 4.0e14], [32768, 64, 2.0e14]]) == pytest.approx(short)
 
 
 def test_a_hugging_face_block_is_traced_in_the_engines_compute_dtype_and_lora_freezes_its_base():
@@ -356,3 +388,28 @@ def test_a_hugging_face_block_is_traced_in_the_engines_compute_dtype_and_lora_fr
     lora = planning_spec(load_config([], ["model.source=hf", f"model.hf_config={llama}", "model.lora={r: 4}"]))
     full, frozen = (sum(c.count for c in block_work(s, 1, 32, "pure16").backward.of("matmul")) for s in (hf, lora))
     assert frozen < full  # no weight gradients: the inputs' gradients alone
+
+
+def test_a_gpus_engine_hooks_cost_a_small_models_step_and_hide_behind_a_large_ones():
+    # A GPU table's engine probe (zero3: 1 ms of host per parameter tensor, made up for the test):
+    # the host queues kernels ahead, so the hooks show where the host's work outlasts the kernels
+    # (the small preset at 512 tokens) and hide behind a 1b micro-batch's 16k tokens of matmuls.
+    from scaletrain.planning.clock import engines
+
+    per = {"zero3": {"per": 38, "forward_backward_s": 1e-3, "step_s": 1e-4}}
+    with_hooks, without = _rates_with({"engines": per}), _rates_with({"measured": "2026-11-29"})
+
+    def hooks(overrides: list[str]) -> tuple[float, float, int]:
+        cfg = load_config([], ["parallel.strategy=zero3", "precision=bf16", *overrides])
+        model = planning_spec(cfg)
+        s = setups_for(cfg, 1, 1, False, model)[0]
+        mb = micro_batch(model, s, with_hooks, False)
+        a = engines.engine_work(model, s, with_hooks, mb, 1, 1)
+        b = engines.engine_work(model, s, without, mb, 1, 1)
+        assert any("not in the h200 table" in n for n in b.notes)
+        return a.forward + a.backward - b.forward - b.backward, a.optimizer - b.optimizer, len(model.counts().numels)
+
+    small, step, tensors = hooks(["model.preset=small", "data.seq_len=256", "train.micro_batch=2"])
+    assert small == pytest.approx(tensors * 1e-3) and step == pytest.approx(tensors * 1e-4)
+    large, _, tensors = hooks(["model.preset=1b", "data.seq_len=2048", "train.micro_batch=8"])
+    assert large < 0.05 * tensors * 1e-3

@@ -1,6 +1,10 @@
-"""What each engine adds to a step beside the model's own work, measured on this CPU on a
-model too small to compute: `scaletrain plan --calibrate` keeps it for the planner's clock
-(planning/clock/engines.py prices it per unit each engine wraps)."""
+"""What each engine adds to a step beside the model's own work, measured on a model too
+small to compute, on this CPU or (a GPU's `--calibrate`) on the GPU: `scaletrain plan
+--calibrate` keeps it for the planner's clock (planning/clock/engines.py prices it per unit
+each engine wraps). On a GPU the probe's kernels are microseconds, so what it times is the
+host's work: the engines' hooks, bookkeeping and launches, which a small model's step waits
+on (the `small` engine checks of docs/gpu/: fsdp 53 ms and zero3 166 ms where the plain
+engine took 36)."""
 
 from __future__ import annotations
 
@@ -14,20 +18,26 @@ import torch
 
 from scaletrain.strategies import TABLE
 
-# The probe: the tiny preset at 8 tokens in fp32 on one rank (its compute is ~1 ms), each
-# engine's step against the plain one's at world 1 (the model and AdamW, no wrapper).
-PROBE = ("model.preset=tiny", "data.seq_len=8", "train.micro_batch=1", "precision=fp32", "run.device=cpu")
+# The probe: the tiny preset at 8 tokens on one rank (its compute is ~1 ms on a CPU core), each
+# engine's step against the plain one's at world 1 (the model and AdamW, no wrapper): in fp32
+# on a CPU, in bf16 on a GPU (what its runs train in).
 PROBE_STEPS = 15
 
 
-def engine_overheads(say: Any) -> dict[str, dict[str, float]]:
-    """`measured()` in a process of its own (it makes process groups and sets the launcher's
-    variables, which the caller's later runs must not inherit), with a line per engine."""
+def probe(device: str = "cpu") -> tuple[str, ...]:
+    precision = "bf16" if device == "cuda" else "fp32"
+    return ("model.preset=tiny", "data.seq_len=8", "train.micro_batch=1", f"precision={precision}", f"run.device={device}")
+
+
+def engine_overheads(say: Any, device: str = "cpu") -> dict[str, dict[str, float]]:
+    """`measured(device)` in a process of its own (it makes process groups and sets the
+    launcher's variables, which the caller's later runs must not inherit), with a line per
+    engine."""
     import json
     import subprocess
     import sys
 
-    code = "import json; from scaletrain.bench.engine_overhead import measured; print(json.dumps(measured()))"
+    code = f"import json; from scaletrain.bench.engine_overhead import measured; print(json.dumps(measured({device!r})))"
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if proc.returncode:
@@ -43,12 +53,13 @@ def engine_overheads(say: Any) -> dict[str, dict[str, float]]:
     return out
 
 
-def measured() -> dict[str, dict[str, float]]:
-    """What each engine adds to a step beside the model's own work, on this CPU at one
-    thread, on a model too small to compute: seconds per unit it wraps (FSDP: each block
-    and the root; DeepSpeed: each parameter tensor, which its hooks visit and ZeRO-3
-    gathers and releases), in forward with backward and
-    in the optimizer's step (planning/clock/engines.py adds them per micro-batch and step)."""
+def measured(device: str = "cpu") -> dict[str, dict[str, float]]:
+    """What each engine adds to a step beside the model's own work, on `device` (a CPU at
+    one thread), on a model too small to compute: seconds per unit it wraps (FSDP: each
+    block and the root; DeepSpeed: each parameter tensor, which its hooks visit and ZeRO-3
+    gathers and releases), in forward with backward and in the optimizer's step
+    (planning/clock/engines.py adds them per micro-batch and step). A GPU's queue is waited
+    on after each part, so that what the host queued ahead counts where it ran."""
 
     from scaletrain.config import load_config
     from scaletrain.config.parallel import dims_for
@@ -58,7 +69,10 @@ def measured() -> dict[str, dict[str, float]]:
     from scaletrain.optim.optimizers import decay_groups
     from scaletrain.optim.schedule import lr_at
 
-    torch.set_num_threads(1)
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if not cuda:
+        torch.set_num_threads(1)
     # One rank as a launcher would describe it (DeepSpeed asks for LOCAL_RANK; FSDP's group
     # of one for an address): a free port on this machine.
     with socket.socket() as sock:
@@ -72,13 +86,13 @@ def measured() -> dict[str, dict[str, float]]:
         "MASTER_PORT": str(port),
     }.items():
         os.environ.setdefault(key, value)
-    world = init_distributed("cpu", "gloo", 120)
+    world = init_distributed(device, "nccl" if cuda else "gloo", 120)
     times: dict[str, tuple[float, float]] = {}
     counts: dict[str, int] = {}
     # The plain engine (nothing partitioned: no wrapper at world 1) is the baseline.
     plain = next(r.name for r in TABLE.values() if r.partitions == 0)
     for strategy in TABLE:
-        cfg = load_config([], [*PROBE, f"parallel.strategy={strategy}"])
+        cfg = load_config([], [*probe(device), f"parallel.strategy={strategy}"])
         preload(cfg)
         spec = model_spec(cfg, 256)
         engine = build_engine(spec, world, dims_for(cfg.parallel, 1), cfg, decay_groups(cfg.train))
@@ -86,10 +100,13 @@ def measured() -> dict[str, dict[str, float]]:
         batch = [(tokens[:, :-1], tokens[:, 1:])]
         fb, st = [], []
         for i in range(PROBE_STEPS + 3):
+            sync()
             t0 = time.perf_counter()
             engine.forward_backward(batch, spec.loss)
+            sync()
             t1 = time.perf_counter()
             engine.step(lr_at(i, cfg.train))
+            sync()
             t2 = time.perf_counter()
             if i >= 3:
                 fb.append(t1 - t0)
@@ -108,11 +125,11 @@ def measured() -> dict[str, dict[str, float]]:
     # The plain engine wraps the model in DDP where there are several ranks only: its
     # reducer's hooks (one per parameter, marking it ready and copying it into its bucket)
     # timed on a group of one, against the bare model's pass.
-    out[plain] = {"per": counts[plain], "forward_backward_s": _ddp_wrapper(PROBE) / counts[plain], "step_s": 0.0}
+    out[plain] = {"per": counts[plain], "forward_backward_s": _ddp_wrapper(device) / counts[plain], "step_s": 0.0}
     return out
 
 
-def _ddp_wrapper(overrides: tuple[str, ...]) -> float:
+def _ddp_wrapper(device: str) -> float:
     """Seconds DistributedDataParallel adds to the probe's forward and backward on a group of one."""
     import tempfile
 
@@ -123,18 +140,22 @@ def _ddp_wrapper(overrides: tuple[str, ...]) -> float:
     from scaletrain.models import model_spec
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.FileStore(tempfile.mkstemp()[1], 1), rank=0, world_size=1)
-    spec = model_spec(load_config([], list(overrides)), 256)
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.FileStore(tempfile.mkstemp()[1], 1), rank=0, world_size=1)
+    spec = model_spec(load_config([], list(probe(device))), 256)
     model = spec.build_meta(8)
-    spec.materialize(model, torch.device("cpu"), 0)
+    spec.materialize(model, torch.device(device), 0)
     wrapped = DistributedDataParallel(model, gradient_as_bucket_view=True)
-    tokens = torch.randint(0, 256, (1, 9))
+    tokens = torch.randint(0, 256, (1, 9), device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def one(m: torch.nn.Module) -> float:
         times = []
         for i in range(PROBE_STEPS + 3):
+            sync()
             t0 = time.perf_counter()
             spec.loss(m(tokens[:, :-1]), tokens[:, 1:]).backward()
+            sync()
             if i >= 3:
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)

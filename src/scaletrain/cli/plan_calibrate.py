@@ -32,6 +32,8 @@ def calibrate(cfg: Config) -> int:
         models = [planning_spec(load_config([], [f"model.preset={p}"])) for p in TABLE_PRESETS if p in PRESETS]
         models.append(planning_spec(cfg))
         table = calibrate_gpu(models, say)
+        # Each engine's own host work on this GPU (its hooks; a small model's step waits on them).
+        table["engines"] = engine_overheads(say, "cuda")
         kind = gpu_kind(table["device_name"])
         path = save_table(kind, table)
         say(

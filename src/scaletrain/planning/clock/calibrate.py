@@ -215,7 +215,9 @@ def save_calibration(values: dict[str, Any]) -> Any:
 
 
 # -- a GPU's table (clock/tables/<kind>.json) --------------------------------------------------
-ATTENTION_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+# Up to 128k tokens: a long-sequence plan (the 1b preset at 193,536 tokens) prices its attention at
+# the rate of the longest length measured (clock/rates.py), 8 heads there (~3e13 FLOPs, ~0.1 s a call).
+ATTENTION_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 ATTENTION_HEADS_DIMS = (64, 128)
 BANDWIDTH_SIZES = [1 << k for k in range(20, 31, 2)]  # 1 MiB to 1 GiB
 

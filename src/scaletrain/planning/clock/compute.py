@@ -60,6 +60,8 @@ class MicroBatch:
     largest_backward: tuple[tuple[str, float], ...]
     ops: int  # aten operations dispatched in the micro-batch
     matmul_s: float  # of forward + backward: in matmuls (float8 and tiles scale these)
+    host_forward: float = 0.0  # the host's dispatching in forward and backward (a GPU: beside its kernels)
+    host_backward: float = 0.0
 
 
 def low_dtype(precision: str) -> torch.dtype:
@@ -76,7 +78,7 @@ class Priced:
     items: tuple[tuple[str, float, bool], ...]  # its costliest calls (label, seconds, attention?)
 
 
-_PRICED: dict[tuple[int, int, bool], tuple[Pass, Rates, Priced]] = {}
+_PRICED: dict[tuple[int, int, bool, int | None], tuple[Pass, Rates, Priced]] = {}
 
 
 def forget() -> None:
@@ -85,8 +87,10 @@ def forget() -> None:
     _MATMULS.clear()
 
 
-def priced(p: Pass, rates: Rates, compiled: bool) -> Priced:
-    key = (id(p), id(rates), compiled)
+def priced(p: Pass, rates: Rates, compiled: bool, length: int | None = None) -> Priced:
+    """`p`'s calls at `rates`; `length`: the sequence its attention runs at, where it was
+    traced at a shorter one (the kernel's rate at that length: Rates.call)."""
+    key = (id(p), id(rates), compiled, length)
     hit = _PRICED.get(key)
     if hit is not None and hit[0] is p and hit[1] is rates:
         return hit[2]
@@ -95,7 +99,7 @@ def priced(p: Pass, rates: Rates, compiled: bool) -> Priced:
     for c in p.calls:
         if compiled and c.kind == "memory":
             continue
-        seconds = rates.call(c) * c.count
+        seconds = rates.call(c, length) * c.count
         if c.kind == "attention":
             attention += seconds
         else:
@@ -117,13 +121,20 @@ def priced(p: Pass, rates: Rates, compiled: bool) -> Priced:
 
 
 def price(
-    p: Pass, rates: Rates, compiled: bool, scale: float = 1.0, attention_scale: float = 1.0, host_op: float | None = None
+    p: Pass,
+    rates: Rates,
+    compiled: bool,
+    scale: float = 1.0,
+    attention_scale: float = 1.0,
+    host_op: float | None = None,
+    length: int | None = None,
 ) -> Part:
     """One pass: its calls at `rates`, matmuls and memory-bound work x `scale` (tensor
-    parallel's share, and the tokens over the traced ones), attention x `attention_scale`;
-    `host_op`: the host's cost per operation where not the plain one (tensor parallel's
-    DTensor). The host's dispatching does not scale: the same operations, larger."""
-    x = priced(p, rates, compiled)
+    parallel's share, and the tokens over the traced ones), attention x `attention_scale`
+    at its rate for `length` (the sequence as it runs, where traced shorter); `host_op`: the
+    host's cost per operation where not the plain one (tensor parallel's DTensor). The
+    host's dispatching does not scale: the same operations, larger."""
+    x = priced(p, rates, compiled, length)
     device = x.work * scale + x.attention * attention_scale
     host = x.kernels * (rates.host_op if host_op is None else host_op)
     seconds = max(device, host) if rates.asynchronous else device + host
@@ -213,8 +224,11 @@ def micro_batch(model: ModelSpec, s: Setup, rates: Rates, compiled: bool) -> Mic
     # Context parallel: a rank's attention is 1/cp of the whole sequence's (Scale.attention).
     work, attention = tp_share * size.tokens, size.attention / s.tp
     blocks = model.n_blocks / s.pp
-    bf = price(block.forward, rates, compiled, work, attention, host_op)
-    bb = price(block.backward, rates, compiled, work, attention, host_op)
+    # The attention kernel runs over the whole sequence (context parallel: every rank's queries
+    # against all of it), however short the trace: its rate is the one at that length.
+    length = s.seq_len if s.seq_len > size.seq_len else None
+    bf = price(block.forward, rates, compiled, work, attention, host_op, length)
+    bb = price(block.backward, rates, compiled, work, attention, host_op, length)
     ends = 1.0 / s.pp  # the head and the embedding: one stage's each, spread as the cut balances them
     hf, hb = (price(p, rates, False, work, host_op=host_op) for p in (head.forward, head.backward))
     ef, eb = (price(p, rates, False, work, host_op=host_op) for p in (emb.forward, emb.backward))
@@ -232,7 +246,9 @@ def micro_batch(model: ModelSpec, s: Setup, rates: Rates, compiled: bool) -> Mic
     )
     fl = _top(("block", blocks, bf), ("head", ends, hf), ("embedding", ends, ef))
     bl = _top(("block", blocks, bb), ("head", ends, hb), ("embedding", ends, eb))
-    return MicroBatch(forward, backward, fl, bl, ops, matmuls)
+    host_forward = blocks * bf.host + ends * (hf.host + ef.host)
+    host_backward = blocks * bb.host + ends * (hb.host + eb.host)
+    return MicroBatch(forward, backward, fl, bl, ops, matmuls, host_forward, host_backward)
 
 
 def _matmul_seconds(p: Pass, rates: Rates, share: float) -> float:

@@ -86,7 +86,7 @@ def engine_work(model: ModelSpec, s: Setup, rates: Rates, mb: MicroBatch, per_no
     if s.dp_replicate > 1:  # hybrid: the gradient shards all-reduced across the replicas
         t = rates.collective("all_reduce", 4 * train / n, s.dp_replicate, True)
         work.add("comm", f"hybrid all-reduce over {s.dp_replicate} replicas", t)
-    _hooks(work, model, s, rates)
+    _hooks(work, model, s, rates, mb)
     _model_parallel(work, model, s, rates, per_node, nodes)
     _offload(work, model, s, rates, mb, train, low)
     for phase in list(work.largest):
@@ -94,7 +94,7 @@ def engine_work(model: ModelSpec, s: Setup, rates: Rates, mb: MicroBatch, per_no
     return work
 
 
-def _hooks(work: EngineWork, model: ModelSpec, s: Setup, rates: Rates) -> None:
+def _hooks(work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, mb: MicroBatch) -> None:
     """The engine's own host work per unit it wraps, as measured on a model too small to
     compute (rates.engine): FSDP per block and root, DeepSpeed and DDP (several ranks) per
     parameter tensor."""
@@ -104,13 +104,21 @@ def _hooks(work: EngineWork, model: ModelSpec, s: Setup, rates: Rates) -> None:
     if not per:
         if TABLE[s.strategy].partitions and rates.kind == "cpu":
             work.notes.append(f"{s.strategy}'s own cost per unit is not calibrated on this machine (scaletrain plan --calibrate)")
+        elif TABLE[s.strategy].partitions and rates.measured:  # an unmeasured kind's note says so already
+            work.notes.append(
+                f"{s.strategy}'s own host work per unit (its hooks) is not in the {rates.kind} table: left out "
+                "(scaletrain plan --calibrate on such a GPU measures it)"
+            )
         return
     fsdp = TABLE[s.strategy].buffers == "fsdp_units"
     units = (model.n_blocks + 1) / s.pp if fsdp else len(model.counts().numels) / s.pp
     what = "each block and the root" if fsdp else "each parameter tensor"
-    fb = s.grad_accum * units * per["forward_backward_s"]
-    work.add("forward", f"{s.strategy}'s hooks on {what}", fb / 2)
-    work.add("backward", f"{s.strategy}'s hooks on {what}", fb / 2)
+    hooks = units * per["forward_backward_s"] / 2  # per pass of a micro-batch
+    for phase, host, took in (("forward", mb.host_forward, mb.forward), ("backward", mb.host_backward, mb.backward)):
+        # A GPU's host queues kernels ahead: its hooks cost the step only where the host's work,
+        # theirs added, outlasts the pass's kernels (a small model's step; a large one hides them).
+        shows = max(0.0, host + hooks - took) if rates.asynchronous else hooks
+        work.add(phase, f"{s.strategy}'s hooks on {what}", s.grad_accum * shows)
     work.add("optimizer", f"{s.strategy}'s step beyond AdamW's, on {what}", units * per["step_s"])
 
 

@@ -91,9 +91,15 @@ class Rates:
     # A CPU: its operations one after another in a pass against each replayed alone (measure.in_sequence).
     _sequence: float = 1.0
 
+    @property
+    def measured(self) -> bool:
+        """Priced from a measured table (a GPU kind's committed one, or this CPU's replays)."""
+        return bool(self._table) or self.kind == "cpu"
+
     # -- compute ------------------------------------------------------------------
-    def call(self, c: Call) -> float:
-        """Device seconds of one call."""
+    def call(self, c: Call, length: int | None = None) -> float:
+        """Device seconds of one call; `length`: an attention call's sequence as it runs where
+        it was traced shorter and scaled (its rate at that length: clock/compute.py)."""
         if self.kind == "cpu":
             if c.flops > REPLAY_FLOPS or c.nbytes > REPLAY_BYTES:
                 # Too large to time here in passing: this CPU's measured matmul rate or bandwidth.
@@ -102,7 +108,7 @@ class Rates:
         if c.kind == "matmul":
             return max(self.launch, c.flops / self._matmul_rate(c))
         if c.kind == "attention":
-            return max(self.launch, c.flops / self._attention_rate(c))
+            return max(self.launch, c.flops / self._attention_rate(c, length))
         return self.launch + c.nbytes / self._bandwidth(c.nbytes)
 
     def fused(self, nbytes: float, kernels: int) -> float:
@@ -176,16 +182,22 @@ class Rates:
         peak = self._device.peak_flops_32 if dtype == "float32" else self._device.peak_flops_16
         return DATASHEET_MATMUL * peak * _size_efficiency(c)
 
-    def _attention_rate(self, c: Call) -> float:
+    def _attention_rate(self, c: Call, length: int | None = None) -> float:
         entries = self._table.get("attention", {})
         direction = "backward" if "backward" in c.op else "forward"
         rows = entries.get(direction)
         bh, tq, tk, d, causal = c.shape
+        tq = length or tq
         if rows and "heads" not in entries:
             # The first table measured 2^16 / length heads: below 1e11 FLOPs a call the kernel's
             # launch, not its rate (2048 tokens: 112-145 TFLOP/s, where the 1b preset's profile ran
             # FlashAttention at ~26% of the peak): only lengths measured at such work, within 2x.
-            rows = [r for r in rows if 2.0 * 65536 * r[0] * r[1] >= 1e11 and 0.5 <= r[0] / max(tq, 1) <= 2]
+            rows = [r for r in rows if 2.0 * 65536 * r[0] * r[1] >= 1e11]
+            if not rows or tq <= max(r[0] for r in rows):
+                rows = [r for r in rows if 0.5 <= r[0] / max(tq, 1) <= 2]
+        # Past the longest length measured, the longest's rate (nearest in log space): a
+        # FlashAttention kernel's rate does not fall with the length (each tile's work grows, the
+        # launch and the last wave's share shrink), so that rate is a floor, not a guess upward.
         if rows:
             return _nearest_rate(rows, (tq, d))
         assert self._device is not None
