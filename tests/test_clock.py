@@ -413,3 +413,36 @@ def test_a_gpus_engine_hooks_cost_a_small_models_step_and_hide_behind_a_large_on
     assert small == pytest.approx(tensors * 1e-3) and step == pytest.approx(tensors * 1e-4)
     large, _, tensors = hooks(["model.preset=1b", "data.seq_len=2048", "train.micro_batch=8"])
     assert large < 0.05 * tensors * 1e-3
+
+
+def test_a_compiled_chunked_loss_is_priced_fused_and_a_plain_one_eager():
+    # Under train.compile the chunked loss's chunks are compiled kernels too (models/loss.py):
+    # the head then moves the logits about once forward and their gradient once backward (~7 bytes
+    # per logit in the trace) instead of eager's ~67 (the upcasts, the exponential, the one-hot,
+    # each a pass over the chunk in fp32). A plain loss (no chunks) is never compiled.
+    rates = _rates_with({})
+
+    def head_s(compiled: bool, chunk: int) -> float:
+        overrides = ["model.preset=1b", "model.vocab_size=128256", "data.seq_len=2048", "train.micro_batch=8",
+                     "precision=bf16", f"train.compile={str(compiled).lower()}", f"train.loss_chunk_tokens={chunk}"]  # fmt: skip
+        cfg = load_config([], overrides)
+        model = planning_spec(cfg)
+        s = setups_for(cfg, 1, 1, False, model)[0]
+        mb = micro_batch(model, s, rates, compiled)
+        return mb.forward + mb.backward - model.n_blocks * _block_s(model, s, rates, compiled)
+
+    logits = 8 * 2048 * 128256
+    saved = head_s(False, 2048) - head_s(True, 2048)
+    # about 60 bytes per logit saved at the datasheet's bandwidth: bounds either side of it
+    bw = rates.memory_bw
+    assert 40 * logits / bw < saved < 80 * logits / bw, saved
+    assert head_s(True, 0) == pytest.approx(head_s(False, 0))
+
+
+def _block_s(model, s: Setup, rates: rates_module.Rates, compiled: bool) -> float:
+    from scaletrain.planning.clock.compute import price, traced_size
+    from scaletrain.planning.memory import regime
+
+    size = traced_size(s.micro_batch, s.local_seq_len)
+    work = block_work(model, size.micro_batch, size.seq_len, regime(s.strategy, s.precision))
+    return sum(price(p, rates, compiled, size.tokens, size.attention).seconds for p in (work.forward, work.backward))

@@ -15,7 +15,8 @@ Sources (read in the stored public repositories; the settings as each states the
   sequence 8192 (the presets of the benchmarked commit), bf16 unless float8 is named.
 - llm-foundry, scripts/train/benchmarking/README.md (commit 8c8dd48), "H100 80GB BF16": MPT
   models (vocabulary 50368, tied embeddings, multi-head attention, a GELU MLP of 4 x d_model,
-  learned positions, biases) under FSDP (FULL_SHARD), amp_bf16, flash attention.
+  learned positions, biases) under FSDP (FULL_SHARD), amp_bf16, flash attention, its
+  low-precision LayerNorm; no torch.compile (submit_benchmarks.py sets none).
 - NeMo AutoModel, docs/performance-summary.mdx (NVIDIA-NeMo/Automodel 36044ad): Llama 3.1 70B
   pretraining on 64 DGX-H100 GPUs, FSDP2 32 x cp 2, bf16, torch.compile, activation checkpointing.
 """
@@ -54,6 +55,7 @@ def _mpt(d: int, layers: int, heads: int) -> tuple[str, ...]:
         f"model.ffn_dim={round(8 * d / 3)}",
         "model.vocab_size=50368",
         "model.tie_embeddings=true",
+        "train.compile=false",  # the source's runs were not compiled (its own fused kernels: module docstring)
     )
 
 

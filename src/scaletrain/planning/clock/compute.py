@@ -6,7 +6,8 @@ rates of the device (clock/rates.py), forward and backward, with what the layout
   longer of its kernels and its host work.
 - `train.compile`: matmuls and attention as eager, the memory-bound work as the fused
   kernels the trace found (their bytes at the memory bandwidth), and inductor's compiled
-  graph dispatches a kernel, not an aten operation, per fused group (the host's share).
+  graph dispatches a kernel, not an aten operation, per fused group (the host's share); the
+  blocks and, where the loss is chunked, the loss's chunks (each one compiled kernel).
 - activation checkpointing: each block's forward again in backward (its operations as they
   ran); train.tile_tokens: each feed-forward's forward again in backward.
 - tensor parallel: the built-in model's rank holds n_heads / tp heads, ffn_dim / tp of the
@@ -230,7 +231,11 @@ def micro_batch(model: ModelSpec, s: Setup, rates: Rates, compiled: bool) -> Mic
     bf = price(block.forward, rates, compiled, work, attention, host_op, length)
     bb = price(block.backward, rates, compiled, work, attention, host_op, length)
     ends = 1.0 / s.pp  # the head and the embedding: one stage's each, spread as the cut balances them
-    hf, hb = (price(p, rates, False, work, host_op=host_op) for p in (head.forward, head.backward))
+    # Compiled, the chunked loss is too (models/loss.py: each chunk's forward and backward one
+    # kernel, reading the logits once and writing their gradient once): the head's memory-bound
+    # work is priced fused, its final norm (eager, ~1% of that traffic) with it.
+    loss_fused = compiled and model.loss_chunk_tokens > 0
+    hf, hb = (price(p, rates, loss_fused, work, host_op=host_op) for p in (head.forward, head.backward))
     ef, eb = (price(p, rates, False, work, host_op=host_op) for p in (emb.forward, emb.backward))
     forward = blocks * bf.seconds + ends * (hf.seconds + ef.seconds)
     backward = blocks * bb.seconds + ends * (hb.seconds + eb.seconds)
