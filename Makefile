@@ -42,6 +42,14 @@ setup-test: $(VENV)/.installed-test
 # environment's versions, so that nothing of ours changes under it.
 LM_EVAL := lm-eval==0.4.13
 
+# torchtitan's Llama-3 trainer, the torchtitan row of tests/test_gpu_peers.py (scripts/gpu_peers.py puts
+# the folder first on that row's path alone: TITAN_SITE): into a directory of its own as well, but
+# without its requirements (wandb, torch_checkpointing, grpcio, ...: --no-deps), only what its
+# one-process Llama-3 path imports and this environment lacks, at the versions the lent GPU ran
+# (.whl/titan; tensorboard, absl-py and pandas are in its image): 20 MB to fetch, 66 MB, 4 s.
+TITAN := torchtitan==0.3.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 pandas==3.1.1 tyro==1.0.17 \
+	typeguard==4.6.1 docstring-parser==0.18.0 torchdata==0.11.0 spmd-types==0.2.3 tensorboard==2.21.0 absl-py==2.5.1
+
 #
 # The ops build (minutes of both cores, compiled without debug information: launch/env.py) runs beside the rest: pip's download of the
 # test extras and apt's chromium wait mostly on the network and disk. The extras are named
@@ -57,6 +65,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet $$($(BIN)/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]))') && \
 	$(BIN)/python -m pip freeze --exclude-editable | grep -v '^#' > $(VENV)/constraints.txt && \
 	$(BIN)/python -m pip install --quiet --no-compile --constraint $(VENV)/constraints.txt --target $(VENV)/lm-eval $(LM_EVAL) && \
+	$(BIN)/python -m pip install --quiet --no-compile --no-deps --constraint $(VENV)/constraints.txt --target $(VENV)/torchtitan $(TITAN) && \
 	{ command -v chromium >/dev/null || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] || \
 		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q --no-install-recommends chromium || \
 		(apt-get update -q && apt-get install -y -q --no-install-recommends chromium)); }; \

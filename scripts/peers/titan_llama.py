@@ -23,8 +23,11 @@ Usage (device; the wheels installed with
       [--no-compile] [--steps 20] [--no-cuda-graphs] [--tiny --cpu]
 --tiny --cpu: dim 64, 2 layers, vocab 512, seq 64, batch 2, 3 steps, no compile, gloo on the CPU.
 torchtitan does not support CPU training (its device type falls back to "cuda"), so --cpu starts the
-trainer through small shims (device type "cpu", a torch.cpu memory-stats stub); it checks the
+trainer through small shims (device type "cpu", a torch.cpu memory-stats stub, FlexAttention as
+masked SDPA, and where torch has no Triton, as its CPU wheel has not, a stand-in for the one module
+that imports it: the MoE expert-parallel kernels, which a dense Llama-3 never calls); it checks the
 plumbing (config, tokenizer, data, loss, optimizer, metrics capture), not torchtitan's GPU path.
+The suite's torchtitan is `make setup-test`'s .venv/torchtitan (TITAN_SITE, tests/test_gpu_peers.py).
 
 torch 2.11 (the device's): torchtitan 0.3.0 targets a newer PyTorch. Two names it touches on this
 one-GPU path are missing in 2.11; run_train.py supplies them and OUT.json lists them under

@@ -5,6 +5,7 @@ import json
 import os
 import sys
 
+SHIMS = []  # what this file changed in torch or torchtitan: OUT.json's versions.compat_shims
 if os.environ.get("ST_TITAN_CPU") == "1":
     # torchtitan 0.3.0 has no CPU path: its device type falls back to "cuda" when no accelerator
     # is found. These shims make it "cpu" (gloo) for the tiny plumbing check only.
@@ -22,13 +23,33 @@ if os.environ.get("ST_TITAN_CPU") == "1":
     _cpu.empty_cache = lambda *a, **k: None
     _cpu.current_device = lambda: 0  # torch.cpu's returns "cpu", which c10d barrier() rejects
 
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        # torch's CPU wheel has no Triton, and torchtitan.models.common imports it at module level
+        # through the MoE expert-parallel token dispatcher (distributed/minimal_async_ep/kernels.py:
+        # `import triton`, @triton.jit kernels), which a dense Llama-3 on one process never calls. A
+        # stand-in for that one module (not for triton, which torch probes) whose kernels raise if used.
+        def _no_triton(name):
+            if name.startswith("_"):  # __file__, __path__, ...: what module walkers probe
+                raise AttributeError(name)
+
+            def kernel(*a, **k):
+                raise NotImplementedError(f"minimal_async_ep.kernels.{name} needs Triton (absent from this torch)")
+
+            return kernel
+
+        _kernels = types.ModuleType("torchtitan.distributed.minimal_async_ep.kernels")
+        _kernels.__getattr__ = _no_triton
+        sys.modules[_kernels.__name__] = _kernels
+        SHIMS.append("cpu: no Triton: torchtitan.distributed.minimal_async_ep.kernels stubbed (MoE expert parallel only)")
+
 import dataclasses
 
 import torch
 import torch.distributed
 import torch.distributed.fsdp
 
-SHIMS = []
 if os.environ.get("ST_TITAN_EMULATE_OLD_TORCH") == "1":
     # Test only: hide what torch 2.13 has and 2.11 lacks, to exercise the shims below.
     del torch.distributed.fsdp.DataParallelMeshDims
