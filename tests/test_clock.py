@@ -388,6 +388,30 @@ def test_a_hugging_face_block_is_traced_in_the_engines_compute_dtype_and_lora_fr
     lora = planning_spec(load_config([], ["model.source=hf", f"model.hf_config={llama}", "model.lora={r: 4}"]))
     full, frozen = (sum(c.count for c in block_work(s, 1, 32, "pure16").backward.of("matmul")) for s in (hf, lora))
     assert frozen < full  # no weight gradients: the inputs' gradients alone
+    # Its attention as the run's: transformers skips the mask for one unpadded sequence a row and
+    # SDPA runs its causal kernel (half the square); the trace had read fake position ids as packed
+    # sequences and traced a masked kernel over the whole square (the HF path's attention at 2x).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ran: list[bool] = []
+
+    class Attention(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if "scaled_dot_product" in str(func):
+                ran.append(
+                    bool(
+                        dict(zip(("q", "k", "v", "dropout_p", "is_causal"), args)).get(
+                            "is_causal", (kwargs or {}).get("is_causal")
+                        )
+                    )
+                )
+            return func(*args, **(kwargs or {}))
+
+    model = hf._build(hf._one_layer())
+    with Attention(), torch.no_grad():
+        model(torch.zeros(1, 32, dtype=torch.long))
+    (traced,) = work.forward.of("attention")
+    assert ran == [True] and traced.shape[4] == 1, (ran, traced.shape)
 
 
 def test_a_gpus_engine_hooks_cost_a_small_models_step_and_hide_behind_a_large_ones():

@@ -181,15 +181,18 @@ def test_the_longest_sequence_of_a_hugging_face_model_is_ulysses_at_the_sizes_it
 
 def test_auto_plans_ulysses_for_a_hugging_face_model_whose_sequence_fits_no_rank_whole(capsys):
     # 262,144 tokens a sequence: no layout holds one on a rank (cp 1 reaches ~130k above);
-    # Ulysses at cp 4 does, and cp 8 and the all-gather design are never candidates.
+    # Ulysses at cp 2 does (131,072 tokens a rank), and cp 8 and the all-gather design are never
+    # candidates.
     args = ["plan", "model.source=hf", f"model.hf_config={json.dumps(HF_12_HEADS)}", "precision=bf16",
             "data.seq_len=262144", "train.global_batch=8", "train.micro_batch=1", "--gpus-per-node", "8",
             "--gpu-memory", "80GiB", "--json"]  # fmt: skip
     assert main(args) == 0
     plan = json.loads(capsys.readouterr().out)
     # Without activation checkpointing since the HF block is traced in bf16 as the engine runs it
-    # (in fp32 until 2026-11-29, twice its activations: "+ AC" was needed then).
-    assert plan["chosen"] == "fsdp + cp 4 (ulysses)"
+    # (in fp32 until 2026-11-29, twice its activations: "+ AC" was needed then); at cp 2 since its
+    # attention is traced causal, as the run's (until 2026-11-30 transformers took the fake position
+    # ids for packed sequences and built a whole mask: cp 4 was chosen then).
+    assert plan["chosen"] == "fsdp + cp 2 (ulysses)"
     with_cp = [c["strategy"] for c in plan["candidates"] if " cp " in c["strategy"]]
     assert with_cp and all("(ulysses)" in c and "cp 8" not in c for c in with_cp), with_cp
     assert not [c for c in plan["candidates"] if c["fits"] and " cp " not in c["strategy"]]

@@ -523,7 +523,25 @@ def _captured_block(spec: HFSpec, seq_len: int) -> nn.Module:
         model.requires_grad_(False)  # the base: peft freezes all of it (model.trainable aside, a few norms)
     else:
         freeze_all_but(model, trainable_patterns(spec.trainable, None))
-    return first_call(model, next(decoder_layers(model).children()), seq_len, _CapturedCall)
+    with _masks_as_run():
+        return first_call(model, next(decoder_layers(model).children()), seq_len, _CapturedCall)
+
+
+@contextmanager
+def _masks_as_run() -> Iterator[None]:
+    """transformers builds no mask for SDPA where none is needed (no padding, one sequence per
+    row: `is_causal=True`, FlashAttention's causal kernel). Whether the rows hold several packed
+    sequences it reads from the position ids' values, which fake tensors do not have, so it
+    assumed packing: the planner's trace got a whole mask and SDPA's masked kernel over the full
+    square (twice the causal FLOPs: the HF path's attention priced at 2x). The capture's batch is
+    what a run's is, one sequence at positions 0..T-1: no packing, as the run finds."""
+    from transformers import masking_utils
+
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):  # a transformers without the detection
+        yield
+        return
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
 
 
 def from_section(m: Any, vocab_size: int | None, lora: Any, document_eos: int | None, common: dict[str, Any]) -> HFSpec:

@@ -15,6 +15,7 @@ home) just means tracing, as without the cache; `SCALETRAIN_CACHE=off` turns it 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable
 from functools import cache
@@ -37,11 +38,16 @@ def cached(kind: str, fields: tuple[Any, ...], compute: Callable[[], Any], file:
 
 @cache
 def _code() -> str:
-    """torch's version and a hash of the sources that decide what a trace finds."""
+    """torch's and transformers' versions and a hash of the sources that decide what a trace
+    finds (a Hugging Face model's block is transformers' code: its masks, its kernels' calls)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
 
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256(torch.__version__.encode())
+    with contextlib.suppress(PackageNotFoundError):
+        h.update(version("transformers").encode())
     for f in sorted([*root.joinpath("models").glob("*.py"), *root.joinpath("planning").rglob("*.py")]):
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()
