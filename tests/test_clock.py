@@ -470,3 +470,14 @@ def _block_s(model, s: Setup, rates: rates_module.Rates, compiled: bool) -> floa
     size = traced_size(s.micro_batch, s.local_seq_len)
     work = block_work(model, size.micro_batch, size.seq_len, regime(s.strategy, s.precision))
     return sum(price(p, rates, compiled, size.tokens, size.attention).seconds for p in (work.forward, work.backward))
+
+
+def test_a_kernel_the_clock_has_no_rate_for_is_said():
+    # data.document_mask runs FlexAttention, which no table measures: priced as SDPA's causal kernel, said.
+    cfg = load_config([], ["model.preset=tiny", "data.document_mask=true"])
+    model = planning_spec(cfg)
+    s = setups_for(cfg, 1, 1, False, model)[0]
+    notes = step_time(model, s, cfg, H100, 1).notes
+    assert any(n.startswith("data.document_mask: FlexAttention") and "\n" not in n for n in notes), notes
+    plain = load_config([], ["model.preset=tiny"])
+    assert not any("FlexAttention" in n for n in step_time(model, s, plain, H100, 1).notes)

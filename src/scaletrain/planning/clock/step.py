@@ -63,7 +63,13 @@ def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: in
         largest["bubble"] = (
             (f"{s.pp - 1} of {v * m + s.pp - 1} slots idle ({s.pp_schedule}, {m} micro-batches)", phases["bubble"]),
         )
-    return StepTime(phases, largest, rates.source, tuple(rates.notes + work.notes + busy_note()))
+    notes = rates.notes + work.notes + busy_note()
+    if cfg.data.document_mask:
+        notes.append(
+            "data.document_mask: FlexAttention's block-sparse kernel priced as SDPA's causal one over the whole "
+            "sequence (no rate measured for FlexAttention; its block mask's making per micro-batch not priced)"
+        )
+    return StepTime(phases, largest, rates.source, tuple(notes))
 
 
 def _flush(rates: Rates, s: Setup, log_every: int, per_node: int, nodes: int) -> float:
