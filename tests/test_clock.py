@@ -349,6 +349,12 @@ def test_a_tables_optimizer_and_attention_are_read_as_they_were_measured():
     longer = replace(call, shape=(8, 193536, 193536, 64, 1))
     assert _rates_with(old).call(longer) == pytest.approx(1e12 / 4.1e14)
     assert _rates_with(new).call(longer) == pytest.approx(1e12 / 4.1e14)
+    # cuDNN's attention measured beside FlashAttention: priced where train.attention_kernel=auto takes
+    # it (forward and backward together at least 5% faster), FlashAttention's elsewhere.
+    for cudnn_rate, priced in ((2.2e14, 2.2e14), (1.12e14, 1.1e14)):
+        cudnn = [[2048, 64, cudnn_rate], [16384, 64, 4.0e14], [32768, 64, 4.1e14]]
+        both = {"attention": {**new["attention"], "cudnn": {"forward": cudnn, "backward": cudnn}}}
+        assert _rates_with(both).call(call) == pytest.approx(1e12 / priced)
     traced = replace(call, shape=(8, 16384, 16384, 64, 1))
     assert _rates_with(old).call(traced) == pytest.approx(1e12 / 4.0e14)
     assert _rates_with(old).call(traced, 193536) == pytest.approx(1e12 / 4.1e14)

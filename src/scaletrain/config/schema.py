@@ -83,6 +83,9 @@ class TrainConfig(Section):
     # The blocks' Linear layers train in float8 (torchao, tensorwise scales; not the head,
     # embedding or routers): ddp and fsdp, bf16, Ada/Hopper GPUs (config/float8.py, docs/float8.md).
     float8: bool = False
+    # SDPA's kernel first in torch's priority (training/attention_kernel.py): auto measures
+    # FlashAttention against cuDNN's at the run's shape on a GPU (on a CPU torch's order stays).
+    attention_kernel: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     lr: float = Field(3e-3, gt=0, le=10)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # the decay ends at lr * min_lr_ratio
     warmup_steps: int = Field(20, ge=0)

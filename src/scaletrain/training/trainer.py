@@ -57,6 +57,7 @@ from scaletrain.resilience.weights import ReplicaCheck
 from scaletrain.telemetry import MetricsLog, TrainProgress, print_banner, print_run_summary
 from scaletrain.telemetry.session import Telemetry
 from scaletrain.training import defaults
+from scaletrain.training.attention_kernel import attention_kernel
 from scaletrain.training.evaluation import Evaluation, eval_loss, open_eval_set
 from scaletrain.training.preflight import plan_run, runtime_target
 from scaletrain.training.rundir import RunPaths, check_resume, write_run_info
@@ -333,6 +334,7 @@ def start(cfg: Config, world: World, console: Console, stack: ExitStack) -> Run:
     batches, (evalset, tasks) = _batches(plan, world)
     if evalset is not None and evalset.note:
         say(evalset.note)
+    stack.enter_context(attention_kernel(cfg, spec, dims.cp, world, say))  # SDPA's kernel for the whole run
     torch.manual_seed(cfg.train.seed)
     held = Held(build_engine(spec, world, dims, cfg, decay_groups(cfg.train), plan.distill.teacher if plan.distill else None))
     layout = ParamLayout(spec.build_meta(cfg.data.seq_len))

@@ -247,6 +247,7 @@ def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, An
     bytes per second; within about a minute."""
     import datetime
 
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
     device = "cuda"
@@ -273,24 +274,39 @@ def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, An
             rows.append([m, n, k, 2.0 * m * n * k / seconds])
         table["matmul"][str(dtype).removeprefix("torch.")] = rows
     say(f"matmuls: {len(shapes)} shapes in bf16 and fp32")
-    for d in ATTENTION_HEADS_DIMS:
-        for t in ATTENTION_LENGTHS:
-            # As many heads as a training micro-batch gives the kernel (16 x 32 at 2048 tokens): the
-            # first table (2026-11-29) used 2^16 / t, a few GFLOPs at short lengths, launch-bound.
-            heads = attention_heads(t)
-            q, key, v = (torch.randn(1, heads, t, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-            flops = 2 * 2.0 * heads * t * (t + 1) / 2 * d  # the causal kernel's two products
+    # FlashAttention (torch's choice) and cuDNN's fused attention, which train.attention_kernel=auto
+    # takes where it is faster (training/attention_kernel.py): the clock prices the faster.
+    table["attention"]["cudnn"] = {"forward": [], "backward": []}
+    for kernel, rows in (
+        (SDPBackend.FLASH_ATTENTION, table["attention"]),
+        (SDPBackend.CUDNN_ATTENTION, table["attention"]["cudnn"]),
+    ):
+        for d in ATTENTION_HEADS_DIMS:
+            for t in ATTENTION_LENGTHS:
+                # As many heads as a training micro-batch gives the kernel (16 x 32 at 2048 tokens): the
+                # first table (2026-11-29) used 2^16 / t, a few GFLOPs at short lengths, launch-bound.
+                heads = attention_heads(t)
+                q, key, v = (
+                    torch.randn(1, heads, t, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+                )
+                flops = 2 * 2.0 * heads * t * (t + 1) / 2 * d  # the causal kernel's two products
 
-            def forward() -> torch.Tensor:
-                return scaled_dot_product_attention(q, key, v, is_causal=True)  # noqa: B023 - called within this iteration
+                def forward() -> torch.Tensor:
+                    with sdpa_kernel([kernel]):  # noqa: B023 - called within this iteration
+                        return scaled_dot_product_attention(q, key, v, is_causal=True)  # noqa: B023
 
-            out, seed = forward(), torch.ones_like(q)
-            fwd = median_seconds(forward, repeats=5, sync=sync)
-            bwd = median_seconds(lambda: out.backward(seed, retain_graph=True), repeats=5, sync=sync)  # noqa: B023
-            table["attention"]["forward"].append([t, d, flops / fwd])
-            table["attention"]["backward"].append([t, d, 2.5 * flops / bwd])
+                try:
+                    out, seed = forward(), torch.ones_like(q)
+                    fwd = median_seconds(forward, repeats=5, sync=sync)
+                    bwd = median_seconds(lambda: out.backward(seed, retain_graph=True), repeats=5, sync=sync)  # noqa: B023
+                except RuntimeError:  # no such kernel for this shape (cuDNN's: a head size, a build without it)
+                    continue
+                rows["forward"].append([t, d, flops / fwd])
+                rows["backward"].append([t, d, 2.5 * flops / bwd])
     table["attention"]["heads"] = "2^31 / length^2, at least 8"
-    say("attention: SDPA by length and head size")
+    say(
+        f"attention: SDPA by length and head size (FlashAttention; cuDNN at {len(table['attention']['cudnn']['forward'])} shapes)"
+    )
     rows = []
     for size in BANDWIDTH_SIZES:
         src = torch.empty(size // 2, dtype=torch.bfloat16, device=device)

@@ -41,6 +41,7 @@ from scaletrain.planning.clock.trace import Call
 from scaletrain.planning.hardware import Device, is_host, measured_cpu_peak
 
 TABLES = Path(__file__).parent / "tables"
+KERNEL_MARGIN = 0.05  # training/attention_kernel.py's MARGIN: cuDNN's attention taken where that much faster
 # A CPU call past these is priced at the CPU's measured matmul rate or copy bandwidth, not
 # replayed: a second or more of one core each (a 70B block's matmuls at 16k tokens).
 REPLAY_FLOPS = 2e10
@@ -199,7 +200,17 @@ class Rates:
         # FlashAttention kernel's rate does not fall with the length (each tile's work grows, the
         # launch and the last wave's share shrink), so that rate is a floor, not a guess upward.
         if rows:
-            return _nearest_rate(rows, (tq, d))
+            rate = _nearest_rate(rows, (tq, d))
+            cudnn = entries.get("cudnn") or {}
+            if cudnn.get("forward") and cudnn.get("backward") and entries.get("forward") and entries.get("backward"):
+                # train.attention_kernel=auto runs cuDNN's kernel where its forward and backward beat
+                # FlashAttention's by its margin (training/attention_kernel.py): priced as it chooses.
+                def step(e: dict[str, Any]) -> float:  # seconds per causal forward FLOP, forward and backward
+                    return 1 / _nearest_rate(e["forward"], (tq, d)) + 2.5 / _nearest_rate(e["backward"], (tq, d))
+
+                if step(cudnn) < (1 - KERNEL_MARGIN) * step(entries):
+                    rate = _nearest_rate(cudnn[direction], (tq, d))
+            return rate
         assert self._device is not None
         return DATASHEET_ATTENTION * self._device.peak_flops_16
 

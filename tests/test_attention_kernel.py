@@ -1,0 +1,121 @@
+"""train.attention_kernel (training/attention_kernel.py): which of SDPA's kernels the run's
+attention uses. On a GPU `auto` measures FlashAttention against cuDNN's at the run's shape and
+puts the faster first; here (no GPU) the choice's rule, the priority it sets, the kernel that
+then runs, the shape it measures at and the run's line are checked."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from scaletrain.config import load_config
+from scaletrain.planning import planning_spec
+from scaletrain.training import attention_kernel as ak
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_faster_kernel_wins_only_by_a_margin_and_flash_where_nothing_else_ran():
+    assert ak.faster({"flash": 1.0, "cudnn": 0.6})[0] == "cudnn"
+    assert "1.67x FlashAttention" in ak.faster({"flash": 1.0, "cudnn": 0.6})[1]
+    assert ak.faster({"flash": 1.0, "cudnn": 0.97})[0] == "flash"  # within the timing's spread: torch's choice
+    assert ak.faster({"flash": 0.5, "cudnn": 1.0})[0] == "flash"
+    assert ak.faster({"flash": 1.0, "cudnn": None})[0] == "flash"  # cuDNN cannot run this shape
+    assert ak.faster({"flash": None, "cudnn": 1.0})[0] == "cudnn"
+    assert ak.faster({"flash": None, "cudnn": None})[0] == "flash"
+
+
+def test_the_chosen_kernel_goes_first_and_torchs_order_follows():
+    assert ak.order("cudnn") == [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    assert ak.order("flash")[0] == SDPBackend.FLASH_ATTENTION and len(ak.order("flash")) == 4
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _attention_ops() -> list[str]:
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    with _Ops() as ops:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    return ops.names
+
+
+def _world(device: str = "cpu") -> SimpleNamespace:
+    return SimpleNamespace(device=torch.device(device), is_main=True, distributed=False)
+
+
+def test_a_named_kernel_is_put_first_on_a_gpu_and_torchs_order_comes_back_after():
+    cfg = load_config([], ["model.preset=tiny", "train.attention_kernel=efficient"])
+    before = torch._C._get_sdp_priority_order()
+    said: list[str] = []
+    with ak.attention_kernel(cfg, planning_spec(cfg), 1, _world("cuda"), said.append) as kernel:  # type: ignore[arg-type]
+        assert kernel == "efficient" and said == ["attention: SDPA's efficient kernel first (train.attention_kernel)"]
+        assert torch._C._get_sdp_priority_order()[:2] == [int(SDPBackend.EFFICIENT_ATTENTION), int(SDPBackend.FLASH_ATTENTION)]
+    assert torch._C._get_sdp_priority_order() == before
+
+
+def test_a_cpu_keeps_its_own_kernel_and_says_so_where_one_was_named():
+    # torch's CPU SDPA takes no priority: its flash kernel wherever it applies.
+    cfg = load_config([], ["model.preset=tiny", "train.attention_kernel=math"])
+    said: list[str] = []
+    with ak.attention_kernel(cfg, planning_spec(cfg), 1, _world(), said.append) as kernel:  # type: ignore[arg-type]
+        assert kernel == "" and any("flash_attention" in n for n in _attention_ops())
+    assert said == ["attention: train.attention_kernel=math orders a GPU's kernels; this CPU's SDPA chooses its own"]
+
+
+def test_auto_on_a_cpu_leaves_torchs_order_and_says_nothing():
+    cfg = load_config([], ["model.preset=tiny"])
+    said: list[str] = []
+    before = torch._C._get_sdp_priority_order()
+    with ak.attention_kernel(cfg, planning_spec(cfg), 1, _world(), said.append) as kernel:  # type: ignore[arg-type]
+        assert kernel == "" and said == [] and torch._C._get_sdp_priority_order() == before
+
+
+def test_auto_on_a_gpu_measures_at_the_runs_shape_and_applies_rank_0s_choice(monkeypatch):
+    # No GPU here: the measurement is replaced, the rest runs as on one (the traced shape, the
+    # choice said and set first).
+    cfg = load_config([], ["model.preset=tiny", "train.micro_batch=4", "data.seq_len=64", "precision=bf16"])
+    asked: list[tuple] = []
+
+    def measured(kernel: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> float | None:
+        asked.append((kernel, shape, dtype))
+        return {"flash": 2e-3, "cudnn": 1e-3}[kernel]
+
+    monkeypatch.setattr(ak, "time_kernel", measured)
+    said: list[str] = []
+    spec = planning_spec(cfg)
+    heads, head_dim = spec.shape.n_heads, spec.shape.head_dim
+    with ak.attention_kernel(cfg, spec, 1, _world("cuda"), said.append) as kernel:  # type: ignore[arg-type]
+        assert kernel == "cudnn" and torch._C._get_sdp_priority_order()[0] == int(SDPBackend.CUDNN_ATTENTION)
+    assert {a[0] for a in asked} == {"flash", "cudnn"}
+    assert {a[1:] for a in asked} == {((1, 4 * heads, 64, head_dim), torch.bfloat16)}
+    assert said == ["attention: SDPA's cudnn kernel first (2.00x FlashAttention's speed at this shape (measured))"]
+
+
+def test_a_kernel_measured_here_takes_time_and_one_this_device_lacks_is_none():
+    assert (ak.time_kernel("flash", (1, 2, 32, 8), torch.float32, torch.device("cpu")) or 0) > 0
+    assert ak.time_kernel("cudnn", (1, 2, 32, 8), torch.float32, torch.device("cpu")) is None
+
+
+def test_the_shape_is_the_traced_blocks_for_the_built_in_model_and_a_hugging_face_one():
+    tiny = planning_spec(load_config([], ["model.preset=tiny"]))
+    assert ak.traced_shape(tiny, 2, 64, "ddp", "fp32") == (1, 2 * tiny.shape.n_heads, 64, tiny.shape.head_dim)
+    llama = "{model_type: llama, hidden_size: 64, intermediate_size: 96, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 128}"
+    hf = planning_spec(load_config([], ["model.source=hf", f"model.hf_config={llama}"]))
+    assert ak.traced_shape(hf, 2, 32, "fsdp", "bf16") == (1, 8, 32, 16)
