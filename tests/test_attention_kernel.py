@@ -98,6 +98,8 @@ def test_auto_on_a_gpu_measures_at_the_runs_shape_and_applies_rank_0s_choice(mon
         return {"flash": 2e-3, "cudnn": 1e-3}[kernel]
 
     monkeypatch.setattr(ak, "time_kernel", measured)
+    compared: list[tuple] = []
+    monkeypatch.setattr(ak, "same_result", lambda *a: compared.append(a) or True)
     said: list[str] = []
     spec = planning_spec(cfg)
     heads, head_dim = spec.shape.n_heads, spec.shape.head_dim
@@ -105,6 +107,7 @@ def test_auto_on_a_gpu_measures_at_the_runs_shape_and_applies_rank_0s_choice(mon
         assert kernel == "cudnn" and torch._C._get_sdp_priority_order()[0] == int(SDPBackend.CUDNN_ATTENTION)
     assert {a[0] for a in asked} == {"flash", "cudnn"}
     assert {a[1:] for a in asked} == {((1, 4 * heads, 64, head_dim), torch.bfloat16)}
+    assert [a[:4] for a in compared] == [("cudnn", "flash", (1, 4 * heads, 64, head_dim), torch.bfloat16)]
     assert said == ["attention: SDPA's cudnn kernel first (2.00x FlashAttention's speed at this shape (measured))"]
 
 
@@ -119,3 +122,38 @@ def test_the_shape_is_the_traced_blocks_for_the_built_in_model_and_a_hugging_fac
     llama = "{model_type: llama, hidden_size: 64, intermediate_size: 96, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 128}"
     hf = planning_spec(load_config([], ["model.source=hf", f"model.hf_config={llama}"]))
     assert ak.traced_shape(hf, 2, 32, "fsdp", "bf16") == (1, 8, 32, 16)
+
+
+def test_a_faster_kernel_that_computes_something_else_is_not_taken(monkeypatch):
+    # Two real CPU kernels (flash and math) agree to bf16's roundings; a kernel that drops the
+    # causal mask does not, and auto keeps FlashAttention, saying why.
+    shape = (1, 4, 64, 16)
+    assert ak.same_result("math", "flash", shape, torch.float32, torch.device("cpu"))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def unmasked(*args, **kwargs):  # the plant: the mask dropped where "cudnn" is asked for
+        if torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled():
+            kwargs["is_causal"] = False
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", unmasked)
+    assert not ak.same_result("math", "flash", shape, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(ak, "time_kernel", lambda kernel, *a: {"flash": 2e-3, "cudnn": 1e-3}[kernel])
+    monkeypatch.setattr(ak, "same_result", lambda *a: False)
+    assert ak.choose("auto", shape, torch.bfloat16, torch.device("cuda")) == (
+        "flash", "cudnn's was faster but its result differed from FlashAttention's at this shape",
+    )  # fmt: skip
+
+
+def test_two_correct_kernels_agree_to_bf16s_roundings():
+    # The tolerance's claim in bf16, what GPUs train in: torch's CPU flash kernel against its math
+    # path. Under ATEN_CPU_CAPABILITY=default or avx2 on an AMX CPU torch's bf16 flash kernel
+    # itself fails ("pack_vnni2 is only supported when avx512 is supported"): nothing to compare.
+    for shape in ((1, 4, 64, 16), (2, 8, 256, 64)):
+        try:
+            agree = ak.same_result("math", "flash", shape, torch.bfloat16, torch.device("cpu"))
+        except RuntimeError as e:
+            if "pack_vnni2" not in str(e):
+                raise
+            pytest.skip(f"torch's bf16 CPU flash kernel under this capability: {e}")
+        assert agree, shape

@@ -84,11 +84,35 @@ def time_kernel(kernel: str, shape: tuple[int, int, int, int], dtype: torch.dtyp
     return sorted(times)[len(times) // 2]
 
 
+def same_result(kernel: str, reference: str, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `kernel`'s causal output and input gradients at `shape` are `reference`'s, to a
+    tolerance of a few roundings of `dtype`: both accumulate in fp32 and round their results
+    once, in different orders, so they differ by about one ulp of the result's size; a kernel
+    that computes something else (another mask, a dropped term) differs by the values' own size."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    inputs = [torch.randn(*shape, device=device, dtype=dtype, generator=generator) for _ in range(3)]
+
+    def run(name: str) -> list[torch.Tensor]:
+        q, k, v = (t.clone().requires_grad_(True) for t in inputs)
+        with sdpa_kernel([KERNELS[name]]):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(torch.ones_like(out))
+        return [out.detach().float(), *(t.grad.float() for t in (q, k, v))]  # type: ignore[union-attr]
+
+    # 4 ulps of the largest value (bf16: 2^-6 of it; fp16 2^-9; fp32 2^-21).
+    ulps = 4 * torch.finfo(dtype).eps
+    return all((a - b).abs().max() <= ulps * b.abs().max() for a, b in zip(run(kernel), run(reference), strict=True))
+
+
 def choose(choice: str, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
-    """(kernel, why) on a GPU for train.attention_kernel=`choice` at the run's attention `shape`."""
+    """(kernel, why) on a GPU for train.attention_kernel=`choice` at the run's attention `shape`:
+    under auto, the faster only where it also computes what FlashAttention does."""
     if choice != "auto":
         return choice, "train.attention_kernel"
-    return faster({k: time_kernel(k, shape, dtype, device) for k in ("flash", "cudnn")})
+    kernel, why = faster({k: time_kernel(k, shape, dtype, device) for k in ("flash", "cudnn")})
+    if kernel != "flash" and not same_result(kernel, "flash", shape, dtype, device):
+        return "flash", f"{kernel}'s was faster but its result differed from FlashAttention's at this shape"
+    return kernel, why
 
 
 def traced_shape(spec: Any, micro_batch: int, seq_len: int, strategy: str, precision: str) -> tuple[int, int, int, int] | None:
