@@ -94,6 +94,11 @@ def runs(tiny: bool) -> list[Run]:
         Run("scaletrain-default", "built-in 1b", "scaletrain", default, 75),
         # (its defaults kept: FlexAttention, whose compile autotunes, and CUDA graphs: 100-200 s in all)
         Run("torchtitan-compiled", "built-in 1b", "torchtitan", titan, 150),
+        # The same preset compiled, SDPA's kernel chosen by measuring (train.attention_kernel=auto: cuDNN's
+        # where faster) and pinned to torch's own FlashAttention: what the choice gains (issue 59, item 2).
+        Run("scaletrain-1b-compiled", "built-in 1b", "scaletrain", (*s["builtin"], "parallel.strategy=fsdp", *compiled), 60),
+        Run("scaletrain-1b-compiled-flash", "built-in 1b", "scaletrain",
+            (*s["builtin"], "parallel.strategy=fsdp", *compiled, "train.attention_kernel=flash"), 60),
         # A Hugging Face Llama of the same shape: scaletrain (model.source: hf) against HF Trainer.
         Run("scaletrain-hf-compiled", "HF Llama 1b", "scaletrain", (*s["hf"], "parallel.strategy=fsdp", *compiled), 70),
         Run("hf-trainer-compiled", "HF Llama 1b", "hf-trainer", (*s["hf"], *compiled), 70),
@@ -146,7 +151,9 @@ def measure(r: Run, work: Path) -> dict:
             "tokens_per_s": statistics.median(x["tokens_per_s"] for x in later), "mfu": statistics.median(mfus) if mfus else None,
             "mem_peak_bytes": max(x["mem_peak_bytes"] for x in ints), "intervals": len(later),
             "losses": [[x["step"], x["loss"]] for x in rows if "event" not in x and "loss" in x],
-            "first_lines": [ln for ln in log[:60] if "defaults" in ln or "compile" in ln][:8],
+            "first_lines": [ln for ln in log[:60] if "defaults" in ln or "compile" in ln or ln.startswith("attention: ")][:8],
+            # SDPA's kernel the run put first (train.attention_kernel; "" where torch's order stayed)
+            "attention": next((ln.split()[2].removesuffix("'s") for ln in log[:60] if ln.startswith("attention: SDPA's ")), ""),
             # What the run resolved its unset keys to ("defaults: train.compile=false (...)"): clock-gpu plans that.
             # (auto stays the plan's own choice again: it needs no key)
             "resolved": [w for ln in log[:60] if ln.startswith("defaults: ") and "=" in (w := ln.split()[1]) and not w.endswith("=auto")],

@@ -487,3 +487,20 @@ def test_a_kernel_the_clock_has_no_rate_for_is_said():
     assert any(n.startswith("data.document_mask: FlexAttention") and "\n" not in n for n in notes), notes
     plain = load_config([], ["model.preset=tiny"])
     assert not any("FlexAttention" in n for n in step_time(model, s, plain, H100, 1).notes)
+
+
+def test_a_pinned_attention_kernel_is_priced_at_its_own_rows_or_said():
+    # train.attention_kernel=flash keeps FlashAttention's rate where cuDNN's is faster; =cudnn takes
+    # cuDNN's; a kernel no table measures (math) is priced as FlashAttention and the plan says so.
+    rows, cudnn = [[2048, 64, 1.0e14]], [[2048, 64, 2.0e14]]
+    rates = _rates_with(
+        {"attention": {"forward": rows, "backward": rows, "heads": "...", "cudnn": {"forward": cudnn, "backward": cudnn}}}
+    )
+    call = rates_module.Call("aten._scaled_dot_product_flash_attention_backward.default", "attention", "", 1e12, 0, 1,
+                             (512, 2048, 2048, 64, 1))  # fmt: skip
+    assert [rates.call(call, None, k) for k in ("auto", "flash", "cudnn", "math")] == pytest.approx([5e-3, 1e-2, 5e-3, 1e-2])
+    assert rates.has_attention("cudnn") and rates.has_attention("flash") and not rates.has_attention("math")
+    cfg = load_config([], ["model.preset=tiny", "train.attention_kernel=math"])
+    model = planning_spec(cfg)
+    s = setups_for(cfg, 1, 1, False, model)[0]
+    assert any(n.startswith("train.attention_kernel=math: no rate measured") for n in step_time(model, s, cfg, H100, 1).notes)

@@ -79,7 +79,7 @@ class Priced:
     items: tuple[tuple[str, float, bool], ...]  # its costliest calls (label, seconds, attention?)
 
 
-_PRICED: dict[tuple[int, int, bool, int | None], tuple[Pass, Rates, Priced]] = {}
+_PRICED: dict[tuple[int, int, bool, int | None, str], tuple[Pass, Rates, Priced]] = {}
 
 
 def forget() -> None:
@@ -88,10 +88,11 @@ def forget() -> None:
     _MATMULS.clear()
 
 
-def priced(p: Pass, rates: Rates, compiled: bool, length: int | None = None) -> Priced:
+def priced(p: Pass, rates: Rates, compiled: bool, length: int | None = None, kernel: str = "auto") -> Priced:
     """`p`'s calls at `rates`; `length`: the sequence its attention runs at, where it was
-    traced at a shorter one (the kernel's rate at that length: Rates.call)."""
-    key = (id(p), id(rates), compiled, length)
+    traced at a shorter one (the kernel's rate at that length: Rates.call); `kernel`:
+    train.attention_kernel."""
+    key = (id(p), id(rates), compiled, length, kernel)
     hit = _PRICED.get(key)
     if hit is not None and hit[0] is p and hit[1] is rates:
         return hit[2]
@@ -100,7 +101,7 @@ def priced(p: Pass, rates: Rates, compiled: bool, length: int | None = None) -> 
     for c in p.calls:
         if compiled and c.kind == "memory":
             continue
-        seconds = rates.call(c, length) * c.count
+        seconds = rates.call(c, length, kernel) * c.count
         if c.kind == "attention":
             attention += seconds
         else:
@@ -129,13 +130,14 @@ def price(
     attention_scale: float = 1.0,
     host_op: float | None = None,
     length: int | None = None,
+    kernel: str = "auto",
 ) -> Part:
     """One pass: its calls at `rates`, matmuls and memory-bound work x `scale` (tensor
     parallel's share, and the tokens over the traced ones), attention x `attention_scale`
     at its rate for `length` (the sequence as it runs, where traced shorter); `host_op`: the
     host's cost per operation where not the plain one (tensor parallel's DTensor). The
     host's dispatching does not scale: the same operations, larger."""
-    x = priced(p, rates, compiled, length)
+    x = priced(p, rates, compiled, length, kernel)
     device = x.work * scale + x.attention * attention_scale
     host = x.kernels * (rates.host_op if host_op is None else host_op)
     seconds = max(device, host) if rates.asynchronous else device + host
@@ -205,8 +207,9 @@ def traced_size(micro_batch: int, seq_len: int, cp: int = 1) -> Scale:
     return Scale(mb, t, tokens, micro_batch / mb * cp * (seq_len / t) ** 2)
 
 
-def micro_batch(model: ModelSpec, s: Setup, rates: Rates, compiled: bool) -> MicroBatch:
-    """Forward and backward of one micro-batch on one rank (module docstring)."""
+def micro_batch(model: ModelSpec, s: Setup, rates: Rates, compiled: bool, kernel: str = "auto") -> MicroBatch:
+    """Forward and backward of one micro-batch on one rank (module docstring); `kernel`:
+    train.attention_kernel, the attention's rates."""
     reg, low = regime(s.strategy, s.precision), low_dtype(s.precision)
     host_op = rates.host_op_tp if s.tp > 1 else rates.host_op
     split = tp_rank_model(model, s.tp)
@@ -228,8 +231,8 @@ def micro_batch(model: ModelSpec, s: Setup, rates: Rates, compiled: bool) -> Mic
     # The attention kernel runs over the whole sequence (context parallel: every rank's queries
     # against all of it), however short the trace: its rate is the one at that length.
     length = s.seq_len if s.seq_len > size.seq_len else None
-    bf = price(block.forward, rates, compiled, work, attention, host_op, length)
-    bb = price(block.backward, rates, compiled, work, attention, host_op, length)
+    bf = price(block.forward, rates, compiled, work, attention, host_op, length, kernel)
+    bb = price(block.backward, rates, compiled, work, attention, host_op, length, kernel)
     ends = 1.0 / s.pp  # the head and the embedding: one stage's each, spread as the cut balances them
     # Compiled, the chunked loss is too (models/loss.py: each chunk's forward and backward one
     # kernel, reading the logits once and writing their gradient once): the head's memory-bound

@@ -92,15 +92,21 @@ class Rates:
     # A CPU: its operations one after another in a pass against each replayed alone (measure.in_sequence).
     _sequence: float = 1.0
 
+    def has_attention(self, kernel: str) -> bool:
+        """Whether this GPU's table measured `kernel`'s attention (flash: the main rows; cudnn)."""
+        entries = self._table.get("attention", {})
+        return bool(entries.get("forward") if kernel == "flash" else (entries.get(kernel) or {}).get("forward"))
+
     @property
     def measured(self) -> bool:
         """Priced from a measured table (a GPU kind's committed one, or this CPU's replays)."""
         return bool(self._table) or self.kind == "cpu"
 
     # -- compute ------------------------------------------------------------------
-    def call(self, c: Call, length: int | None = None) -> float:
+    def call(self, c: Call, length: int | None = None, kernel: str = "auto") -> float:
         """Device seconds of one call; `length`: an attention call's sequence as it runs where
-        it was traced shorter and scaled (its rate at that length: clock/compute.py)."""
+        it was traced shorter and scaled (its rate at that length: clock/compute.py); `kernel`:
+        train.attention_kernel (auto: the faster measured; flash or cudnn: that one's rows)."""
         if self.kind == "cpu":
             if c.flops > REPLAY_FLOPS or c.nbytes > REPLAY_BYTES:
                 # Too large to time here in passing: this CPU's measured matmul rate or bandwidth.
@@ -109,7 +115,7 @@ class Rates:
         if c.kind == "matmul":
             return max(self.launch, c.flops / self._matmul_rate(c))
         if c.kind == "attention":
-            return max(self.launch, c.flops / self._attention_rate(c, length))
+            return max(self.launch, c.flops / self._attention_rate(c, length, kernel))
         return self.launch + c.nbytes / self._bandwidth(c.nbytes)
 
     def fused(self, nbytes: float, kernels: int) -> float:
@@ -183,7 +189,7 @@ class Rates:
         peak = self._device.peak_flops_32 if dtype == "float32" else self._device.peak_flops_16
         return DATASHEET_MATMUL * peak * _size_efficiency(c)
 
-    def _attention_rate(self, c: Call, length: int | None = None) -> float:
+    def _attention_rate(self, c: Call, length: int | None = None, kernel: str = "auto") -> float:
         entries = self._table.get("attention", {})
         direction = "backward" if "backward" in c.op else "forward"
         rows = entries.get(direction)
@@ -202,7 +208,9 @@ class Rates:
         if rows:
             rate = _nearest_rate(rows, (tq, d))
             cudnn = entries.get("cudnn") or {}
-            if cudnn.get("forward") and cudnn.get("backward") and entries.get("forward") and entries.get("backward"):
+            if kernel == "cudnn" and cudnn.get(direction):
+                return _nearest_rate(cudnn[direction], (tq, d))
+            if kernel == "auto" and cudnn.get("forward") and cudnn.get("backward") and entries.get("backward"):
                 # train.attention_kernel=auto runs cuDNN's kernel where its forward and backward beat
                 # FlashAttention's by its margin (training/attention_kernel.py): priced as it chooses.
                 def step(e: dict[str, Any]) -> float:  # seconds per causal forward FLOP, forward and backward

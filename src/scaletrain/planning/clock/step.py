@@ -35,7 +35,7 @@ def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: in
     per_node = max(1, s.dp * s.cp * s.tp * s.pp // nodes)
     rates = rates_for(device, per_node)
     compiled = bool(cfg.train.compile)
-    mb = micro_batch(model, s, rates, compiled)
+    mb = micro_batch(model, s, rates, compiled, cfg.train.attention_kernel)
     m = s.grad_accum
     forward, backward = m * mb.forward, m * mb.backward
     work = engines.engine_work(model, s, rates, mb, per_node, nodes)
@@ -64,6 +64,9 @@ def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: in
             (f"{s.pp - 1} of {v * m + s.pp - 1} slots idle ({s.pp_schedule}, {m} micro-batches)", phases["bubble"]),
         )
     notes = rates.notes + work.notes + busy_note()
+    kernel = cfg.train.attention_kernel
+    if rates.kind != "cpu" and kernel not in ("auto", "flash") and not rates.has_attention(kernel):
+        notes.append(f"train.attention_kernel={kernel}: no rate measured for it on this GPU kind; priced as FlashAttention")
     if cfg.data.document_mask:
         notes.append(
             "data.document_mask: FlexAttention's block-sparse kernel priced as SDPA's causal one over the whole "
