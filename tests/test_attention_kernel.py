@@ -140,7 +140,7 @@ def test_a_faster_kernel_that_computes_something_else_is_not_taken(monkeypatch):
     assert not ak.same_result("math", "flash", shape, torch.float32, torch.device("cpu"))
     monkeypatch.setattr(ak, "time_kernel", lambda kernel, *a: {"flash": 2e-3, "cudnn": 1e-3}[kernel])
     monkeypatch.setattr(ak, "same_result", lambda *a: False)
-    assert ak.choose("auto", shape, torch.bfloat16, torch.device("cuda")) == (
+    assert ak.choose(shape, torch.bfloat16, torch.device("cuda")) == (
         "flash", "cudnn's was faster but its result differed from FlashAttention's at this shape",
     )  # fmt: skip
 

@@ -174,6 +174,7 @@ def st_peer() -> Trainer.Config:
             steps=P["steps"],
             max_norm=1.0,
             disable_cuda_graphs=not P["cuda_graphs"],
+            mixed_precision_param=P["mixed_precision_param"],
         ),
         dataloader=HuggingFaceTextDataLoader.Config(dataset="st_local", infinite=True),
         metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
@@ -429,6 +430,9 @@ def main() -> int:
             "warmup_steps": 2,
             "seed": 0,
             "optimizer_implementation": "foreach" if args.cpu else None,
+            # The CPU check in fp32, as scaletrain's own CPU stand-ins: torch's bf16 CPU kernels need its
+            # native vector code on some CPUs (ATEN_CPU_CAPABILITY=avx2 on an AMX machine: pack_vnni2).
+            "mixed_precision_param": "float32" if args.cpu else "bfloat16",
             "tokenizer_dir": os.path.join(work, "tokenizer"),
             "data_file": os.path.join(work, "data", "train.txt"),
             "dump_folder": os.path.join(work, "outputs"),

@@ -22,6 +22,13 @@ if os.environ.get("ST_TITAN_CPU") == "1":
     _cpu.reset_peak_memory_stats = lambda *a, **k: None
     _cpu.empty_cache = lambda *a, **k: None
     _cpu.current_device = lambda: 0  # torch.cpu's returns "cpu", which c10d barrier() rejects
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+        # What scaletrain's own compiles do (models/inductor.py): under ATen's portable kernels
+        # inductor's vectorized C++ does not compile (its block masks are compiled); scalar code does.
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.simdlen = 1
+        SHIMS.append("cpu: ATEN_CPU_CAPABILITY=default: inductor's C++ scalar (cpp.simdlen=1)")
 
     import importlib.util
 

@@ -27,6 +27,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from scaletrain.launch.distributed import World, broadcast_object
+from scaletrain.planning.clock.rates import KERNEL_MARGIN
 
 KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -37,8 +38,9 @@ KERNELS = {
 # torch's own order (sdp_utils' default priority): what follows the chosen kernel.
 TORCH_ORDER = ("flash", "efficient", "math", "cudnn")
 # The measured winner must be this much faster to replace torch's choice: within the timing's
-# spread (a few percent over a handful of repeats) torch's own order stays.
-MARGIN = 0.05
+# spread (a few percent over a handful of repeats) torch's own order stays. One figure with the
+# clock's, which prices the kernel this takes.
+MARGIN = KERNEL_MARGIN
 
 
 def order(first: str) -> list[SDPBackend]:
@@ -104,11 +106,9 @@ def same_result(kernel: str, reference: str, shape: tuple[int, int, int, int], d
     return all((a - b).abs().max() <= ulps * b.abs().max() for a, b in zip(run(kernel), run(reference), strict=True))
 
 
-def choose(choice: str, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
-    """(kernel, why) on a GPU for train.attention_kernel=`choice` at the run's attention `shape`:
-    under auto, the faster only where it also computes what FlashAttention does."""
-    if choice != "auto":
-        return choice, "train.attention_kernel"
+def choose(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
+    """(kernel, why) of train.attention_kernel=auto on a GPU at the run's attention `shape`: the
+    faster, only where it also computes what FlashAttention does."""
     kernel, why = faster({k: time_kernel(k, shape, dtype, device) for k in ("flash", "cudnn")})
     if kernel != "flash" and not same_result(kernel, "flash", shape, dtype, device):
         return "flash", f"{kernel}'s was faster but its result differed from FlashAttention's at this shape"
@@ -150,10 +150,9 @@ def attention_kernel(cfg: Any, spec: Any, cp: int, world: World, say: Any) -> It
             say("attention: torch's SDPA order (the model's attention shape was not traced, so nothing was measured)")
             yield ""
             return
-        chosen = choose(choice, shape, DTYPES[cfg.precision], world.device) if world.is_main else ("", "")
-        kernel, why = broadcast_object(world, chosen)
+        kernel, why = broadcast_object(world, choose(shape, DTYPES[cfg.precision], world.device) if world.is_main else ("", ""))
     else:
-        kernel, why = choose(choice, (0, 0, 0, 0), torch.float32, world.device)
+        kernel, why = choice, "train.attention_kernel"
     say(f"attention: SDPA's {kernel} kernel first ({why})")
     with sdpa_kernel(order(kernel), set_priority=True):
         yield kernel

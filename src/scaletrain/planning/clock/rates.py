@@ -41,7 +41,7 @@ from scaletrain.planning.clock.trace import Call
 from scaletrain.planning.hardware import Device, is_host, measured_cpu_peak
 
 TABLES = Path(__file__).parent / "tables"
-KERNEL_MARGIN = 0.05  # training/attention_kernel.py's MARGIN: cuDNN's attention taken where that much faster
+KERNEL_MARGIN = 0.05  # train.attention_kernel=auto takes cuDNN's attention where that much faster (training/attention_kernel.py)
 # A CPU call past these is priced at the CPU's measured matmul rate or copy bandwidth, not
 # replayed: a second or more of one core each (a 70B block's matmuls at 16k tokens).
 REPLAY_FLOPS = 2e10
