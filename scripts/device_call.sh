@@ -24,7 +24,7 @@ el installed
 export PYTHONPATH=/tmp/site:$PWD/src
 if [ $CALIBRATE = 1 ]; then
   # 1. The rates; the small preset's shapes beside the presets' (most runs recorded in docs/gpu/ are small).
-  timeout 180 python3 -m scaletrain plan --calibrate model.preset=small > "$OUT/calibrate.log" 2>&1
+  timeout 240 python3 -m scaletrain plan --calibrate model.preset=small > "$OUT/calibrate.log" 2>&1
   el "calibrate rc=$?"
   # its JSON line, not the last: NCCL's warning at exit about a process group left undestroyed can follow it
   table=$(grep '^{"kind"' "$OUT/calibrate.log" | tail -1 | python3 -c 'import json,sys; print(json.load(sys.stdin)["path"])' 2>/dev/null)
@@ -36,6 +36,9 @@ if [ $CALIBRATE = 1 ]; then
     timeout 120 python3 -m scaletrain bench --suite clock-gpu > "$OUT/clock-gpu.md" 2>&1
     el "clock-gpu rc=$?"
   fi
+  # Which attention kernel a step runs with each first in SDPA's priority, eager and compiled (~30 s).
+  timeout 90 python3 scripts/attention_kernel_check.py "$OUT" > "$OUT/attention-kernels.log" 2>&1
+  el "attention kernels rc=$?"
 fi
 # 3. The named paths and their peers (all of them where none is named), while the budget lasts.
 only=()

@@ -1,7 +1,7 @@
 """train.attention_kernel (training/attention_kernel.py): which of SDPA's kernels the run's
 attention uses. On a GPU `auto` measures FlashAttention against cuDNN's at the run's shape and
 puts the faster first; here (no GPU) the choice's rule, the priority it sets, the kernel that
-then runs, the shape it measures at and the run's line are checked."""
+then runs, the call it measures (as the model lays it out) and the run's line are checked."""
 
 from __future__ import annotations
 
@@ -87,14 +87,14 @@ def test_auto_on_a_cpu_leaves_torchs_order_and_says_nothing():
         assert kernel == "" and said == [] and torch._C._get_sdp_priority_order() == before
 
 
-def test_auto_on_a_gpu_measures_at_the_runs_shape_and_applies_rank_0s_choice(monkeypatch):
-    # No GPU here: the measurement is replaced, the rest runs as on one (the traced shape, the
+def test_auto_on_a_gpu_measures_at_the_runs_call_and_applies_rank_0s_choice(monkeypatch):
+    # No GPU here: the measurement is replaced, the rest runs as on one (the traced call, the
     # choice said and set first).
     cfg = load_config([], ["model.preset=tiny", "train.micro_batch=4", "data.seq_len=64", "precision=bf16"])
     asked: list[tuple] = []
 
-    def measured(kernel: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> float | None:
-        asked.append((kernel, shape, dtype))
+    def measured(kernel: str, call: ak.AttentionCall, dtype: torch.dtype, device: torch.device) -> float | None:
+        asked.append((kernel, call, dtype))
         return {"flash": 2e-3, "cudnn": 1e-3}[kernel]
 
     monkeypatch.setattr(ak, "time_kernel", measured)
@@ -102,32 +102,49 @@ def test_auto_on_a_gpu_measures_at_the_runs_shape_and_applies_rank_0s_choice(mon
     monkeypatch.setattr(ak, "same_result", lambda *a: compared.append(a) or True)
     said: list[str] = []
     spec = planning_spec(cfg)
-    heads, head_dim = spec.shape.n_heads, spec.shape.head_dim
+    run = ak.AttentionCall.contiguous((4, spec.shape.n_heads, 64, spec.shape.head_dim), spec.shape.n_kv_heads)
     with ak.attention_kernel(cfg, spec, 1, _world("cuda"), said.append) as kernel:  # type: ignore[arg-type]
         assert kernel == "cudnn" and torch._C._get_sdp_priority_order()[0] == int(SDPBackend.CUDNN_ATTENTION)
     assert {a[0] for a in asked} == {"flash", "cudnn"}
-    assert {a[1:] for a in asked} == {((1, 4 * heads, 64, head_dim), torch.bfloat16)}
-    assert [a[:4] for a in compared] == [("cudnn", "flash", (1, 4 * heads, 64, head_dim), torch.bfloat16)]
-    assert said == ["attention: SDPA's cudnn kernel first (2.00x FlashAttention's speed at this shape (measured))"]
+    assert {a[1:] for a in asked} == {(run, torch.bfloat16)}
+    assert [a[:4] for a in compared] == [("cudnn", "flash", run, torch.bfloat16)]
+    assert said == ["attention: SDPA's cudnn kernel first (2.00x FlashAttention's speed at this call (measured))"]
 
 
 def test_a_kernel_measured_here_takes_time_and_one_this_device_lacks_is_none():
-    assert (ak.time_kernel("flash", (1, 2, 32, 8), torch.float32, torch.device("cpu")) or 0) > 0
-    assert ak.time_kernel("cudnn", (1, 2, 32, 8), torch.float32, torch.device("cpu")) is None
+    call = ak.AttentionCall.contiguous((1, 2, 32, 8))
+    assert (ak.time_kernel("flash", call, torch.float32, torch.device("cpu")) or 0) > 0
+    assert ak.time_kernel("cudnn", call, torch.float32, torch.device("cpu")) is None
+    # The grouped-query call as the model makes it (fewer key and value heads, enable_gqa).
+    assert (ak.time_kernel("flash", ak.AttentionCall.contiguous((2, 4, 32, 8), 2), torch.float32, torch.device("cpu")) or 0) > 0
 
 
-def test_the_shape_is_the_traced_blocks_for_the_built_in_model_and_a_hugging_face_one():
+def test_the_call_is_the_traced_blocks_for_the_built_in_model_and_a_hugging_face_one():
+    # Query, key and value as each model hands them to SDPA: its heads a transposed view of
+    # [batch, sequence, heads, head size], and grouped-query attention's fewer key and value heads.
     tiny = planning_spec(load_config([], ["model.preset=tiny"]))
-    assert ak.traced_shape(tiny, 2, 64, "ddp", "fp32") == (1, 2 * tiny.shape.n_heads, 64, tiny.shape.head_dim)
+    s = tiny.shape
+    assert s.n_kv_heads < s.n_heads
+    call = ak.traced_call(tiny, 2, 64, "ddp", "fp32")
+    assert call == ak.AttentionCall.contiguous((2, s.n_heads, 64, s.head_dim), s.n_kv_heads)
+    assert call.gqa and call.q[1] == (64 * s.n_heads * s.head_dim, s.head_dim, s.n_heads * s.head_dim, 1)
     llama = "{model_type: llama, hidden_size: 64, intermediate_size: 96, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 128}"
     hf = planning_spec(load_config([], ["model.source=hf", f"model.hf_config={llama}"]))
-    assert ak.traced_shape(hf, 2, 32, "fsdp", "bf16") == (1, 8, 32, 16)
+    assert ak.traced_call(hf, 2, 32, "fsdp", "bf16") == ak.AttentionCall.contiguous((2, 4, 32, 16), 2)
+    # The tensors built for the measurement have the call's layout.
+    q, k, _ = call.tensors(torch.float32, torch.device("cpu"))
+    assert (q.shape, q.stride()) == call.q and (k.shape, k.stride()) == call.k
+
+
+def test_a_kernel_that_cannot_take_the_call_leaves_flash_and_is_named():
+    kernel, why = ak.faster({"flash": 1e-3, "cudnn": None})
+    assert kernel == "flash" and why == "torch's choice; measured flash 1.00 ms; cudnn cannot run this call"
 
 
 def test_a_faster_kernel_that_computes_something_else_is_not_taken(monkeypatch):
     # Two real CPU kernels (flash and math) agree to bf16's roundings; a kernel that drops the
     # causal mask does not, and auto keeps FlashAttention, saying why.
-    shape = (1, 4, 64, 16)
+    shape = ak.AttentionCall.contiguous((1, 4, 64, 16))
     assert ak.same_result("math", "flash", shape, torch.float32, torch.device("cpu"))
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -141,7 +158,7 @@ def test_a_faster_kernel_that_computes_something_else_is_not_taken(monkeypatch):
     monkeypatch.setattr(ak, "time_kernel", lambda kernel, *a: {"flash": 2e-3, "cudnn": 1e-3}[kernel])
     monkeypatch.setattr(ak, "same_result", lambda *a: False)
     assert ak.choose(shape, torch.bfloat16, torch.device("cuda")) == (
-        "flash", "cudnn's was faster but its result differed from FlashAttention's at this shape",
+        "flash", "cudnn's was faster but its result differed from FlashAttention's at this call",
     )  # fmt: skip
 
 
@@ -149,7 +166,7 @@ def test_two_correct_kernels_agree_to_bf16s_roundings():
     # The tolerance's claim in bf16, what GPUs train in: torch's CPU flash kernel against its math
     # path. Under ATEN_CPU_CAPABILITY=default or avx2 on an AMX CPU torch's bf16 flash kernel
     # itself fails ("pack_vnni2 is only supported when avx512 is supported"): nothing to compare.
-    for shape in ((1, 4, 64, 16), (2, 8, 256, 64)):
+    for shape in (ak.AttentionCall.contiguous((1, 4, 64, 16)), ak.AttentionCall.contiguous((2, 8, 256, 64), 2)):
         try:
             agree = ak.same_result("math", "flash", shape, torch.bfloat16, torch.device("cpu"))
         except RuntimeError as e:

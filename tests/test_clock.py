@@ -21,7 +21,7 @@ from scaletrain.planning.clock.compute import micro_batch, tp_rank_model
 from scaletrain.planning.clock.rates import _interpolate, load_table, rates_for
 from scaletrain.planning.clock.replay import arguments, seconds
 from scaletrain.planning.clock.step import step_time
-from scaletrain.planning.clock.trace import block_work, embedding_work, head_work
+from scaletrain.planning.clock.trace import block_work, embedding_work, head_work, matmul_layout
 from scaletrain.planning.hardware import KNOWN_GPUS, gpu, gpu_kind, this_cpu
 from scaletrain.planning.planner import setups_for
 from scaletrain.planning.setup import Setup
@@ -504,3 +504,29 @@ def test_a_pinned_attention_kernel_is_priced_at_its_own_rows_or_said():
     model = planning_spec(cfg)
     s = setups_for(cfg, 1, 1, False, model)[0]
     assert any(n.startswith("train.attention_kernel=math: no rate measured") for n in step_time(model, s, cfg, H100, 1).notes)
+
+
+def test_a_matmul_is_priced_at_the_rate_of_the_layout_its_pass_runs_it_in():
+    # nn.Linear's forward multiplies by a transposed weight ("nt"), its weight gradient by a
+    # transposed activation ("tn"), its input gradient row-major ("nn"): the traced block says so.
+    spec = planning_spec(load_config([], ["model.preset=tiny"]))
+    work = block_work(spec, 1, 64, "pure16")
+    forward = {matmul_layout(c.op, c.args) for c in work.forward.of("matmul")}
+    backward = sorted(matmul_layout(c.op, c.args) for c in work.backward.of("matmul"))
+    assert forward == {"nt"} and set(backward) == {"nn", "tn"} and backward.count("nn") == backward.count("tn")
+    # A table with rows by layout prices each call at its layout's row; the row-major rows price
+    # a layout it did not measure, and every call of a table without them (the first H200 table).
+    # (each call's FLOPs made large enough that its rate, not the launch, prices it)
+    nt = replace(next(c for c in work.forward.of("matmul")), flops=1e12)
+    nn, tn = (
+        replace(next(c for c in work.backward.of("matmul") if matmul_layout(c.op, c.args) == layout), flops=1e12)
+        for layout in ("nn", "tn")
+    )
+    plain = {"matmul": {"bfloat16": [[64, 128, 128, 4e14]]}}
+    laid = {**plain, "matmul_layout": {"bfloat16": {"nt": [[64, 128, 128, 6e14]]}}}
+    assert [c.dtype for c in (nt, nn, tn)] == ["bfloat16"] * 3
+    for c in (nt, nn, tn):
+        assert _rates_with(plain).call(c) == pytest.approx(1e12 / 4e14)
+    assert _rates_with(laid).call(nt) == pytest.approx(1e12 / 6e14)
+    assert _rates_with(laid).call(nn) == pytest.approx(1e12 / 4e14)
+    assert _rates_with(laid).call(tn) == pytest.approx(1e12 / 4e14)

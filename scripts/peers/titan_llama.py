@@ -154,7 +154,7 @@ for _cls in (_metrics.BaseLogger, _metrics.LoggerContainer):
 
 
 def st_peer() -> Trainer.Config:
-    model_spec = model_registry(P["flavor"])
+    model_spec = model_registry(P["flavor"], attn_backend=P.get("attn_backend", "flex"))
     ac = {"selective": SelectiveAC.Config(), "full": FullAC.Config(), "none": None}[P["ac"]]
     optimizer = default_adamw(lr=3e-4)  # betas (0.9, 0.95), eps 1e-8, weight decay 0.1
     if P["optimizer_implementation"]:
@@ -393,6 +393,9 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/titan")
     ap.add_argument("--ac", choices=("selective", "none", "full"), default="none")
     ap.add_argument("--no-compile", action="store_true")
+    # torchtitan's language models take FlexAttention (its default) or varlen attention (torch's
+    # varlen_attn): on torch 2.11 the compiled FlexAttention step failed in its backward (2026-11-30).
+    ap.add_argument("--attn", choices=("flex", "varlen"), default="flex", help="torchtitan's attention backend")
     ap.add_argument("--compile", action="store_true", help="compile in --tiny too (off there by default)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--local-batch", type=int, default=None)
@@ -422,6 +425,7 @@ def main() -> int:
             "flavor": "st_tiny" if tiny else "1B",
             "vocab_size": vocab,
             "ac": args.ac,
+            "attn_backend": args.attn,
             "compile": not args.no_compile and (args.compile or not tiny),
             "cuda_graphs": not args.no_cuda_graphs and not args.cpu,
             "steps": steps,

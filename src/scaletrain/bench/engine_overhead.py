@@ -22,6 +22,7 @@ from scaletrain.strategies import TABLE
 # engine's step against the plain one's at world 1 (the model and AdamW, no wrapper): in fp32
 # on a CPU, in bf16 on a GPU (what its runs train in).
 PROBE_STEPS = 15
+TORCH_ADAM = "parallel.deepspeed_extra={optimizer: {params: {torch_adam: true}}}"
 
 
 def probe(device: str = "cpu") -> tuple[str, ...]:
@@ -92,7 +93,13 @@ def measured(device: str = "cpu") -> dict[str, dict[str, float]]:
     # The plain engine (nothing partitioned: no wrapper at world 1) is the baseline.
     plain = next(r.name for r in TABLE.values() if r.partitions == 0)
     for strategy in TABLE:
-        cfg = load_config([], [*probe(device), f"parallel.strategy={strategy}"])
+        # On a GPU, DeepSpeed's own FusedAdam would be JIT-built with nvcc first (about a minute
+        # on a fresh machine, longer than the rest of --calibrate): torch's AdamW inside
+        # DeepSpeed instead. What the probe times is the engine's bookkeeping around the
+        # optimizer (the clock prices the optimizer's own pass from its bytes), and that is the
+        # same around either.
+        extra = [TORCH_ADAM] if cuda and TABLE[strategy].engine == "deepspeed" else []
+        cfg = load_config([], [*probe(device), f"parallel.strategy={strategy}", *extra])
         preload(cfg)
         spec = model_spec(cfg, 256)
         engine = build_engine(spec, world, dims_for(cfg.parallel, 1), cfg, decay_groups(cfg.train))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -33,7 +34,9 @@ def calibrate(cfg: Config) -> int:
         models.append(planning_spec(cfg))
         table = calibrate_gpu(models, say)
         # Each engine's own host work on this GPU (its hooks; a small model's step waits on them).
+        started = time.perf_counter()
         table["engines"] = engine_overheads(say, "cuda")
+        say(f"engines: {time.perf_counter() - started:.0f} s")
         kind = gpu_kind(table["device_name"])
         path = save_table(kind, table)
         say(

@@ -37,7 +37,7 @@ from scaletrain.planning.clock.measure import (
     median_seconds,
     optimizer_seconds,
 )
-from scaletrain.planning.clock.trace import block_work, head_work
+from scaletrain.planning.clock.trace import block_work, head_work, matmul_layout
 
 BUSY = 0.15  # a matmul's rate moving more than this between the start and the end of a calibration
 
@@ -222,22 +222,47 @@ ATTENTION_HEADS_DIMS = (64, 128)
 BANDWIDTH_SIZES = [1 << k for k in range(20, 31, 2)]  # 1 MiB to 1 GiB
 
 
-def matmul_shapes(models: list[Any], tokens: tuple[int, ...] = (2048, 16384)) -> list[tuple[int, int, int]]:
-    """The (M, N, K) of every matmul the models' blocks and heads run forward and backward,
-    at each of `tokens` tokens per micro-batch: the shapes a plan of them prices."""
-    shapes: set[tuple[int, int, int]] = set()
+def matmul_shapes(models: list[Any], tokens: tuple[int, ...] = (2048, 16384)) -> list[tuple[int, int, int, str]]:
+    """The (M, N, K, operand layout) of every matmul the models' blocks and heads run forward
+    and backward, at each of `tokens` tokens per micro-batch: the shapes a plan of them prices
+    (trace.matmul_layout: nn.Linear's forward "nt", its weight gradient "tn", its input's "nn")."""
+    shapes: set[tuple[int, int, int, str]] = set()
     for model in models:
         for n in tokens:
             for work in (block_work(model, 1, n, "pure16"), head_work(model, 1, n, "pure16")):
                 for p in (work.forward, work.backward):
-                    shapes.update((c.shape[1], c.shape[2], c.shape[3]) for c in p.of("matmul") if len(c.shape) == 4)
+                    shapes.update(
+                        (c.shape[1], c.shape[2], c.shape[3], matmul_layout(c.op, c.args))
+                        for c in p.of("matmul")
+                        if len(c.shape) == 4
+                    )
     return sorted(shapes)
+
+
+def _operand(rows: int, cols: int, layout: str, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """A [rows, cols] operand, row-major ("n") or a transposed view of a [cols, rows] one ("t")."""
+    if layout == "n":
+        return torch.randn(rows, cols, device=device, dtype=dtype)
+    return torch.randn(cols, rows, device=device, dtype=dtype).t()
 
 
 def attention_heads(length: int) -> int:
     """Heads of one attention call in the calibration: about 2^31 x head size causal FLOPs at
     length up to 16384 (512 heads at 2048 tokens), 8 heads beyond."""
     return max(8, (1 << 31) // (length * length))
+
+
+def warm_up(device: str, seconds: float = 1.0) -> None:
+    """Matmuls back to back for `seconds`: a GPU idle until now runs its first ones at lower
+    clocks (a lent H200 measured 533 TFLOP/s at its calibration's start and 675 at its end, and
+    the calibration called itself busy), so that the sweep and the busy check that brackets it
+    measure the clocks a training step runs at."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, Any]:
@@ -252,6 +277,8 @@ def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, An
 
     device = "cuda"
     sync = torch.cuda.synchronize
+    started = time.perf_counter()
+    warm_up(device)
     before = matmul_rate(4096, device, torch.bfloat16)
     table: dict[str, Any] = {
         "device_name": torch.cuda.get_device_name(),
@@ -261,19 +288,31 @@ def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, An
         "attention": {"forward": [], "backward": []},
     }
     shapes = matmul_shapes(models)
+
+    def rate(m: int, n: int, k: int, layout: str, dtype: torch.dtype) -> float:
+        a, b = _operand(m, k, layout[0], device, dtype), _operand(k, n, layout[1], device, dtype)
+        # Back to back, as a step runs them: one call between syncs measured 615 TFLOP/s at the 1b
+        # preset's largest shapes where its profiled step ran its matmuls at ~730 (the first table).
+        once = median_seconds(lambda: a @ b, repeats=3, sync=sync)
+        burst = max(1, min(20, int(2e-3 / max(once, 1e-6))))
+        return 2.0 * m * n * k / (median_seconds(lambda: [a @ b for _ in range(burst)], repeats=5, sync=sync) / burst)
+
+    # Every shape row-major ("nn", the rows any layout falls back to), in bf16 and fp32; in bf16, what
+    # training computes in, each other layout a pass runs it in too: nn.Linear's forward multiplies
+    # by a transposed weight and its weight gradient by a transposed activation, and cuBLAS runs the
+    # same shape at another rate in each.
+    plain = sorted({s[:3] for s in shapes})
     for dtype in (torch.bfloat16, torch.float32):
-        rows = []
-        for m, n, k in shapes:
-            a = torch.randn(m, k, device=device, dtype=dtype)
-            b = torch.randn(k, n, device=device, dtype=dtype)
-            # Back to back, as a step runs them: one call between syncs measured 615 TFLOP/s at the 1b
-            # preset's largest shapes where its profiled step ran its matmuls at ~730 (the first table).
-            once = median_seconds(lambda: a @ b, repeats=3, sync=sync)  # noqa: B023 - called within this iteration
-            burst = max(1, min(20, int(2e-3 / max(once, 1e-6))))
-            seconds = median_seconds(lambda: [a @ b for _ in range(burst)], repeats=5, sync=sync) / burst  # noqa: B023
-            rows.append([m, n, k, 2.0 * m * n * k / seconds])
-        table["matmul"][str(dtype).removeprefix("torch.")] = rows
-    say(f"matmuls: {len(shapes)} shapes in bf16 and fp32")
+        table["matmul"][str(dtype).removeprefix("torch.")] = [[m, n, k, rate(m, n, k, "nn", dtype)] for m, n, k in plain]
+    by_layout: dict[str, list[list[float]]] = {}
+    for m, n, k, layout in shapes:
+        if layout != "nn":
+            by_layout.setdefault(layout, []).append([m, n, k, rate(m, n, k, layout, torch.bfloat16)])
+    table["matmul_layout"] = {"bfloat16": by_layout}
+    say(
+        f"matmuls: {len(plain)} shapes in bf16 and fp32, {sum(map(len, by_layout.values()))} in bf16 in the layouts "
+        f"the passes run them in ({time.perf_counter() - started:.0f} s in)"
+    )
     # FlashAttention (torch's choice) and cuDNN's fused attention, which train.attention_kernel=auto
     # takes where it is faster (training/attention_kernel.py): the clock prices the faster.
     table["attention"]["cudnn"] = {"forward": [], "backward": []}
@@ -286,8 +325,11 @@ def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, An
                 # As many heads as a training micro-batch gives the kernel (16 x 32 at 2048 tokens): the
                 # first table (2026-11-29) used 2^16 / t, a few GFLOPs at short lengths, launch-bound.
                 heads = attention_heads(t)
+                # Laid out as the models hand them to SDPA: the heads a transposed view of [batch,
+                # sequence, heads, head size] (the layout decides which kernels take a call, and how fast).
                 q, key, v = (
-                    torch.randn(1, heads, t, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+                    torch.randn(1, t, heads, d, device=device, dtype=torch.bfloat16, requires_grad=True).transpose(1, 2)
+                    for _ in range(3)
                 )
                 flops = 2 * 2.0 * heads * t * (t + 1) / 2 * d  # the causal kernel's two products
 
@@ -305,7 +347,8 @@ def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, An
                 rows["backward"].append([t, d, 2.5 * flops / bwd])
     table["attention"]["heads"] = "2^31 / length^2, at least 8"
     say(
-        f"attention: SDPA by length and head size (FlashAttention; cuDNN at {len(table['attention']['cudnn']['forward'])} shapes)"
+        f"attention: SDPA by length and head size (FlashAttention; cuDNN at {len(table['attention']['cudnn']['forward'])} shapes; "
+        f"{time.perf_counter() - started:.0f} s in)"
     )
     rows = []
     for size in BANDWIDTH_SIZES:
@@ -324,7 +367,10 @@ def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, An
     table["optimizer_bytes_per_s"] = 40.0 * (large - small) / max(t_large - t_small, 1e-9)
     table["optimizer_fixed_s"] = max(0.0, t_small - 40.0 * small / table["optimizer_bytes_per_s"])
     table["host_op_s"], table["host_op_tp_s"] = _cuda_host_op(False), _cuda_host_op(True)
-    say(f"host: {table['host_op_s'] * 1e6:.1f} us per operation ({table['host_op_tp_s'] * 1e6:.1f} under tensor parallel)")
+    say(
+        f"host: {table['host_op_s'] * 1e6:.1f} us per operation ({table['host_op_tp_s'] * 1e6:.1f} under tensor parallel; "
+        f"{time.perf_counter() - started:.0f} s in)"
+    )
     after = matmul_rate(4096, device, torch.bfloat16)
     warning = busy(before, after)
     if warning:

@@ -37,7 +37,7 @@ import torch
 from scaletrain import disk_cache
 from scaletrain.planning.clock import contention
 from scaletrain.planning.clock.measure import copy_bandwidth, host_op_seconds, in_sequence, optimizer_seconds
-from scaletrain.planning.clock.trace import Call
+from scaletrain.planning.clock.trace import Call, matmul_layout
 from scaletrain.planning.hardware import Device, is_host, measured_cpu_peak
 
 TABLES = Path(__file__).parent / "tables"
@@ -182,7 +182,11 @@ class Rates:
     # -- GPU tables -------------------------------------------------------------------
     def _matmul_rate(self, c: Call) -> float:
         dtype = c.dtype
-        entries = self._table.get("matmul", {}).get(dtype)
+        # The rows of the call's operand layout where the table measured it (calibrate_gpu: bf16),
+        # else the row-major rows.
+        layouts = self._table.get("matmul_layout", {}).get(dtype, {})
+        entries = layouts.get(matmul_layout(c.op, c.args)) if layouts else None
+        entries = entries or self._table.get("matmul", {}).get(dtype)
         if entries:
             return _nearest_rate(entries, c.shape[1:4] if len(c.shape) >= 4 else (1, 1, 1))
         assert self._device is not None

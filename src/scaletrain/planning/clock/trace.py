@@ -18,6 +18,7 @@ so this is the least traffic a compiled pass can have.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +63,26 @@ class Call:
 
 
 Record = tuple[Call, tuple[int, ...], tuple[int, ...]]  # a call with its input and output storages
+
+# Where a matrix product's two operands are among its arguments (addmm and baddbmm: after the bias).
+_OPERANDS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
+
+
+@lru_cache(maxsize=4096)
+def matmul_layout(op: str, args: str) -> str:
+    """A matrix product's operand layout, as cuBLAS meets it: "n" for a row-major operand, "t"
+    for a transposed view (its last stride not 1), the two side by side. nn.Linear's forward is
+    "nt" (x @ W.T), its weight gradient "tn" (grad.T @ x), its input gradient "nn": the same
+    shape runs at another rate in each (a GPU's table measures them apart: clock/calibrate.py)."""
+    first = _OPERANDS.get(op.split(".")[1] if op.startswith("aten.") else op)
+    if first is None:
+        return "nn"
+    encoded = json.loads(args)[0][first : first + 2]
+    flags = []
+    for a in encoded:
+        shape, stride = a["t"][0], a["t"][1]
+        flags.append("t" if len(shape) >= 2 and stride[-1] != 1 and shape[-1] > 1 else "n")
+    return "".join(flags)
 
 
 @dataclass(frozen=True)
@@ -207,8 +228,6 @@ class _Recorder(TorchDispatchMode):
 
 
 def _dumps(value: Any) -> str:
-    import json
-
     return json.dumps(value, separators=(",", ":"))
 
 
