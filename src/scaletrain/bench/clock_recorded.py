@@ -34,6 +34,7 @@ class Recorded:
     memory: int  # its bytes
     overrides: tuple[str, ...]
     measured_s: float
+    steps: int = 0  # the run's logged steps, where its row says (0: not said)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,17 @@ def recorded_runs(root: Path) -> list[Recorded]:
             overrides += tuple(data.get("resolved") or ())
             device = env.get("device_name") or row.get("device_name") or "NVIDIA H100"
             memory = int(env.get("device_memory") or row.get("device_memory") or 80 * 2**30)
-            out.append(Recorded(str(results.relative_to(root)), row["name"], device, memory, overrides, float(data["step_s"])))
+            out.append(
+                Recorded(
+                    str(results.relative_to(root)),
+                    row["name"],
+                    device,
+                    memory,
+                    overrides,
+                    float(data["step_s"]),
+                    int(data.get("steps") or 0),
+                )
+            )
     return out
 
 
@@ -88,13 +99,26 @@ def predict(overrides: tuple[str, ...], kind: str, memory: int, gpus_per_node: i
     return chosen.time
 
 
+# A run of this many steps or fewer has its step measured while it warms up: the median of its log
+# intervals after the first (steps 2 and 3 of 3) still holds the allocator's growth and the first
+# calls of cuBLAS, cuDNN and DeepSpeed, where the clock predicts a steady step.
+WARMING_UP_STEPS = 3
+
+
+def warming_up(run: Recorded) -> tuple[str, ...]:
+    """The table's note for a run whose measured step is not a steady one, else nothing."""
+    if 0 < run.steps <= WARMING_UP_STEPS:
+        return (f"{run.name} ({run.source}): {run.steps} steps, measured while warming up (the median of steps 2-{run.steps})",)
+    return ()
+
+
 def compare_recorded(root: Path, say: Say) -> list[Compared]:
     from scaletrain.planning.hardware import gpu_kind
 
     out = []
     for run in recorded_runs(root):
         t = predict(run.overrides, gpu_kind(run.device), run.memory)
-        c = Compared(run.name, run.source, run.device, run.measured_s, t.total, dict(t.phases), t.notes)
+        c = Compared(run.name, run.source, run.device, run.measured_s, t.total, dict(t.phases), t.notes + warming_up(run))
         say(f"{run.source} {run.name}: measured {run.measured_s * 1e3:.1f} ms, predicted {t.total * 1e3:.1f} ms ({c.error:+.1%})")
         out.append(c)
     return out
