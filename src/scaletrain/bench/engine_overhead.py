@@ -98,7 +98,7 @@ def measured(device: str = "cpu") -> dict[str, dict[str, float]]:
         # DeepSpeed instead. What the probe times is the engine's bookkeeping around the
         # optimizer (the clock prices the optimizer's own pass from its bytes), and that is the
         # same around either.
-        extra = [TORCH_ADAM] if cuda and TABLE[strategy].engine == "deepspeed" else []
+        extra = [TORCH_ADAM] if cuda and TABLE[strategy].deepspeed_json else []  # the engines that take DeepSpeed's JSON
         cfg = load_config([], [*probe(device), f"parallel.strategy={strategy}", *extra])
         preload(cfg)
         spec = model_spec(cfg, 256)
