@@ -514,6 +514,10 @@ def test_a_matmul_is_priced_at_the_rate_of_the_layout_its_pass_runs_it_in():
     forward = {matmul_layout(c.op, c.args) for c in work.forward.of("matmul")}
     backward = sorted(matmul_layout(c.op, c.args) for c in work.backward.of("matmul"))
     assert forward == {"nt"} and set(backward) == {"nn", "tn"} and backward.count("nn") == backward.count("tn")
+    # addmm's operands follow its bias; a call without its traced arguments is taken as row-major.
+    t = lambda shape, stride: {"t": [shape, stride, "float32"]}  # noqa: E731
+    addmm = json.dumps([[t([2], [1]), t([4, 8], [8, 1]), t([8, 2], [1, 8])], {}])
+    assert matmul_layout("aten.addmm.default", addmm) == "nt" and matmul_layout("aten.mm.default", "") == "nn"
     # A table with rows by layout prices each call at its layout's row; the row-major rows price
     # a layout it did not measure, and every call of a table without them (the first H200 table).
     # (each call's FLOPs made large enough that its rate, not the launch, prices it)

@@ -77,12 +77,11 @@ def matmul_layout(op: str, args: str) -> str:
     first = _OPERANDS.get(op.split(".")[1] if op.startswith("aten.") else op)
     if first is None:
         return "nn"
-    encoded = json.loads(args)[0][first : first + 2]
-    flags = []
-    for a in encoded:
-        shape, stride = a["t"][0], a["t"][1]
-        flags.append("t" if len(shape) >= 2 and stride[-1] != 1 and shape[-1] > 1 else "n")
-    return "".join(flags)
+    try:
+        layouts = [a["t"][:2] for a in json.loads(args)[0][first : first + 2]]
+    except (ValueError, LookupError, TypeError):  # a call built without its traced arguments
+        return "nn"
+    return "".join("t" if len(shape) >= 2 and stride[-1] != 1 and shape[-1] > 1 else "n" for shape, stride in layouts)
 
 
 @dataclass(frozen=True)
