@@ -164,11 +164,9 @@ def choose(call: AttentionCall, dtype: torch.dtype, device: torch.device) -> tup
 def traced_call(spec: Any, micro_batch: int, seq_len: int, strategy: str, precision: str) -> AttentionCall | None:
     """The model's attention call (query, key and value as laid out) as the planner's trace of
     one block finds it (planning/clock/trace.py: any model it can trace), or None."""
-    import json
-
     from scaletrain.planning.activations import BLOCK_TRACE
     from scaletrain.planning.clock.compute import low_dtype
-    from scaletrain.planning.clock.trace import block_work
+    from scaletrain.planning.clock.trace import block_work, tensor_layouts
     from scaletrain.planning.memory import regime
 
     try:
@@ -178,8 +176,8 @@ def traced_call(spec: Any, micro_batch: int, seq_len: int, strategy: str, precis
     calls = work.forward.of("attention")
     if not calls:
         return None
-    # The trace's arguments: tensors as {"t": [shape, strides, dtype]}, query, key and value first.
-    q, k, v = (tuple(tuple(x) for x in a["t"][:2]) for a in json.loads(calls[0].args)[0][:3])
+    # Query, key and value are the kernel's first three arguments.
+    q, k, v = (tuple(tuple(x) for x in layout) for layout in tensor_layouts(calls[0].args)[:3])  # type: ignore[union-attr]
     return AttentionCall(q, k, v)  # type: ignore[arg-type]
 
 

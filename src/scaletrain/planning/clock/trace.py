@@ -68,6 +68,12 @@ Record = tuple[Call, tuple[int, ...], tuple[int, ...]]  # a call with its input 
 _OPERANDS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
 
 
+def tensor_layouts(args: str) -> list[tuple[list[int], list[int]] | None]:
+    """The shape and strides of each positional argument of a traced call (its `args` JSON),
+    None where that argument is not a tensor."""
+    return [a["t"][:2] if isinstance(a, dict) and "t" in a else None for a in json.loads(args)[0]]
+
+
 @lru_cache(maxsize=4096)
 def matmul_layout(op: str, args: str) -> str:
     """A matrix product's operand layout, as cuBLAS meets it: "n" for a row-major operand, "t"
@@ -78,10 +84,10 @@ def matmul_layout(op: str, args: str) -> str:
     if first is None:
         return "nn"
     try:
-        layouts = [a["t"][:2] for a in json.loads(args)[0][first : first + 2]]
+        layouts = tensor_layouts(args)[first : first + 2]
+        return "".join("t" if len(shape) >= 2 and stride[-1] != 1 and shape[-1] > 1 else "n" for shape, stride in layouts)  # type: ignore[misc]
     except (ValueError, LookupError, TypeError):  # a call built without its traced arguments
         return "nn"
-    return "".join("t" if len(shape) >= 2 and stride[-1] != 1 and shape[-1] > 1 else "n" for shape, stride in layouts)
 
 
 @dataclass(frozen=True)
