@@ -105,6 +105,21 @@ def test_a_collective_scales_with_the_bytes_each_rank_moves_and_gloo_reduces_sca
     assert r.collective("all_reduce", 1e5, 1, False) == 0.0
 
 
+def test_a_ring_across_nodes_uses_a_nic_for_each_of_the_groups_ranks_on_a_node():
+    h100 = rates_for(gpu("h100", "80GiB"), 8)  # no measured table: the datasheet's links
+    lat = h100.latency(True)
+    one, eight = (h100.collective("all_gather", 1e9, 64, k) - lat for k in (1, 8))
+    # 1 GB over 64 ranks: 63/64 of it through each rank's 400 Gb/s NIC at 80%, or through 8 side by side.
+    assert one == pytest.approx(63 / 64 * 1e9 / (0.8 * 50e9)) and eight == pytest.approx(one / 8)
+    # Never faster than NVLink inside the node carries it (450 GB/s here: 9 NICs' worth).
+    assert h100.collective("all_gather", 1e9, 64, 16) == pytest.approx(h100.collective("all_gather", 1e9, 64, 9))
+    # An all-to-all or a pipeline's send leaves through each rank's own NIC, however many share a node.
+    for kind in ("all_to_all", "send"):
+        assert h100.collective(kind, 1e9, 64, 8) == h100.collective(kind, 1e9, 64, 1)
+    # Inside a node, NVLink.
+    assert h100.collective("all_gather", 1e9, 8, 0) - h100.latency() == pytest.approx(7 / 8 * 1e9 / (0.8 * 450e9))
+
+
 def test_gpu_names_map_to_their_kinds():
     assert gpu_kind("NVIDIA H100 80GB HBM3") == "h100"
     assert gpu_kind("NVIDIA H100 PCIe") == "h100-pcie"
@@ -534,3 +549,21 @@ def test_a_matmul_is_priced_at_the_rate_of_the_layout_its_pass_runs_it_in():
     assert _rates_with(laid).call(nt) == pytest.approx(1e12 / 6e14)
     assert _rates_with(laid).call(nn) == pytest.approx(1e12 / 4e14)
     assert _rates_with(laid).call(tn) == pytest.approx(1e12 / 4e14)
+
+
+def test_a_long_matmul_is_timed_as_it_comes_and_a_short_one_in_bursts():
+    import time
+
+    from scaletrain.planning.clock.calibrate import BURST_SECONDS, gemm_seconds
+
+    calls = []
+
+    def long() -> None:  # longer than a burst: its own
+        calls.append(1)
+        time.sleep(BURST_SECONDS * 1.5)
+
+    assert gemm_seconds(long, lambda: None) >= BURST_SECONDS * 1.5
+    assert len(calls) == 4  # a warm-up and the 3 timed, not timed again in a burst of one
+    calls.clear()
+    assert gemm_seconds(lambda: calls.append(1), lambda: None) < BURST_SECONDS
+    assert len(calls) == 4 + 6 * 20  # then 20 a burst (the most), a warm-up burst and 5 timed

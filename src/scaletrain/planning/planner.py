@@ -386,17 +386,28 @@ def _why_tp(chosen: Candidate, candidates: list[Candidate]) -> str:
         return text + ": no layout without tensor parallel fits"
     other = min(plain, key=lambda c: c.step_time)
     mine = chosen.dp_bytes
-    traffic = (
-        f"its data-parallel traffic over {s.dp} ranks is {other.dp_bytes / mine:.1f}x smaller than "
-        f"{other.setup.label}'s over {other.setup.dp}"
-        if mine > 0
-        else f"it needs no data-parallel traffic, where {other.setup.label} moves its states over {other.setup.dp} ranks"
-    )
+    if mine <= 0:
+        traffic = f"it needs no data-parallel traffic, where {other.setup.label} moves its states over {other.setup.dp} ranks"
+    elif other.dp_bytes / mine >= 1.2:
+        traffic = f"its data-parallel traffic over {s.dp} ranks is {other.dp_bytes / mine:.1f}x smaller than {other.setup.label}'s over {other.setup.dp}"
+    else:  # the traffic is not what differs: say what is
+        traffic = f"its data-parallel traffic over {s.dp} ranks is about {other.setup.label}'s over {other.setup.dp}{_slower_in(chosen, other)}"
     return (
         text + f": each rank holds 1/{s.tp} of the model, so {traffic}; "
         f"{chosen.step_time:.3g} s/step against {other.step_time:.3g} at the same global batch "
         f"(train.grad_accum x{s.tp * s.pp})"
     )
+
+
+def _slower_in(chosen: Candidate, other: Candidate) -> str:
+    """', where OTHER spends N s more in PHASE': the clock's phase (--explain-time) where
+    `other` loses the most against `chosen`, or '' where none is known."""
+    if chosen.time is None or other.time is None:
+        return ""
+    mine, theirs = chosen.time.phases, other.time.phases
+    more = {k: theirs.get(k, 0.0) - mine.get(k, 0.0) for k in {*mine, *theirs}}
+    phase = max(more, key=lambda k: more[k], default=None)
+    return f", where {other.setup.label} spends {more[phase]:.3g} s more in {phase}" if phase and more[phase] > 0 else ""
 
 
 def _nothing_fits(

@@ -252,6 +252,26 @@ def attention_heads(length: int) -> int:
     return max(8, (1 << 31) // (length * length))
 
 
+# A matmul shorter than this is timed in a burst of calls between two syncs (below).
+BURST_SECONDS = 2e-3
+# The micro-batch tokens whose shapes the table holds in fp32 (bf16: calibrate_gpu's default, both).
+FLOAT32_TOKENS = (2048,)
+
+
+def gemm_seconds(call: Callable[[], Any], sync: Callable[[], None]) -> float:
+    """Seconds of one matmul as a step runs it: back to back. A call shorter than
+    BURST_SECONDS is timed in a burst of as many calls as fill it (one call between syncs
+    measured 615 TFLOP/s at the 1b preset's largest shapes where its profiled step ran its
+    matmuls at ~730: the first table); a longer one is its own burst, its first timing kept
+    (timed again in a burst of one: six calls more, some 30 of the h200 table's 111 s as its
+    rates price them)."""
+    once = median_seconds(call, repeats=3, sync=sync)
+    burst = min(20, int(BURST_SECONDS / max(once, 1e-6)))
+    if burst <= 1:
+        return once
+    return median_seconds(lambda: [call() for _ in range(burst)], repeats=5, sync=sync) / burst
+
+
 def warm_up(device: str, seconds: float = 1.0) -> None:
     """Matmuls back to back for `seconds`: a GPU idle until now runs its first ones at lower
     clocks (a lent H200 measured 533 TFLOP/s at its calibration's start and 675 at its end, and
@@ -291,26 +311,26 @@ def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, An
 
     def rate(m: int, n: int, k: int, layout: str, dtype: torch.dtype) -> float:
         a, b = _operand(m, k, layout[0], device, dtype), _operand(k, n, layout[1], device, dtype)
-        # Back to back, as a step runs them: one call between syncs measured 615 TFLOP/s at the 1b
-        # preset's largest shapes where its profiled step ran its matmuls at ~730 (the first table).
-        once = median_seconds(lambda: a @ b, repeats=3, sync=sync)
-        burst = max(1, min(20, int(2e-3 / max(once, 1e-6))))
-        return 2.0 * m * n * k / (median_seconds(lambda: [a @ b for _ in range(burst)], repeats=5, sync=sync) / burst)
+        return 2.0 * m * n * k / gemm_seconds(lambda: a @ b, sync)
 
     # Every shape row-major ("nn", the rows any layout falls back to), in bf16 and fp32; in bf16, what
     # training computes in, each other layout a pass runs it in too: nn.Linear's forward multiplies
     # by a transposed weight and its weight gradient by a transposed activation, and cuBLAS runs the
     # same shape at another rate in each.
     plain = sorted({s[:3] for s in shapes})
-    for dtype in (torch.bfloat16, torch.float32):
-        table["matmul"][str(dtype).removeprefix("torch.")] = [[m, n, k, rate(m, n, k, "nn", dtype)] for m, n, k in plain]
+    table["matmul"]["bfloat16"] = [[m, n, k, rate(m, n, k, "nn", torch.bfloat16)] for m, n, k in plain]
+    # fp32 at the shorter micro-batch's shapes only: the longer's are 8x the work at the same
+    # (compute-bound) rate, some 45 of the h200 table's 111 s as its rates price them; a call between the
+    # shapes measured is priced at the nearest one's rate (clock/rates.py).
+    plain32 = sorted({s[:3] for s in matmul_shapes(models, FLOAT32_TOKENS)})
+    table["matmul"]["float32"] = [[m, n, k, rate(m, n, k, "nn", torch.float32)] for m, n, k in plain32]
     by_layout: dict[str, list[list[float]]] = {}
     for m, n, k, layout in shapes:
         if layout != "nn":
             by_layout.setdefault(layout, []).append([m, n, k, rate(m, n, k, layout, torch.bfloat16)])
     table["matmul_layout"] = {"bfloat16": by_layout}
     say(
-        f"matmuls: {len(plain)} shapes in bf16 and fp32, {sum(map(len, by_layout.values()))} in bf16 in the layouts "
+        f"matmuls: {len(plain)} shapes in bf16, {len(plain32)} in fp32, {sum(map(len, by_layout.values()))} in bf16 in the layouts "
         f"the passes run them in ({time.perf_counter() - started:.0f} s in)"
     )
     # FlashAttention (torch's choice) and cuDNN's fused attention, which train.attention_kernel=auto

@@ -69,7 +69,9 @@ class EngineWork:
 def engine_work(model: ModelSpec, s: Setup, rates: Rates, mb: MicroBatch, per_node: int, nodes: int) -> EngineWork:
     work = EngineWork()
     row = TABLE[s.strategy]
-    inter = s.dp * s.cp * s.tp > per_node  # the data-parallel group spans nodes
+    # Where the data-parallel group spans nodes, its ranks on each node (tp innermost: each node
+    # holds per_node / tp of them), which ring collectives use that many NICs for (Rates.collective).
+    inter = max(1, per_node // s.tp) if s.dp * s.cp * s.tp > per_node else 0
     params = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0] / s.tp
     train = params * trainable_share(model)
     low = 4 if s.precision == "fp32" else 2
@@ -151,7 +153,7 @@ def _optimizer(work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, parti
         work.notes.append(f"train.optimizer={s.optimizer}: {note}")
 
 
-def _ddp(work: EngineWork, s: Setup, rates: Rates, mb: MicroBatch, train: float, inter: bool) -> None:
+def _ddp(work: EngineWork, s: Setup, rates: Rates, mb: MicroBatch, train: float, inter: int) -> None:
     n = s.reduce_ranks
     total = 4.0 * train
     buckets = max(1, int(total // DDP_BUCKET) + (total % DDP_BUCKET > 0))
@@ -162,7 +164,7 @@ def _ddp(work: EngineWork, s: Setup, rates: Rates, mb: MicroBatch, train: float,
 
 
 def _fsdp(
-    work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, mb: MicroBatch, params: float, train: float, low: int, inter: bool
+    work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, mb: MicroBatch, params: float, train: float, low: int, inter: int
 ) -> None:
     n = s.shard
     blocks = model.n_blocks / s.pp
@@ -202,7 +204,7 @@ def _fsdp(
 
 
 def _zero3(
-    work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, mb: MicroBatch, params: float, train: float, low: int, inter: bool
+    work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, mb: MicroBatch, params: float, train: float, low: int, inter: int
 ) -> None:
     n = s.shard
     blocks = model.n_blocks
@@ -222,7 +224,7 @@ def _zero3(
     work.add("comm", "ZeRO-3's gradient reduce-scatters", m * blocks * _hidden(rates, rs, per_block_b))
 
 
-def _zero12(work: EngineWork, s: Setup, rates: Rates, mb: MicroBatch, params: float, train: float, low: int, inter: bool) -> None:
+def _zero12(work: EngineWork, s: Setup, rates: Rates, mb: MicroBatch, params: float, train: float, low: int, inter: int) -> None:
     n = s.shard
     m = s.grad_accum
     # Each gradient copied into the reduce bucket as it is made, the reduced bucket into the partition.
@@ -241,7 +243,7 @@ def _model_parallel(work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, 
         count = tp_collectives(model, s)
         total = tp_comm_bytes_per_step(model, s, s.grad_accum)  # what each rank sends: 2 (tp-1)/tp of the buffers
         buffer = total / (rank_blocks(model, s) * s.grad_accum * 4) / (2 * (s.tp - 1) / s.tp)
-        across = s.tp > per_node
+        across = per_node if s.tp > per_node else 0  # a node's ranks all in the group
         if s.sequence_parallel:  # each all-reduce an all-gather and a reduce-scatter: half of each
             t = (
                 count
@@ -266,7 +268,8 @@ def _model_parallel(work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, 
         per = (4 if s.cp_mode == "ulysses" else 2) * rank_blocks(model, s) * s.grad_accum * passes // 2
         kind = "all_to_all" if s.cp_mode == "ulysses" else "all_gather"
         ring = (s.cp - 1) / s.cp
-        t = per * rates.collective(kind, cp_bytes / max(1, per) / ring, s.cp, s.cp * s.tp > per_node)
+        across = max(1, per_node // s.tp) if s.cp * s.tp > per_node else 0
+        t = per * rates.collective(kind, cp_bytes / max(1, per) / ring, s.cp, across)
         work.add("comm", f"context parallel's {per} {kind.replace('_', '-')}s", t)
     if s.ep > 1:
         sent = a2a_bytes_per_step(model, s)

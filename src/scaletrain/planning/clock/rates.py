@@ -64,6 +64,7 @@ DATASHEET_LAUNCH = 3e-6  # the shortest kernel a GPU runs, start to end
 # Collectives where none were measured: NCCL's ring over NVLink or the network reaches
 # about 80% of the link's bandwidth at large sizes, after a start-up of `collective_latency`.
 DATASHEET_BUS = 0.80
+RINGS = ("all_reduce", "all_gather", "reduce_scatter")  # NCCL runs these as rings
 # Under tensor parallel where `--calibrate` has not measured it: this project's 2-core CPU
 # measured 72 us per traced operation of the tiny block split over a mesh of one (docs/planner.md).
 CPU_HOST_OP_TP = 72e-6
@@ -150,12 +151,13 @@ class Rates:
         return dict(self._table.get("engines", {}).get(strategy, {}))
 
     # -- communication --------------------------------------------------------------
-    def collective(self, kind: str, nbytes: float, ranks: int, inter_node: bool) -> float:
+    def collective(self, kind: str, nbytes: float, ranks: int, inter_node: int) -> float:
         """Seconds of one collective of `kind` (all_reduce, all_gather, reduce_scatter,
         all_to_all, send) whose full buffer is `nbytes`, over `ranks` ranks: a measured
         start-up and cost per byte (a calibrated machine: scaled from the ranks it was
         measured at by the ring's share of the buffer each rank moves), else the link's
-        datasheet bandwidth at DATASHEET_BUS after `collective_latency`."""
+        datasheet bandwidth at DATASHEET_BUS after `collective_latency`. `inter_node`: 0 within
+        a node; across nodes, how many of the group's ranks each node holds (True: one)."""
         if ranks <= 1 or nbytes <= 0:
             return 0.0
         if kind == "reduce_scatter" and self.kind == "cpu":
@@ -165,18 +167,26 @@ class Rates:
         if measured:
             # The measured curve at the bytes each rank moves here, as many as at its own ranks.
             return _interpolate(measured["rows"], nbytes * ring / _WIRE[kind](float(measured.get("ranks", 2))))
-        latency, bus = self._link(inter_node)
+        latency, bus = self._link(int(inter_node), kind in RINGS)
         return latency + ring * nbytes / bus
 
     def latency(self, inter_node: bool = False) -> float:
         measured = self._table.get("collectives", {}).get("inter" if inter_node else "intra", {}).get("all_to_all")
-        return float(measured["rows"][0][1]) if measured else self._link(inter_node)[0]
+        return float(measured["rows"][0][1]) if measured else self._link(int(inter_node), False)[0]
 
-    def _link(self, inter_node: bool) -> tuple[float, float]:
+    def _link(self, inter_node: int, ring: bool) -> tuple[float, float]:
         if self.kind == "cpu":
             return GLOO_LATENCY, GLOO_BANDWIDTH
         assert self._device is not None
-        bw = self._device.inter_node_bw if inter_node else self._device.intra_node_bw
+        if not inter_node:
+            return self._device.collective_latency, DATASHEET_BUS * self._device.intra_node_bw
+        # Across nodes NCCL runs a ring collective as several rings (channels), each leaving a
+        # node through its own NIC: with k of the group's ranks on each node, k NICs (one per
+        # GPU, hardware.py) carry it side by side, up to what NVLink moves inside the node (nccl-tests'
+        # multi-node bus bandwidth on 8 x 400 Gb/s H100 nodes: some 8 x 50 GB/s, not one NIC's 50).
+        # An all-to-all or a send goes through each rank's own NIC.
+        rails = inter_node if ring else 1
+        bw = min(self._device.intra_node_bw, rails * self._device.inter_node_bw)
         return self._device.collective_latency, DATASHEET_BUS * bw
 
     # -- GPU tables -------------------------------------------------------------------
