@@ -567,3 +567,21 @@ def test_a_long_matmul_is_timed_as_it_comes_and_a_short_one_in_bursts():
     calls.clear()
     assert gemm_seconds(lambda: calls.append(1), lambda: None) < BURST_SECONDS
     assert len(calls) == 4 + 6 * 20  # then 20 a burst (the most), a warm-up burst and 5 timed
+
+
+def test_a_hybrid_shard_group_inside_a_node_gathers_over_nvlink():
+    from scaletrain.planning.clock import engines
+
+    cfg = load_config([], ["model.preset=8b", "data.seq_len=4096", "precision=bf16", "train.micro_batch=1"])
+    model, h100 = planning_spec(cfg), gpu("h100", "80GiB")
+    rates = rates_for(h100, 8)
+
+    def gathers(s: Setup, per_node: int, nodes: int) -> float:
+        work = engines.engine_work(model, s, rates, micro_batch(model, s, rates, False), per_node, nodes)
+        return sum(t for label, t in work.largest["comm"] if label.startswith("FSDP's all-gathers"))
+
+    one_node = gathers(Setup("fsdp", 8, 1, 4096, "bf16"), 8, 1)
+    # Hybrid 2 x 8 on 2 nodes: each replica's 8 shards on one node, its gathers those of fsdp on that node alone.
+    assert gathers(Setup("fsdp", 16, 1, 4096, "bf16", dp_replicate=2), 8, 2) == pytest.approx(one_node)
+    # fsdp over both nodes gathers across them (16 shards, 8 NICs a node): a different price.
+    assert gathers(Setup("fsdp", 16, 1, 4096, "bf16"), 8, 2) != pytest.approx(one_node)

@@ -69,9 +69,12 @@ class EngineWork:
 def engine_work(model: ModelSpec, s: Setup, rates: Rates, mb: MicroBatch, per_node: int, nodes: int) -> EngineWork:
     work = EngineWork()
     row = TABLE[s.strategy]
-    # Where the data-parallel group spans nodes, its ranks on each node (tp innermost: each node
-    # holds per_node / tp of them), which ring collectives use that many NICs for (Rates.collective).
-    inter = max(1, per_node // s.tp) if s.dp * s.cp * s.tp > per_node else 0
+    # Where the group the engine's collectives run over spans nodes, its ranks on each node (tp
+    # innermost: each node holds per_node / tp of them), which ring collectives use that many NICs
+    # for (Rates.collective). A sharding engine's group is one copy's shard group (hybrid: the
+    # replicas outermost, so a shard group inside a node gathers over NVLink); ddp's all of dp.
+    group = s.shard if row.partitions else s.reduce_ranks
+    inter = max(1, per_node // s.tp) if group * s.tp > per_node else 0
     params = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[0] / s.tp
     train = params * trainable_share(model)
     low = 4 if s.precision == "fp32" else 2
