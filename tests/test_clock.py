@@ -551,24 +551,6 @@ def test_a_matmul_is_priced_at_the_rate_of_the_layout_its_pass_runs_it_in():
     assert _rates_with(laid).call(tn) == pytest.approx(1e12 / 4e14)
 
 
-def test_a_long_matmul_is_timed_as_it_comes_and_a_short_one_in_bursts():
-    import time
-
-    from scaletrain.planning.clock.calibrate import BURST_SECONDS, gemm_seconds
-
-    calls = []
-
-    def long() -> None:  # longer than a burst: its own
-        calls.append(1)
-        time.sleep(BURST_SECONDS * 1.5)
-
-    assert gemm_seconds(long, lambda: None) >= BURST_SECONDS * 1.5
-    assert len(calls) == 4  # a warm-up and the 3 timed, not timed again in a burst of one
-    calls.clear()
-    assert gemm_seconds(lambda: calls.append(1), lambda: None) < BURST_SECONDS
-    assert len(calls) == 4 + 6 * 20  # then 20 a burst (the most), a warm-up burst and 5 timed
-
-
 def test_a_hybrid_shard_group_inside_a_node_gathers_over_nvlink():
     from scaletrain.planning.clock import engines
 

@@ -13,7 +13,7 @@ from scaletrain.cli.console import console
 from scaletrain.config import Config
 from scaletrain.models import PRESETS
 from scaletrain.planning import planning_spec
-from scaletrain.planning.clock.calibrate import calibrate_cpu, calibrate_gpu, save_calibration
+from scaletrain.planning.clock.calibrate import GPU_SIZES, calibrate_cpu, calibrate_gpu, device_collectives, save_calibration
 from scaletrain.planning.clock.rates import save_table
 from scaletrain.planning.hardware import gpu_kind
 
@@ -33,6 +33,15 @@ def calibrate(cfg: Config) -> int:
         models = [planning_spec(load_config([], [f"model.preset={p}"])) for p in TABLE_PRESETS if p in PRESETS]
         models.append(planning_spec(cfg))
         table = calibrate_gpu(models, say)
+        # The collectives by size over this node's GPUs (NVLink); one GPU has nothing to time, and
+        # the clock keeps the datasheet's link rates (and, across nodes, always: rates.py).
+        gpus = torch.cuda.device_count()
+        if gpus > 1:
+            started = time.perf_counter()
+            table["collectives"] = {"intra": device_collectives(gpus)}
+            say(f"collectives: NCCL over the {gpus} GPUs, {len(GPU_SIZES)} sizes each ({time.perf_counter() - started:.0f} s)")
+        else:
+            say("collectives: one GPU here, none to time: plans of several price the datasheet's NVLink and network")
         # Each engine's own host work on this GPU (its hooks; a small model's step waits on them).
         started = time.perf_counter()
         table["engines"] = engine_overheads(say, "cuda")

@@ -109,14 +109,18 @@ def _collectives_rank(rank: int, world: int, store_path: str, out: dict[str, Any
         dist.destroy_process_group()
 
 
-def _calls(dist: Any, rank: int, world: int, size: int) -> dict[str, Callable[[], Any]]:
-    """Each collective of COLLECTIVES on a full buffer of `size` bytes."""
-    full = torch.zeros(size // 4)
-    part = torch.zeros(size // 4 // world)
+def _calls(dist: Any, rank: int, world: int, size: int, device: str = "cpu") -> dict[str, Callable[[], Any]]:
+    """Each collective of COLLECTIVES (and NCCL's reduce-scatter) on a full buffer of `size` bytes."""
+    full = torch.zeros(size // 4, device=device)
+    part = torch.zeros(size // 4 // world, device=device)
+    # The all-to-all's input: a GPU's made once; a CPU's copied in each call, as gloo's rows have
+    # always been measured (the copy part of what a CPU rank's call costs; clock tables kept as measured).
+    other = full.clone() if device != "cpu" else None
     return {
         "all_reduce": lambda: dist.all_reduce(full),
         "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-        "all_to_all": lambda: dist.all_to_all_single(full, full.clone()),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+        "all_to_all": lambda: dist.all_to_all_single(full, other if other is not None else full.clone()),
         "send": lambda: _exchange(dist, rank, full),
     }
 
@@ -162,6 +166,54 @@ def _gloo_sweep(world: int) -> dict[str, list[list[float]]]:
 def _spawned(rank: int, world: int, store: str, out: Any) -> None:
     torch.set_num_threads(1)
     _collectives_rank(rank, world, store, out)
+
+
+# -- the GPUs' collectives (a table's "collectives", clock/rates.py) ----------------------------
+GPU_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+GPU_SIZES = [1 << k for k in range(20, 31, 2)]  # 1 MiB to 1 GiB: a block's gather of the presets and more
+
+
+def device_collectives(
+    world: int, backend: str = "nccl", sizes: list[int] | None = None, kinds: tuple[str, ...] = GPU_COLLECTIVES
+) -> dict[str, dict[str, Any]]:
+    """Each collective's seconds by the bytes of its full buffer over `world` processes, one
+    per local GPU (NCCL over NVLink: the rows a table keeps as "intra"), timed as nccl-tests
+    times them, back to back between syncs: on a GPU a collective runs on its own stream beside
+    the compute, and what of it the compute hides is the clock's to price (clock/engines.py).
+    `backend` gloo times the same sweep between CPU processes (the path's test)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        manager = mp.get_context("spawn").Manager()
+        out = manager.dict()
+        args = (world, os.path.join(tmp, "store"), out, backend, sizes or GPU_SIZES, kinds)
+        mp.start_processes(_device_rank, args=args, nprocs=world, start_method="spawn")
+        return {kind: {"ranks": world, "rows": monotone(rows)} for kind, rows in dict(out).items()}
+
+
+def _device_rank(
+    rank: int, world: int, store_path: str, out: Any, backend: str, sizes: list[int], kinds: tuple[str, ...]
+) -> None:
+    import torch.distributed as dist
+
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    sync: Callable[[], None] = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    table: dict[str, list[list[float]]] = {k: [] for k in kinds}
+    try:
+        for size in sizes:
+            calls = _calls(dist, rank, world, size, device)
+            for kind in kinds:
+                dist.barrier()
+                table[kind].append([float(size), median_seconds(calls[kind], repeats=5, sync=sync)])
+        if rank == 0:
+            out.update(table)
+    finally:
+        dist.destroy_process_group()
 
 
 def calibrate_cpu(world: int = 2) -> tuple[dict[str, Any], list[str]]:
