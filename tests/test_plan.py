@@ -62,7 +62,12 @@ def test_traced_activations_equal_what_a_real_forward_keeps(preset, batch, seq, 
     predicted = (
         shape.n_layers * block_activations(spec, batch, seq, regime).saved + head_activations(spec, batch, seq, regime).saved
     )
-    real = real_saved_bytes(shape, batch, seq, autocast)
+    try:
+        real = real_saved_bytes(shape, batch, seq, autocast)
+    except RuntimeError as e:  # as in test_attention_kernel: torch's own kernel, not the planner
+        if "pack_vnni2" not in str(e):
+            raise
+        pytest.skip(f"torch's bf16 CPU flash kernel under ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY')}: {e}")
     # The fake trace also counts the RoPE slices, which the real model takes from its buffers.
     assert abs(predicted - real) / real < 0.01, (predicted, real)
 
