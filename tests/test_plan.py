@@ -253,6 +253,10 @@ def test_70b_on_4_nodes_auto_picks_fsdp_whose_gathers_cross_on_every_nic_and_hid
     # Every pipeline that fits is slower: its bubble costs more than FSDP's exposed traffic.
     piped = [c for c in plan.candidates if c.setup.pp > 1 and c.fits]
     assert piped and all(c.step_time > plan.chosen.step_time and c.time.phases["bubble"] > phases["comm"] for c in piped)
+    best = min(piped, key=lambda c: c.step_time)
+    (why,) = [r for r in plan.reasons if r.startswith("pipeline parallel not chosen")]
+    assert f"the fastest layout with it, {best.setup.label}, is estimated at {best.step_time:.3g} s/step" in why
+    assert f"its bubble costs {best.time.phases['bubble']:.3g} s a step, where fsdp + AC leaves" in why
     # The same nodes with one 400 Gb/s NIC each (8 GPUs sharing 50 GB/s): the gathers no longer
     # hide and the choice moves to tensor parallel inside the node and a pipeline across them,
     # where only activations cross the network (what the clock chose when it priced every

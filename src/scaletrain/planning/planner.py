@@ -360,6 +360,8 @@ def _reasons(chosen: Candidate, candidates: list[Candidate], expert_reasons: lis
         more = chosen.comm_bytes / ddp.comm_bytes if ddp.comm_bytes else 1.0
         text += ", moves no more data than ddp" if more <= 1.0001 else f", moves {more:.1f}x the data of ddp"
     text += f", estimated {chosen.step_time:.3g} s/step: the fastest (or simplest of the equally fast) that fits: chosen"
+    if chosen.setup.pp == 1 and (not_pp := _why_not_pp(chosen, candidates)):
+        reasons.append(not_pp)
     if chosen.setup.tp > 1:
         reasons.append(_why_tp(chosen, candidates))
     if chosen.setup.cp > 1:
@@ -396,6 +398,25 @@ def _why_tp(chosen: Candidate, candidates: list[Candidate]) -> str:
         text + f": each rank holds 1/{s.tp} of the model, so {traffic}; "
         f"{chosen.step_time:.3g} s/step against {other.step_time:.3g} at the same global batch "
         f"(train.grad_accum x{s.tp * s.pp})"
+    )
+
+
+def _why_not_pp(chosen: Candidate, candidates: list[Candidate]) -> str:
+    """Why no pipeline, where one fits: the fastest layout with one against the chosen, its
+    bubble against the chosen's exposed communication (what a pipeline trades), or ''."""
+    piped = [c for c in candidates if c.setup.pp > 1 and c.fits]
+    if not piped:
+        return ""
+    best = min(piped, key=lambda c: c.step_time)
+    text = (
+        f"pipeline parallel not chosen: the fastest layout with it, {best.setup.label}, is estimated at "
+        f"{best.step_time:.3g} s/step against {chosen.step_time:.3g}"
+    )
+    if best.time is None or chosen.time is None:
+        return text
+    return (
+        text + f" (its bubble costs {best.time.phases.get('bubble', 0.0):.3g} s a step, where "
+        f"{chosen.setup.label} leaves {chosen.time.phases.get('comm', 0.0):.3g} s of communication exposed)"
     )
 
 
