@@ -154,16 +154,26 @@ def _time(spec, s: Setup, device=H100, nodes: int = 1, **train):
 def test_phases_add_up_to_the_step_and_activation_checkpointing_repeats_each_blocks_forward():
     plain = _time(TINY, _setup())
     ac = _time(TINY, _setup(activation_checkpointing=True))
+    selective = _time(TINY, _setup(activation_checkpointing=True, selective=True))
     assert plain.total == pytest.approx(sum(plain.phases.values()))
-    assert ac.phases["forward"] == pytest.approx(plain.phases["forward"])
-    # The recompute is every block's forward once more, host included.
+    assert ac.phases["forward"] == pytest.approx(plain.phases["forward"]) == selective.phases["forward"]
+    # The recompute is every block's forward once more up to the last tensor its backward
+    # reads (torch's early stop: not the last product, w2, nor the residual add after it),
+    # host included; selective, of that, what models/selective_ac.py does not keep
+    # (tests/test_selective_ac.py checks both against what a real backward dispatches).
     block = block_work(TINY, 4, 64, "fp32")
     from scaletrain.planning.clock.compute import price
 
     r = rates_for(H100)
+    assert block.recompute is not None and block.selective is not None
     assert ac.phases["backward"] - plain.phases["backward"] == pytest.approx(
-        TINY.n_blocks * price(block.forward, r, False).seconds
+        TINY.n_blocks * price(block.recompute, r, False).seconds
     )
+    assert selective.phases["backward"] - plain.phases["backward"] == pytest.approx(
+        TINY.n_blocks * price(block.selective, r, False).seconds
+    )
+    whole = price(block.forward, r, False).seconds
+    assert price(block.selective, r, False).seconds < price(block.recompute, r, False).seconds < whole
 
 
 def test_one_rank_has_no_communication_and_a_pipeline_a_bubble():

@@ -21,6 +21,7 @@ from helpers.launch import PROBES, probe
 
 sys.path.insert(0, str(PROBES))
 from one_backward import (  # noqa: E402
+    COMPILED_TP_VARIANTS,
     CP_VARIANTS,
     DOCUMENTS,
     MODEL,
@@ -64,6 +65,9 @@ def one_process(*extra: str) -> tuple[float, dict[str, torch.Tensor]]:
     return ce.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+ALL = [*VARIANTS, *COMPILED_TP_VARIANTS, *PIPELINE_VARIANTS, *MOE_VARIANTS, *CP_VARIANTS, *MOE_CP_VARIANTS]
+
+
 @pytest.fixture(scope="module")
 def reference():
     return one_process()
@@ -89,7 +93,7 @@ def engine_grads(request, tmp_path_factory):
     """All variants on 2 ranks under one ATEN_CPU_CAPABILITY (one launch: start-up dominates)."""
     out = tmp_path_factory.mktemp(f"grads-{request.param}")
     env = {} if request.param == "native" else {"ATEN_CPU_CAPABILITY": request.param}
-    probe("one_backward", [*VARIANTS, *PIPELINE_VARIANTS, *MOE_VARIANTS, *CP_VARIANTS, *MOE_CP_VARIANTS], out, nproc=2, env=env)
+    probe("one_backward", ALL, out, nproc=2, env=env)
     return torch.load(out / "grads.pt", weights_only=True)
 
 
@@ -101,7 +105,7 @@ def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("variant", [*VARIANTS, *PIPELINE_VARIANTS, *MOE_VARIANTS, *CP_VARIANTS, *MOE_CP_VARIANTS])
+@pytest.mark.parametrize("variant", ALL)
 def test_gradients_after_one_backward_equal_one_process(
     engine_grads, reference, untied_reference, moe_reference, documents_reference, variant
 ):
@@ -110,7 +114,10 @@ def test_gradients_after_one_backward_equal_one_process(
     # scales the sum by 1/4, exact in binary). Mixture-of-experts variants likewise: each
     # token's experts are the same in any split, and under expert parallel its slots are
     # computed on another rank, in the same order among that expert's slots.
-    ref_loss, ref_grads = untied_reference if variant in PIPELINE_VARIANTS else reference
+    # Tensor parallel compiled: inductor fuses and reorders the blocks' fp32 arithmetic, a few
+    # ulps an operation (tests/test_compile.py), far inside the bound; a lost gradient is not.
+    untied = UNTIED in (PIPELINE_VARIANTS | COMPILED_TP_VARIANTS).get(variant, [])
+    ref_loss, ref_grads = untied_reference if untied else reference
     if variant in MOE_VARIANTS:
         ref_loss, ref_grads = moe_reference
     # Context parallel: each rank's loss is the mean of its half of every sequence, the

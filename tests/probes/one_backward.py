@@ -29,6 +29,7 @@ from common import Z3_PARTITION_ALL, build
 GLOBAL_BATCH, SEQ, VOCAB = 4, 32, 512
 # The model every variant and the test's reference build (tiny preset, seed 0).
 MODEL = ["model.preset=tiny", f"model.vocab_size={VOCAB}", f"data.seq_len={SEQ}", "train.seed=0", "run.device=cpu"]
+SELECTIVE = ["parallel.activation_checkpointing=true", "parallel.ac_mode=selective"]
 # name -> overrides; every variant covers the global batch of 4 on 2 ranks.
 VARIANTS = {
     "ddp": ["parallel.strategy=ddp", "train.micro_batch=2"],
@@ -44,12 +45,29 @@ VARIANTS = {
     "zero1_accum": ["parallel.strategy=zero1", "train.micro_batch=1", "train.grad_accum=2"],
     "zero2": ["parallel.strategy=zero2", "train.micro_batch=2"],
     "zero3_accum": ["parallel.strategy=zero3", "train.micro_batch=1", "train.grad_accum=2", Z3_PARTITION_ALL],
-}
+    # Selective checkpointing (parallel.ac_mode=selective): the kept outputs read back, the rest
+    # recomputed, on fsdp (with tp 2: sequence parallel's reduce-scatters among the kept), and
+    # inside ZeRO-3's gathers.
+    "fsdp_selective_ac": ["parallel.strategy=fsdp", "train.micro_batch=2", *SELECTIVE],
+    "fsdp_tp2_selective_ac": ["parallel.strategy=fsdp", "parallel.tp=2", "train.micro_batch=4", *SELECTIVE],
+    "zero3_selective_ac_accum": ["parallel.strategy=zero3", "train.micro_batch=1", "train.grad_accum=2", Z3_PARTITION_ALL,
+                                 *SELECTIVE],
+}  # fmt: skip
+# Tensor parallel with the blocks compiled (inductor), sequence parallel on (the default) and
+# off: the embedding's reduction reaches the first compiled block as an AsyncCollectiveTensor,
+# whose gradient torch 2.13's compiled graph dropped (the token embedding's came back zeros,
+# untied, or the head's share alone, tied; models/llama_tp.py). Untied, the embedding's
+# gradient is its own; the test compares it with the untied reference.
+UNTIED = "model.tie_embeddings=false"
+COMPILED_TP_VARIANTS = {
+    "fsdp_tp2_compiled": ["parallel.strategy=fsdp", "parallel.tp=2", "train.micro_batch=4", "train.compile=true", UNTIED],
+    "fsdp_tp2_nosp_compiled_tied": ["parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=false",
+                                    "train.micro_batch=4", "train.compile=true"],
+}  # fmt: skip
 # Pipeline parallel, pp 2 on 2 ranks, every schedule scaletrain offers: the global batch as
 # 4 micro-batches of 1 (dualpipev's minimum: 2 stages per rank x 2 ranks). The embedding
 # and the head sit on different stages, so these build the model untied (UNTIED), and the
 # test compares them with an untied reference.
-UNTIED = "model.tie_embeddings=false"
 PIPELINE_VARIANTS = {
     f"pp2_{schedule}": ["parallel.strategy=fsdp", "parallel.pp=2", f"parallel.pp_schedule={schedule}",
                         "train.micro_batch=1", "train.grad_accum=4", UNTIED]
@@ -66,6 +84,8 @@ MOE_VARIANTS = {
     "moe_fsdp_ep2": [*MOE, "parallel.strategy=fsdp", "parallel.ep=2", "train.micro_batch=2"],
     "moe_fsdp_ep2_accum": [*MOE, "parallel.strategy=fsdp", "parallel.ep=2", "train.micro_batch=1", "train.grad_accum=2"],
     "moe_zero3_accum": [*MOE, "parallel.strategy=zero3", "train.micro_batch=1", "train.grad_accum=2", Z3_PARTITION_ALL],
+    # The experts whole on each tp rank inside a compiled block (COMPILED_TP_VARIANTS above).
+    "moe_fsdp_tp2_compiled": [*MOE, "parallel.strategy=fsdp", "parallel.tp=2", "train.micro_batch=4", "train.compile=true"],
 }
 
 
@@ -146,7 +166,7 @@ def main() -> None:
     world = init_distributed("cpu", "gloo")
     results = {}
     for variant in args.variants:
-        layouts = VARIANTS | PIPELINE_VARIANTS | MOE_VARIANTS | CP_VARIANTS
+        layouts = VARIANTS | COMPILED_TP_VARIANTS | PIPELINE_VARIANTS | MOE_VARIANTS | CP_VARIANTS
         layouts |= {name: [*model, *layout] for name, (model, layout) in MOE_CP_VARIANTS.items()}
         engine, spec, cfg = build([*MODEL, *layouts[variant]], world)
         dims = dims_for(cfg.parallel, world.world_size)

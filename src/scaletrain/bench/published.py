@@ -63,26 +63,26 @@ TITAN = "torchtitan llama3_h100_202412"
 ASYNC_TP = "torchtitan asyncTP_llama3_h100_2025-06"
 FOUNDRY = "llm-foundry H100 80GB BF16"
 TITAN_H100 = "H100 96 GB HBM2e at 500 W (below the SXM datasheet's clock: the planner's H100 is the 700 W SXM)"
-SAC = "selective (per-op) activation checkpointing: recomputes part of each block; planned without"
+# torchtitan's per-op selective checkpointing, as parallel.ac_mode=selective runs it (models/selective_ac.py).
+SAC = ("parallel.activation_checkpointing=true", "parallel.ac_mode=selective")
 BF16 = ("precision=bf16", "parallel.strategy=fsdp")
-L8B = ("model.preset=8b", "data.seq_len=8192", *BF16)
-NO_TP_COMPILE = "compiled in the source; scaletrain compiles without tp only: planned eager"
+L8B = ("model.preset=8b", "data.seq_len=8192", *BF16, *SAC)
 MPT = "MPT's GELU MLP as a SwiGLU of equal FLOPs, learned positions and biases left out"
 
 PUBLISHED = (
     Published(TITAN, "Llama 3.1 8B, FSDP 8, eager", 8, 5762, 16, 8192, (*L8B, "train.micro_batch=2", "train.global_batch=16",
-              "train.compile=false"), 96, f"{TITAN_H100}; {SAC}"),
+              "train.compile=false"), 96, TITAN_H100),
     Published(TITAN, "Llama 3.1 8B, FSDP 8, compiled", 8, 6667, 16, 8192, (*L8B, "train.micro_batch=2", "train.global_batch=16",
-              "train.compile=true"), 96, f"{TITAN_H100}; {SAC}"),
+              "train.compile=true"), 96, TITAN_H100),
     Published(TITAN, "Llama 3.1 8B, FSDP 8, compiled, float8", 8, 8532, 16, 8192, (*L8B, "train.micro_batch=2",
-              "train.global_batch=16", "train.compile=true", "train.float8=true"), 96, f"{TITAN_H100}; {SAC}"),
+              "train.global_batch=16", "train.compile=true", "train.float8=true"), 96, TITAN_H100),
     Published(TITAN, "Llama 3.1 8B, FSDP 128, compiled", 128, 6514, 256, 8192, (*L8B, "train.micro_batch=2",
-              "train.global_batch=256", "train.compile=true"), 96, f"{TITAN_H100}; {SAC}"),
+              "train.global_batch=256", "train.compile=true"), 96, TITAN_H100),
     Published(ASYNC_TP, "Llama 3 8B, FSDP 8 x TP 8, compiled", 64, 4378, 96, 8192, (*L8B, "parallel.tp=8", "train.micro_batch=12",
-              "train.global_batch=96", "train.compile=false"), 96, f"{TITAN_H100}; {SAC}; {NO_TP_COMPILE}"),
+              "train.global_batch=96", "train.compile=true"), 96, TITAN_H100),
     Published(ASYNC_TP, "Llama 3 70B, FSDP 32 x TP 8, compiled, full AC", 256, 597.3, 512, 8192, ("model.preset=70b",
               "data.seq_len=8192", *BF16, "parallel.tp=8", "parallel.activation_checkpointing=true", "train.micro_batch=16",
-              "train.global_batch=512", "train.compile=false"), 96, f"{TITAN_H100}; {NO_TP_COMPILE}"),
+              "train.global_batch=512", "train.compile=true"), 96, TITAN_H100),
     Published(FOUNDRY, "MPT-1b, 8 GPUs, seq 2048", 8, 45455, 112, 2048, (*_mpt(2048, 24, 16), "data.seq_len=2048", *BF16,
               "train.micro_batch=14", "train.global_batch=112"), 80, MPT),
     Published(FOUNDRY, "MPT-7b, 8 GPUs, seq 2048", 8, 10643, 48, 2048, (*_mpt(4096, 32, 32), "data.seq_len=2048", *BF16,

@@ -269,6 +269,10 @@ class ParallelConfig(Section):
     # Seconds a collective may wait before the job fails (torch's process-group timeout).
     timeout_s: float = Field(600.0, gt=0)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # With it: full recomputes every operation of each block; selective keeps the outputs of the
+    # attention kernel and of every other matrix product and recomputes the rest (torchtitan's
+    # per-op policy, models/selective_ac.py): more memory than full, about half its recompute.
+    ac_mode: Literal["full", "selective"] = "full"
     offload_optimizer: Offload = "none"  # DeepSpeed ZeRO
     offload_params: Offload = "none"  # ZeRO-3 (DeepSpeed); fsdp accepts cpu
     nvme_path: str | None = None  # required by nvme offload
@@ -284,6 +288,15 @@ class ParallelConfig(Section):
     # Written by scaletrain into the run's resolved config when strategy was auto: the
     # planner's reasons. Informational; ignored as input.
     auto_choice: str | None = None
+
+    @model_validator(mode="after")
+    def _ac_mode_with_checkpointing(self) -> ParallelConfig:
+        if self.ac_mode == "selective" and not self.activation_checkpointing:
+            raise ValueError(
+                "parallel.ac_mode=selective chooses what activation checkpointing recomputes, and "
+                "parallel.activation_checkpointing is off; accepted: parallel.activation_checkpointing=true with it"
+            )
+        return self
 
     @model_validator(mode="after")
     def _compression_is_ddp(self) -> ParallelConfig:
@@ -501,14 +514,12 @@ class Config(Section):
     @model_validator(mode="after")
     def _compile_where_checked(self) -> Config:
         par = self.parallel
-        if self.train.compile and (not _can(par.strategy, "compile") or par.tp > 1 or par.pp > 1):
-            where = (
-                f"parallel.strategy={par.strategy}" if not _can(par.strategy, "compile") else f"parallel.tp={par.tp}, pp={par.pp}"
-            )
+        if self.train.compile and (not _can(par.strategy, "compile") or par.pp > 1):
+            where = f"parallel.strategy={par.strategy}" if not _can(par.strategy, "compile") else f"parallel.pp={par.pp}"
             compiled = names_where(lambda r: r.compile)
             raise ValueError(
-                f"train.compile=true is offered with {' and '.join(compiled)}, without tp or pp (checked there), not with "
-                f"{where}; accepted: train.compile=false, or parallel.strategy={'|'.join(compiled)} with tp=pp=1"
+                f"train.compile=true is offered with {' and '.join(compiled)}, with or without tp, without pp (checked "
+                f"there), not with {where}; accepted: train.compile=false, or parallel.strategy={'|'.join(compiled)} with pp=1"
             )
         return self
 

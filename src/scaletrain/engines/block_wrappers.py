@@ -9,18 +9,21 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
+from scaletrain.models import selective_ac
 from scaletrain.models.inductor import portable_cpu_code
 
 
-def apply_activation_checkpointing(blocks: nn.Module) -> None:
-    """Recompute each block's forward during backward instead of keeping its activations.
+def apply_activation_checkpointing(blocks: nn.Module, selective: bool = False) -> None:
+    """Recompute each block's forward during backward instead of keeping its activations;
+    `selective` (parallel.ac_mode=selective): only what models/selective_ac.py does not keep.
 
     Apply before any sharding so a recomputed forward goes through the engine's hooks
     again. The wrapper adds `_checkpoint_wrapped_module` to parameter names; init and
     get_state_dict both strip it, so checkpoints keep plain names.
     """
     for name, block in list(blocks.named_children()):  # a ModuleList's or a ModuleDict's
-        setattr(blocks, name, checkpoint_wrapper(block))
+        wrapped = checkpoint_wrapper(block, context_fn=selective_ac.context) if selective else checkpoint_wrapper(block)
+        setattr(blocks, name, wrapped)
 
 
 def plain_name(name: str) -> str:

@@ -45,7 +45,7 @@ class DDPEngine(TorchEngineMixin):
         # Float8 first (torchtitan's order): checkpointing and compile then wrap Float8Linear.
         self.float8 = apply_float8(model, spec, world.device, fsdp=False) if cfg.train.float8 else None
         if cfg.parallel.activation_checkpointing:
-            apply_activation_checkpointing(spec.blocks(model))
+            apply_activation_checkpointing(spec.blocks(model), cfg.parallel.ac_mode == "selective")
         if cfg.train.compile:
             compile_blocks(spec.blocks(model))
         spec.materialize(model, world.device, cfg.train.seed)  # every rank holds the full model

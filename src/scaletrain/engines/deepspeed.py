@@ -83,7 +83,9 @@ class DeepSpeedEngine(AccumulationWindow):
 
         model = spec.build_meta(cfg.data.seq_len)
         if cfg.parallel.activation_checkpointing:
-            apply_activation_checkpointing(spec.blocks(model))  # ZeRO-3 re-gathers on recompute
+            apply_activation_checkpointing(
+                spec.blocks(model), cfg.parallel.ac_mode == "selective"
+            )  # ZeRO-3 re-gathers on recompute
         spec.materialize(model, world.device, cfg.train.seed)  # the full model on every rank; ZeRO partitions it below
         self.module = model
         # DeepSpeed's optimizer takes the caller's groups; lr/betas/eps come from the JSON.

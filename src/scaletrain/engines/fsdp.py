@@ -227,7 +227,7 @@ def _shard_and_materialize(
     if par.activation_checkpointing:
         # Before fully_shard, so the recomputed forward re-gathers the block's parameters
         # through FSDP's hooks; state-dict names stay plain (tests check).
-        apply_activation_checkpointing(blocks)
+        apply_activation_checkpointing(blocks, par.ac_mode == "selective")
     if cfg.train.compile:
         compile_blocks(blocks)
     # A pipeline stage runs forward for several micro-batches before their backward:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -57,6 +59,26 @@ def check_tp(shape: ModelShape, tp: int) -> None:
             )
 
 
+class _Wait(torch.autograd.Function):
+    """The collective's result as a plain tensor, waited for, its gradient passed through."""
+
+    @staticmethod
+    def forward(ctx: Any, x: AsyncCollectiveTensor) -> torch.Tensor:
+        return x.trigger_wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _waited(module: nn.Module, args: Any, out: Any) -> Any:
+    """The embedding's output, a plain tensor where it is still an AsyncCollectiveTensor (the
+    reduction `to_local` left in flight). A compiled first block given that wrapper as its
+    input returns no gradient for it (torch 2.13: the token embedding's gradient came back
+    all zeros, the loss and every block's gradient right), so it leaves here waited."""
+    return _Wait.apply(out) if isinstance(out, AsyncCollectiveTensor) else out
+
+
 def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Split `model` (a Llama, on the meta device or not) over the 1-D `mesh` in place."""
     seq = Shard(1) if sequence_parallel else Replicate()
@@ -77,6 +99,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_p
     if sequence_parallel and norm is not None:
         top["norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
+    if isinstance(embed, nn.Module):
+        embed.register_forward_hook(_waited)
     if tied:
         # parallelize_module gave each module a parameter of its own; both are Shard(0) of
         # the [vocab, dim] matrix, so one of them serves both again.

@@ -22,6 +22,7 @@ from scaletrain.config import TrainConfig
 from scaletrain.models.spec import ModelSpec
 from scaletrain.optim.registry import ADAMW_STATE_BYTES, optimizer
 from scaletrain.planning.activations import HeadActivations, block_activations, head_activations
+from scaletrain.planning.clock.trace import block_work
 from scaletrain.planning.experts import experts_of, tp_split, ungathered
 from scaletrain.planning.float8 import buffer_saving, saved_saving
 from scaletrain.planning.pipeline import gathered_stage_bytes, in_flight, rank_share
@@ -300,6 +301,20 @@ def ffn_width(shape: Any) -> int:
     return int((shape.top_k + shape.shared_experts) * shape.expert_ffn_dim)
 
 
+# The length the selective policy's kept outputs are traced at: each is a token's row (a
+# product's output, the attention's output and log-sum-exp), so they scale with the tokens.
+SELECTIVE_TRACE = 2048
+
+
+def selective_kept(model: ModelSpec, s: Setup, r: str, low: torch.dtype) -> float:
+    """Bytes a block under selective checkpointing keeps beside its input, on one rank: the
+    outputs models/selective_ac.py keeps, as the clock's trace of the block's forward finds
+    them (its operations in order), per token, 1/tp of them per rank."""
+    t = min(s.local_seq_len, SELECTIVE_TRACE)
+    per_token = block_work(model, 1, t, r, low).selective_saved / t
+    return per_token * s.micro_batch * s.local_seq_len / s.tp
+
+
 def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float, float]:
     """(saved activations at backward start, loss-side bytes, one block recomputed under AC
     or one feed-forward tile recomputed without it, the bytes held on the host)."""
@@ -328,6 +343,8 @@ def _activations(model: ModelSpec, s: Setup) -> tuple[float, float, float, float
     # A pipeline rank runs its own blocks, for several micro-batches in flight.
     blocks = rank_share(model, s.pp, s.pp_schedule, s.seq_len)[1] * in_flight(s)
     kept = block_input if s.activation_checkpointing else saved  # each checkpointed block keeps only its input
+    if s.activation_checkpointing and s.selective:
+        kept += selective_kept(model, s, r, low)
     act = blocks * kept
     recompute = float(saved) + tile if s.activation_checkpointing else tile
     # train.activation_offload (on a GPU): what the blocks keep goes to the host, but the

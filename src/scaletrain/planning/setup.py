@@ -21,6 +21,9 @@ class Setup:
     seq_len: int
     precision: str  # fp32 | bf16 | fp16
     activation_checkpointing: bool = False
+    # parallel.ac_mode=selective: a checkpointed block keeps the outputs models/selective_ac.py
+    # names and recomputes the rest (planning/memory.py, clock/compute.py)
+    selective: bool = False
     offload_optimizer: str = "none"  # none | cpu | nvme
     offload_params: str = "none"
     reshard_after_forward: bool = True
@@ -81,7 +84,7 @@ class Setup:
         if self.float8:
             parts.append("float8")
         if self.activation_checkpointing:
-            parts.append("AC")
+            parts.append("selective AC" if self.selective else "AC")
         if self.searched:
             parts.append(f"micro-batch {self.micro_batch}")
         return " + ".join(parts)
@@ -116,6 +119,7 @@ class Setup:
             seq_len=cfg.data.seq_len,
             precision=cfg.precision,
             activation_checkpointing=p.activation_checkpointing,
+            selective=p.activation_checkpointing and p.ac_mode == "selective",
             offload_optimizer=p.offload_optimizer,
             offload_params=p.offload_params,
             # Under a pipeline FSDP keeps each stage gathered for the step (engines/fsdp.py).

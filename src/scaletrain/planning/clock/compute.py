@@ -243,7 +243,11 @@ def micro_batch(model: ModelSpec, s: Setup, rates: Rates, compiled: bool, kernel
     forward = blocks * bf.seconds + ends * (hf.seconds + ef.seconds)
     backward = blocks * bb.seconds + ends * (hb.seconds + eb.seconds)
     if s.activation_checkpointing:
-        backward += blocks * bf.seconds
+        # The forward again, up to the last tensor the backward reads (trace.py); selective:
+        # of that, what the policy does not keep (models/selective_ac.py).
+        repeated = block.selective if s.selective else block.recompute
+        again = bf if repeated is None else price(repeated, rates, compiled, work, attention, host_op, length, kernel)
+        backward += blocks * again.seconds
     matmuls = blocks * (_matmul_seconds(block.forward, rates, work) + _matmul_seconds(block.backward, rates, work))
     if s.tile_tokens:
         backward += blocks * _ffn_forward_seconds(model, block.forward, rates, work)

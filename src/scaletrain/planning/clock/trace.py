@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from scaletrain.models import selective_ac
 from scaletrain.models.capabilities import Traceable, capability
 from scaletrain.models.grouped_mm import grouped_on_fake_tensors
 from scaletrain.models.spec import ModelSpec
@@ -107,6 +108,13 @@ class Pass:
 class Traced:
     forward: Pass
     backward: Pass
+    # The forward's operations checkpointing repeats in backward: all of them up to the last
+    # that makes a tensor the backward reads (`recompute`); under selective checkpointing
+    # (models/selective_ac.py) those of them the policy does not keep, and the bytes of the
+    # outputs it keeps instead.
+    recompute: Pass | None = None
+    selective: Pass | None = None
+    selective_saved: float = 0.0
 
 
 def _name(func: Any) -> str:
@@ -298,10 +306,33 @@ def _passes(run: Callable[[], torch.Tensor]) -> Traced:
     later = {s for _, ins, _ in bwd.calls for s in ins}
     f_bytes, f_kernels = fusion(fwd.calls, fwd.sizes, later)
     b_bytes, b_kernels = fusion(bwd.calls, bwd.sizes, set())
+    # Checkpointing's recompute stops once it has made every tensor the backward reads (torch's
+    # early stop, on by default): the operations after the last that makes one (a block's last
+    # product and its residual add) do not run again. (Read from the backward's inputs, not
+    # from saved-tensor hooks, which would change what the passes dispatch.)
+    last = max((i for i, (_, _, outs) in enumerate(fwd.calls) if later.intersection(outs)), default=-1)
+    prefix = fwd.calls[: last + 1]
+    # Selective checkpointing, the engines' rule walked over the forward in its order: the
+    # calls it recomputes (their fused kernels read what the kept outputs and the block's
+    # input hold), and the bytes of the outputs it keeps.
+    counter = selective_ac.Counter()
+    kept = [counter.saves(r[0].op) for r in fwd.calls]
+    again = [r for r, k in zip(prefix, kept, strict=False) if not k]
+    saved = sum(fwd.sizes.get(o, 0) for r, k in zip(fwd.calls, kept, strict=True) if k for o in set(r[2]))
     return Traced(
         Pass(_merged([c for c, _, _ in fwd.calls]), fwd.dispatched, f_bytes, f_kernels),
         Pass(_merged([c for c, _, _ in bwd.calls]), bwd.dispatched, b_bytes, b_kernels),
+        _part(fwd, prefix, later),
+        _part(fwd, again, later),
+        float(saved),
     )
+
+
+def _part(fwd: _Recorder, records: list[Record], later: set[int]) -> Pass:
+    """The pass of `records`, a part of the forward `fwd` recorded: what a recompute runs."""
+    fused, kernels = fusion(records, fwd.sizes, later)
+    dispatched = round(fwd.dispatched * len(records) / max(1, len(fwd.calls)))
+    return Pass(_merged([c for c, _, _ in records]), dispatched, fused, kernels)
 
 
 def _autocast(regime: str, low: torch.dtype) -> Any:
@@ -355,7 +386,9 @@ def _cached(
 
 
 def _to_json(t: Traced) -> dict[str, Any]:
-    def one(p: Pass) -> dict[str, Any]:
+    def one(p: Pass | None) -> dict[str, Any] | None:
+        if p is None:
+            return None
         return {
             "calls": [[c.op, c.kind, c.args, c.flops, c.nbytes, c.count, list(c.shape), c.dtype] for c in p.calls],
             "dispatched": p.dispatched,
@@ -363,7 +396,13 @@ def _to_json(t: Traced) -> dict[str, Any]:
             "fused_kernels": p.fused_kernels,
         }
 
-    return {"forward": one(t.forward), "backward": one(t.backward)}
+    return {
+        "forward": one(t.forward),
+        "backward": one(t.backward),
+        "recompute": one(t.recompute),
+        "selective": one(t.selective),
+        "selective_saved": t.selective_saved,
+    }
 
 
 def _from_json(raw: dict[str, Any]) -> Traced:
@@ -374,7 +413,12 @@ def _from_json(raw: dict[str, Any]) -> Traced:
         )
         return Pass(calls, p["dispatched"], p["fused_bytes"], p["fused_kernels"])
 
-    return Traced(one(raw["forward"]), one(raw["backward"]))
+    def maybe(key: str) -> Pass | None:
+        return one(raw[key]) if raw.get(key) else None
+
+    return Traced(
+        one(raw["forward"]), one(raw["backward"]), maybe("recompute"), maybe("selective"), raw.get("selective_saved", 0.0)
+    )
 
 
 def _trace_block(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> Traced:
