@@ -103,6 +103,10 @@ def runs(tiny: bool) -> list[Run]:
         Run("scaletrain-1b-compiled", "built-in 1b", "scaletrain", (*s["builtin"], "parallel.strategy=fsdp", *compiled), 70),
         Run("scaletrain-1b-compiled-flash", "built-in 1b", "scaletrain",
             (*s["builtin"], "parallel.strategy=fsdp", *compiled, "train.attention_kernel=flash"), 60),
+        # Selective activation checkpointing (torchtitan's per-op policy), compiled: what it costs
+        # against the same step without (the row above), and the clock's price of its recompute.
+        Run("scaletrain-1b-selective-ac", "built-in 1b", "scaletrain", (*s["builtin"], "parallel.strategy=fsdp", *compiled,
+            "parallel.activation_checkpointing=true", "parallel.ac_mode=selective"), 70),
         # A Hugging Face Llama of the same shape: scaletrain (model.source: hf) against HF Trainer.
         Run("scaletrain-hf-compiled", "HF Llama 1b", "scaletrain", (*s["hf"], "parallel.strategy=fsdp", *compiled), 70),
         Run("hf-trainer-compiled", "HF Llama 1b", "hf-trainer", (*s["hf"], *compiled), 70),
