@@ -103,6 +103,11 @@ CP_VARIANTS = {
     "zero2_cp2": ["parallel.strategy=zero2", "parallel.cp=2", "train.micro_batch=4"],
     # Ulysses (parallel.cp_mode=ulysses: each sequence's 2 runs of 16, heads swapped by all-to-all).
     "ddp_ulysses2_accum": ["parallel.strategy=ddp", "parallel.cp=2", ULYSSES, "train.micro_batch=2", "train.grad_accum=2"],
+    # Compiled (inductor): Ulysses's all-to-alls inside the compiled blocks (the all-gather design
+    # refuses compile: config/sequences.py), with and without documents masked.
+    "fsdp_ulysses2_compiled": ["parallel.strategy=fsdp", "parallel.cp=2", ULYSSES, "train.micro_batch=4", "train.compile=true"],
+    "ddp_ulysses2_documents_compiled": ["parallel.strategy=ddp", "parallel.cp=2", ULYSSES, "train.micro_batch=4", DOCUMENTS,
+                                        "train.compile=true"],
     "fsdp_ulysses2_documents": ["parallel.strategy=fsdp", "parallel.cp=2", ULYSSES, "train.micro_batch=4", DOCUMENTS],
     "zero3_ulysses2_accum": ["parallel.strategy=zero3", "parallel.cp=2", ULYSSES, "train.micro_batch=2",
                              "train.grad_accum=2", Z3_PARTITION_ALL],

@@ -99,5 +99,5 @@ PUBLISHED = (
               "model.preset=70b", "data.seq_len=8192", *BF16, "parallel.cp=2", "parallel.activation_checkpointing=true",
               "train.micro_batch=1", "train.global_batch=128", "train.compile=false"), 80,
               "Transformer Engine's context parallel (a ring of key/value passes) as scaletrain's all-gather design; compiled in "
-              "the source, scaletrain compiles without cp only: planned eager"),
+              "the source; scaletrain compiles Ulysses cp only (the all-gather design's mask does not trace): planned eager"),
 )  # fmt: skip
