@@ -61,6 +61,15 @@ def test_checkpointing_only_where_nothing_fits_and_compile_where_it_pays():
     cfg, applied = defaults.after_plan(load_config([], ["train.steps=200"]), GPU, free, fits_only_checkpointed, lambda c: True)
     assert cfg.parallel.activation_checkpointing and not cfg.train.compile
     assert applied[0].startswith("parallel.activation_checkpointing=true") and applied[1].startswith("train.compile=false")
+    # Selective checkpointing where it fits (it repeats less), full where only that fits, and the
+    # mode a user set kept.
+    assert cfg.parallel.ac_mode == "selective" and "parallel.ac_mode=selective" in applied[0]
+    fits_only_full = lambda c: (c.parallel.activation_checkpointing and c.parallel.ac_mode == "full", 0.5)  # noqa: E731
+    cfg, applied = defaults.after_plan(load_config([], ["train.steps=200"]), GPU, free, fits_only_full, lambda c: True)
+    assert cfg.parallel.activation_checkpointing and cfg.parallel.ac_mode == "full" and "(full:" in applied[0]
+    full = load_config([], ["train.steps=200", "parallel.ac_mode=full"])
+    cfg, applied = defaults.after_plan(full, GPU, defaults.unset(full), fits_only_checkpointed, lambda c: True)
+    assert cfg.parallel.activation_checkpointing and cfg.parallel.ac_mode == "full"
     # 10000 steps: 900 s saved.
     cfg, applied = defaults.after_plan(load_config([], ["train.steps=10000"]), GPU, free, lambda c: (True, 0.5), lambda c: True)
     assert cfg.train.compile and not cfg.parallel.activation_checkpointing and applied[0].startswith("train.compile=true")

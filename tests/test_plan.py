@@ -307,7 +307,8 @@ def test_long_sequences_plan_context_parallel_and_say_why():
         f"each rank holds 4096 of each sequence's 32768 tokens, so activations and logits shrink 8x ({fmt(m.activations + m.loss)})"
         in why
     )
-    assert "the fastest without it, fsdp + AC, needs" in why
+    # (fsdp + AC until the planner offered selective checkpointing of its own, 2026-11-30)
+    assert "the fastest without it, fsdp + tp 2 + selective AC, needs" in why
     # Where a layout without cp is chosen, the note says what the best cp layout needs and
     # costs: the 1b at 16k tokens fits zero1 whole, whose step beats every cp layout's.
     plan = plan_for("1b", seq=16384)

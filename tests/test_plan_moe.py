@@ -273,6 +273,14 @@ def test_qwen3_moe_on_2_nodes_of_8_x_80gib_shards_across_the_nodes_and_says_why_
     plan = make_plan(qwen("precision=bf16"), planning_spec(qwen("precision=bf16")), 16, 2, H100)
     s = plan.chosen.setup
     assert (s.strategy, s.pp, s.ep, s.tp, s.activation_checkpointing) == ("fsdp", 1, 1, 1, True)
+    # Selective checkpointing (models/selective_ac.py) fits at micro-batch 4 and repeats less than full.
+    full = [c for c in plan.candidates if c.fits and c.setup == replace(s, selective=False)]
+    assert s.selective and full and plan.chosen.step_time < full[0].step_time
+    # A run planned so (parallel.strategy=auto) trains what was planned: the mode in its resolved config.
+    from scaletrain.training.preflight import _resolved
+
+    resolved, _ = _resolved(qwen("precision=bf16", "parallel.strategy=auto"), plan, True, False, H100, [])
+    assert (resolved.parallel.activation_checkpointing, resolved.parallel.ac_mode) == (True, "selective")
     piped = min((c for c in plan.candidates if c.fits and c.setup.pp > 1), key=lambda c: c.step_time)
     with_ep = min((c for c in plan.candidates if c.fits and c.setup.ep > 1), key=lambda c: c.step_time)
     assert plan.chosen.step_time < min(piped.step_time, with_ep.step_time)

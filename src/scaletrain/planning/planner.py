@@ -70,9 +70,10 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
         # Expert parallel beside every layout that takes it: plain fsdp sharding, ep inside
         # each pipeline stage, over the data-parallel ranks of each tp coordinate.
         options += ep_options(options, model)
-    # Activation checkpointing trades ~1/3 more compute for memory: a fallback option.
+    # Activation checkpointing trades ~1/3 more compute for memory: a fallback option; selective
+    # checkpointing (models/selective_ac.py) keeps more and repeats about half of that.
     if not base.activation_checkpointing:
-        options += [replace(o, activation_checkpointing=True) for o in options]
+        options += [replace(o, activation_checkpointing=True, selective=sel) for sel in (False, True) for o in options]
     # A configured tp or pp keeps only the strategies that compose with it.
     options = [o for o in options if (dims.tp == 1 or TABLE[o.strategy].tp) and (dims.pp == 1 or TABLE[o.strategy].pp)]
     options = [o for o in options if not base.float8 or plannable(o)]  # train.float8: where it runs

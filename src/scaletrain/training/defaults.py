@@ -7,7 +7,7 @@ NVIDIA GPU some differ, each for a reason docs/gpu.md's table gives:
   precision                        bf16 (fp16 where the GPU has no bf16 tensor cores)
   train.micro_batch                auto: the largest the plan fits, at the same global batch
   train.loss_chunk_tokens          from a 64k vocabulary up, chunks of ~2**28 logits
-  parallel.activation_checkpointing  only where nothing fits without it
+  parallel.activation_checkpointing  only where nothing fits without it: selective where that fits
   train.compile                    where the layout allows it and it pays back its compile time
 
 (Fused AdamW is not a key: every torch engine uses it wherever torch has the kernel, CPU
@@ -45,6 +45,7 @@ KEYS = (
     "train.loss_chunk_tokens",
     "train.compile",
     "parallel.activation_checkpointing",
+    "parallel.ac_mode",
 )
 
 
@@ -126,11 +127,19 @@ def after_plan(
     applied = []
     fits, step_s = plan(cfg)
     if "parallel.activation_checkpointing" in free and not fits and not cfg.parallel.activation_checkpointing:
-        checkpointed = _with(cfg, "parallel", activation_checkpointing=True)
-        fits_then, step_then = plan(checkpointed)
-        if fits_then:
-            cfg, step_s = checkpointed, step_then
-            applied.append("parallel.activation_checkpointing=true (nothing fits without it; the recompute costs ~1/3 of a step)")
+        # Selective first where the user left the mode to us: it keeps more and repeats less.
+        modes = ("selective", "full") if "parallel.ac_mode" in free else (cfg.parallel.ac_mode,)
+        for mode in modes:
+            checkpointed = _with(cfg, "parallel", activation_checkpointing=True, ac_mode=mode)
+            fits_then, step_then = plan(checkpointed)
+            if fits_then:
+                cfg, step_s = checkpointed, step_then
+                what = "selective, parallel.ac_mode=selective" if mode == "selective" else "full"
+                applied.append(
+                    f"parallel.activation_checkpointing=true ({what}: nothing fits without it; the recompute costs "
+                    f"{'part of a forward' if mode == 'selective' else '~1/3 of a step'})"
+                )
+                break
     if "train.compile" in free and not cfg.train.compile:
         compiled = _with(cfg, "train", compile=True)
         saved = cfg.train.steps * step_s * COMPILE_GAIN

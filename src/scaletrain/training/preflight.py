@@ -193,6 +193,7 @@ def _resolved(
                 reshard_after_forward=s.reshard_after_forward,
                 dp_replicate=s.dp_replicate,
                 activation_checkpointing=s.activation_checkpointing,
+                ac_mode="selective" if s.selective else "full",
                 auto_choice="; ".join(plan.reasons),
             )
         )
