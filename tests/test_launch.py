@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -18,7 +19,9 @@ import torch
 from scaletrain import checkpoint
 from scaletrain.errors import UserError
 from scaletrain.launch import forked
-from scaletrain.launch.env import NO_DEBUG_CXX, deepspeed_arch_list, use_build_environment
+from scaletrain.launch.compiler import MIN_SOURCES
+from scaletrain.launch.compiler import NAME as NO_DEBUG_CXX
+from scaletrain.launch.env import deepspeed_arch_list, use_build_environment
 from scaletrain.launch.torchrun import LaunchOptions, launch_command, read_hostfile
 
 from helpers.launch import check, scaletrain, train
@@ -197,3 +200,57 @@ def test_deepspeed_launcher_runs_the_default_config(data_dir, tmp_path):
     assert "deepspeed.launcher.runner" in proc.stderr  # the real launcher ran, not torchrun
     assert (run_info(run)["engine"], run_info(run)["world_size"]) == ("zero2", 2)
     assert len(losses(run)) == 4 and checkpoint.is_complete(run / "checkpoints" / "step_4")
+
+
+@pytest.mark.unit
+def test_an_ops_sources_compile_with_its_torch_header_precompiled_once(tmp_path, monkeypatch):
+    """launch/compiler.py: with an op of many sources (its build.ninja), the first compile
+    precompiles torch/extension.h with the op's flags, every source compiles with it (proved:
+    the real header is then broken, its time kept, and the sources still compile), and no
+    object's dependency file names it (removing it never rebuilds an op); without it a source
+    compiles as before. A stand-in header (a real g++, as DeepSpeed's ops are built)."""
+    from scaletrain.launch.compiler import wrapper
+
+    include = tmp_path / "include" / "torch"
+    include.mkdir(parents=True)
+    real = include / "extension.h"
+    real.write_text("#pragma once\n#include <vector>\ninline int answer() { return 42; }\n")
+    build = tmp_path / "op"
+    build.mkdir()
+    (build / "build.ninja").write_text("".join(f"build s{i}.o: compile s{i}.cpp\n" for i in range(MIN_SOURCES)))
+    for i in range(2):
+        (build / f"s{i}.cpp").write_text(f"#include <cstdio>\n#include <torch/extension.h>\nint f{i}() {{ return answer(); }}\n")
+    cxx = wrapper(str(tmp_path / "cache"), "g++")
+    monkeypatch.chdir(build)
+
+    def compile_(i: int) -> str:
+        cmd = [
+            cxx,
+            "-MMD",
+            "-MF",
+            f"s{i}.o.d",
+            "-isystem",
+            str(tmp_path / "include"),
+            "-O0",
+            "-g",
+            "-c",
+            f"s{i}.cpp",
+            "-o",
+            f"s{i}.o",
+        ]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        return (build / f"s{i}.o.d").read_text()
+
+    deps = compile_(0)
+    made = list((tmp_path / "cache" / "pch").glob("*/torch/extension.h.gch"))
+    assert len(made) == 1 and ".gch" not in deps and "pch" not in deps
+    stat = real.stat()
+    real.write_text("#error the real header was read again\n")
+    os.utime(real, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert ".gch" not in compile_(1)  # compiled from the precompiled header alone
+    assert list((tmp_path / "cache" / "pch").glob("*/torch/extension.h.gch")) == made  # made once
+    shutil.rmtree(tmp_path / "cache" / "pch")
+    (build / "build.ninja").write_text("build s0.o: compile s0.cpp\n")  # an op of one source: no header precompiled
+    real.write_text("#pragma once\ninline int answer() { return 7; }\n")
+    compile_(0)
+    assert not (tmp_path / "cache" / "pch").exists()

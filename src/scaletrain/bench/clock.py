@@ -160,6 +160,25 @@ def calibrate(say: Say) -> None:
     save_calibration(values)
 
 
+QUIET_WAIT_S = 120.0  # the longest the bench waits for other processes to leave the CPUs
+
+
+def wait_for_quiet(say: Say) -> None:
+    """Calibrate on a quiet machine: wait (at most QUIET_WAIT_S) for other processes to stop
+    using the CPUs, saying how long it waited, or that it goes on busy."""
+    import torch
+
+    from scaletrain.planning.clock import contention
+
+    waited, others = contention.wait_quiet(torch.get_num_threads(), QUIET_WAIT_S)
+    if others is not None:
+        say(
+            f"the machine is still busy after {waited:.0f} s (other processes use {others:.1f} of its {contention.cores()} cores): measuring anyway"
+        )
+    elif waited >= contention.QUIET_PROBES * contention.REPROBE_S:
+        say(f"waited {waited:.0f} s for other processes to leave the CPUs")
+
+
 def forget_replays() -> None:
     """Drop the replayed operations' times, so that the next prediction measures them again."""
     from scaletrain import disk_cache
@@ -195,6 +214,7 @@ def run_suite(
         raise UserError(f"--only {', '.join(unknown)}: no such configuration; accepted: {', '.join(c.name for c in CASES)}")
     out.mkdir(parents=True, exist_ok=True)
     os.environ["SCALETRAIN_CACHE"] = str((out / "cache").resolve())  # the runs read the same calibration
+    wait_for_quiet(say)
     calibrate(say)
     results = [Result(c) for c in cases]
     log_every = max(1, steps // 4)

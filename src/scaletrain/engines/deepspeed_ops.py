@@ -15,6 +15,7 @@ GPU it finds.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -96,6 +97,10 @@ def main() -> int:
     with ProcessPoolExecutor(max_workers=min(len(names), os.cpu_count() or 1), mp_context=get_context("spawn")) as pool:
         for name, seconds in zip(names, pool.map(_build, names)):
             print(f"deepspeed ops: {name.removesuffix('Builder')} ready ({seconds:.0f} s)")
+    # The precompiled headers (launch/compiler.py: ~800 MB each) served these builds; no op's
+    # object depends on them, and a later build makes one again if it needs it.
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):  # where the wrapper is in use (launch/env.py)
+        shutil.rmtree(Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "pch", ignore_errors=True)
     return 0
 
 

@@ -38,10 +38,8 @@ def use_build_environment() -> None:
     first, as activating the environment does; only where it holds a ninja and another one
     would win. The ranks a launcher starts inherit both.
 
-    No debug information in the ops a CPU build of torch builds (`without_debug_info`): DeepSpeed
-    compiles them with `-g`, which costs a quarter of each translation unit's time (measured:
-    async_io's deepspeed_py_aio_handle.cpp 27.4 s with, 19.9 s without; cpu_adam.cpp 34.9
-    and 25.5) for symbols nobody reads.
+    The ops a CPU build of torch builds are compiled by launch/compiler.py's wrapper of CXX:
+    without debug information, and with torch's extension header precompiled once per op.
 
     And an architecture list DeepSpeed can read: CUDA images set TORCH_CUDA_ARCH_LIST with
     arch-specific targets such as `9.0a` (Hopper's wgmma), which torch's extension builder
@@ -65,7 +63,9 @@ def use_build_environment() -> None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(arches)
     cache = os.environ.get("TORCH_EXTENSIONS_DIR")
     if cache and _cpu_only_torch():
-        os.environ["CXX"] = without_debug_info(cache, os.environ.get("CXX", "c++"))
+        from scaletrain.launch.compiler import wrapper
+
+        os.environ["CXX"] = wrapper(cache, os.environ.get("CXX", "c++"))
 
 
 def _cpu_only_torch() -> bool:
@@ -79,42 +79,6 @@ def _cpu_only_torch() -> bool:
         return metadata.version("torch").endswith("+cpu")
     except metadata.PackageNotFoundError:
         return False
-
-
-# Its name holds "g++", which torch's extension builder looks for in a compiler's path.
-NO_DEBUG_CXX = "g++-without-debug-info"
-
-
-def without_debug_info(directory: str, compiler: str) -> str:
-    """A compiler command in `directory` that runs `compiler` with every `-g` argument left
-    out: what torch's extension builder is given as CXX (it runs $CXX for each translation
-    unit; DeepSpeed's flags, and so torch's cache key for the op, stay as they are). Every
-    process that loads an op must use the same one: ninja keys each object by its full
-    command, and any other compiler command rebuilds the op. Returns its path; `compiler`
-    already being it is kept."""
-    import shlex
-
-    path = os.path.join(directory, NO_DEBUG_CXX)
-    if compiler == path:
-        return path
-    # POSIX sh: each argument shifted off the front and appended again unless it is -g.
-    text = (
-        "#!/bin/sh\n# scaletrain (launch/env.py): the compiler without debug information for DeepSpeed's CPU ops.\n"
-        f'for a do shift; [ "$a" = -g ] || set -- "$@" "$a"; done\nexec {shlex.join(shlex.split(compiler))} "$@"\n'
-    )  # CXX may be a command with arguments of its own (`ccache g++`)
-    try:
-        with open(path) as f:
-            if f.read() == text:
-                return path
-    except OSError:
-        pass
-    os.makedirs(directory, exist_ok=True)
-    part = f"{path}.{os.getpid()}"
-    with open(part, "w") as f:
-        f.write(text)
-    os.chmod(part, 0o755)
-    os.replace(part, path)  # atomic: a process running it meanwhile sees the old file or this one
-    return path
 
 
 def deepspeed_arch_list(arches: str) -> str:

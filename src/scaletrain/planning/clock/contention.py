@@ -112,3 +112,22 @@ def kept(file: str, key: list[Any] | None, threads: int, measure: Callable[[], f
         return entry.get("busy") is None or busy(threads) is not None
 
     return timed() if key is None else disk_cache.cached(file, key, timed, usable)
+
+
+QUIET_PROBES = 3  # in a row: a moment's lull between another process's bursts is not quiet
+
+
+def wait_quiet(threads: int, limit_s: float) -> tuple[float, float | None]:
+    """Wait, at most `limit_s`, until other processes leave this machine's CPUs for measuring
+    at `threads` threads (QUIET_PROBES probes in a row find it quiet): a timing started just
+    as other work ends (a test suite's last processes, the kernel writing their files back)
+    measures that work's tail. Returns the seconds waited and the cores others still used
+    at the end (None: quiet, or the machine's counters are not readable)."""
+    t0 = time.monotonic()
+    quiet = 0
+    while True:
+        others = busy(threads)
+        quiet = quiet + 1 if others is None else 0
+        if quiet >= QUIET_PROBES or time.monotonic() - t0 >= limit_s:
+            return time.monotonic() - t0, others
+        time.sleep(REPROBE_S)  # a probe within REPROBE_S of the last reads the last
