@@ -28,7 +28,6 @@ import sys
 
 NAME = "g++-without-debug-info"
 MIN_SOURCES = 6  # an op of fewer sources: precompiling (~70 s of one core, ~800 MB) saves less than it costs
-HEADER = "torch/extension.h"
 
 # The script's body (stdlib only, run with -IS: no site-packages, no PYTHON* variables).
 _BODY = r'''
