@@ -9,6 +9,7 @@ a sum over ranks instead of a mean, a skipped all-reduce or a missing shard all 
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import pytest
@@ -51,8 +52,10 @@ RTOL, ATOL_OF_MAX = 1e-5, 1e-5
 CAPABILITIES = ["native", "default"]
 
 
+@functools.cache  # each reference once per module: the cp variants of a mixture of experts share theirs
 def one_process(*extra: str) -> tuple[float, dict[str, torch.Tensor]]:
-    """One process, no engine, the whole global batch in one forward and backward."""
+    """One process, no engine, the whole global batch in one forward and backward (read, never
+    changed, by the tests that compare with it)."""
     cfg = load_config([], [*MODEL, *extra])
     documents = cfg.data.document_mask
     model = build_model(resolve_shape(cfg.model), SEQ, seed=cfg.train.seed, document_eos=0 if documents else None)

@@ -104,3 +104,39 @@ def test_a_command_forked_by_the_tests_server_sees_what_a_new_process_does(tmp_p
     # Python's KeyboardInterrupt handler, unless this process was started with SIGINT ignored
     # (in a shell's background job), which both then inherit.
     assert want["sigint"] == (signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
+
+
+RANK_SCRIPT = """
+import json, os, signal, sys
+out, *rest = sys.argv[1:]
+with open(os.path.join(out, "rank" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump({"argv": rest, "path0": sys.path[0], "rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"],
+               "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "main": __name__,
+               "unbuffered": sys.stdout.write_through}, f)
+if "fail" in rest and os.environ["RANK"] == "1":
+    sys.exit(3)
+"""
+
+
+def test_a_probes_ranks_forked_from_torchruns_agent_see_what_new_processes_do(tmp_path, monkeypatch):
+    """helpers.launch.torchrun: a probe's ranks forked from the agent (helpers/forked_rank.py)
+    see the argv, sys.path, environment, signal handlers and unbuffered output that torchrun's
+    new processes (`python -u SCRIPT`) see, and a rank's failure fails the launch."""
+    from helpers.launch import run, torchrun
+
+    script = tmp_path / "rank_probe.py"
+    script.write_text(RANK_SCRIPT)
+    seen = {}
+    for start in ("fork", "exec"):
+        monkeypatch.setenv("SCALETRAIN_RANK_START", start)
+        cmd = torchrun([str(script), str(tmp_path / start), "a", "b c"], 2)
+        assert ("--run-path" in cmd) == (start == "fork"), cmd
+        (tmp_path / start).mkdir()
+        done = run(cmd, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        seen[start] = [json.loads((tmp_path / start / f"rank{r}.json").read_text()) for r in range(2)]
+        failed = run(torchrun([str(script), str(tmp_path / start), "fail"], 2), timeout=120)
+        assert failed.returncode != 0, failed.stderr[-3000:]
+    assert seen["fork"] == seen["exec"], seen
+    assert [r["rank"] for r in seen["fork"]] == ["0", "1"] and seen["fork"][0]["argv"] == ["a", "b c"]
+    assert seen["fork"][0]["path0"] == str(tmp_path) and seen["fork"][0]["sigterm"] and seen["fork"][0]["unbuffered"]

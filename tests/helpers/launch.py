@@ -25,12 +25,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from forkserver import Client, Forked
+from scaletrain.cli import rank
+from scaletrain.launch import forked
+
+from forkserver import ENABLE_ENV, Client, Forked
 
 TESTS = Path(__file__).resolve().parents[1]
 
 
 PROBES = TESTS / "probes"
+HELPERS = TESTS / "helpers"
 
 
 _TAG = "SCALETRAIN_TEST_TAG"
@@ -152,8 +156,22 @@ def train(args: list[str], nproc: int = 1, **kw: Any) -> subprocess.CompletedPro
 
 
 def torchrun(args: list[str], nproc: int) -> list[str]:
-    """torchrun with a private rendezvous on a port it picks itself."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    """torchrun with a private rendezvous on a port it picks itself, running `-m scaletrain ...`
+    or a probe `SCRIPT.py ...` on each rank.
+
+    Where ranks may be forked (a CPU build of torch: launch/forked.py's rule, and the suite's
+    forks not turned off), torchrun forks them from its agent (`--run-path
+    --start-method=fork`, torchrun's own flags), as `scaletrain launch` does: the agent is
+    itself forked from the suite's server (forkserver.py), so a rank starts with the imports
+    done instead of spending 4-5 s of a core on them. `-m scaletrain` runs scaletrain's own
+    rank file (cli/rank.py); a probe runs through helpers/forked_rank.py."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    if os.environ.get(ENABLE_ENV, "1") == "0" or forked.start_method() != "fork":
+        return cmd
+    if args[:2] == ["-m", "scaletrain"]:
+        return forked.fork_command(cmd, rank.SCRIPT)
+    at = len(cmd) - len(args)
+    return [*cmd[:at], "--run-path", "--start-method=fork", str(HELPERS / "forked_rank.py"), *args]
 
 
 def probe_command(name: str, args: list[str], nproc: int = 1) -> list[str]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scaletrain.bench import forked_runs
 from scaletrain.config import Config, ModelConfig
 from scaletrain.config.batch import global_batch
 from scaletrain.errors import UserError
@@ -199,8 +200,10 @@ def run_logged(cmd: list[str], log: Path, what: str) -> None:
     """Run `cmd` with its output into `log`; a failure ends the bench in one line: the
     last line it wrote, and where the rest is."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as sink:
-        code = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT).returncode
+    code = forked_runs.run(cmd[3:], log) if cmd[:3] == [sys.executable, "-m", "scaletrain"] else None
+    if code is None:  # not scaletrain, or where a fork could differ from a new process
+        with log.open("w") as sink:
+            code = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT).returncode
     if code != 0:
         tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:] or ["(no output)"]
         raise UserError(f"bench: {what} failed (exit {code}): {tail[0].strip()[:300]}; its output: {log}")
