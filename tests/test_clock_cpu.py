@@ -50,7 +50,14 @@ def _what_ran(rounds: list[list]) -> str:
         for i, r in enumerate(rounds[0])
     ]
     capability = torch.backends.cpu.get_cpu_capability()
-    return f"{model}, {os.cpu_count()} CPUs, {capability}; predicted/measured s per round: " + "; ".join(rows)
+    # Whether the CPUs are cores of their own or hardware threads sharing one (world 2's ranks
+    # then share a core's units: each runs slower than its replays alone did).
+    siblings = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list")
+    shared = siblings.read_text().strip() if siblings.exists() else "?"
+    return (
+        f"{model}, {os.cpu_count()} CPUs (cpu0's hardware threads: {shared}), {capability}; predicted/measured s per round: "
+        + "; ".join(rows)
+    )
 
 
 def test_the_clock_predicts_this_cpus_steps(tmp_path):
