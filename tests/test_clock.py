@@ -94,6 +94,33 @@ def test_measured_curves_interpolate_and_never_fall_with_size():
     assert _interpolate(rows, 28672) == pytest.approx(5.0)  # past the end: the last segment's cost per byte
 
 
+def test_ranks_side_by_side_are_priced_as_slow_as_they_ran_beside_each_other(monkeypatch):
+    """A CPU run's ranks share the machine's caches, memory and, on hardware threads, its cores:
+    each rank's compute and host cost are priced at the calibration's side-by-side factor
+    (calibrate.py _side_by_side); one process is not."""
+    monkeypatch.setattr(rates_module, "_CALIBRATED", {})
+    monkeypatch.setattr(rates_module, "calibration", lambda: dict(rates_module._CALIBRATED))
+    rates_module._cpu_rates.cache_clear()
+    links = {kind: {"ranks": 2, "rows": [[1.0, 0.0], [1e6, 1.0]]} for kind in ("all_reduce", "all_gather")}
+    calls = [c for c in block_work(TINY, 2, 16, "fp32").forward.calls]
+    try:
+        priced = {}
+        for side in (1.0, 1.5):
+            rates_module.set_calibration({"collectives": links, "side_by_side": side})
+            r = rates_for(this_cpu(), 2)
+            priced[side] = ([r.call(c) for c in calls], r.host_op, r.source, rates_for(this_cpu(), 1).host_op)
+        (alone, host, _, one), (beside, host15, said, one15) = priced[1.0], priced[1.5]
+        assert beside == pytest.approx([1.5 * t for t in alone], rel=1e-9) and host15 == pytest.approx(1.5 * host)
+        assert "x1.50 beside the other ranks" in said and one15 == one  # one process: as before
+        # A calibration from before the factor was measured says so, and prices the ranks as alone.
+        rates_module.set_calibration({"collectives": links})
+        r = rates_for(this_cpu(), 2)
+        assert [r.call(c) for c in calls] == pytest.approx(alone, rel=1e-9)
+        assert any("predates the ranks-side-by-side measurement" in n for n in r.notes)
+    finally:
+        rates_module._cpu_rates.cache_clear()
+
+
 def test_a_collective_scales_with_the_bytes_each_rank_moves_and_gloo_reduces_scatters_as_all_reduces():
     table = {
         "collectives": {"intra": {kind: {"ranks": 2, "rows": [[1.0, 0.0], [1e6, 1.0]]} for kind in ("all_reduce", "all_gather")}}

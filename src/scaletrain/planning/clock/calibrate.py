@@ -83,6 +83,7 @@ def _collectives_rank(rank: int, world: int, store_path: str, out: dict[str, Any
             a @ b
 
     try:
+        side = _side_by_side(dist, rank, world)
         # Two passes over every size and kind, each point the median of its passes' medians,
         # the compute alone timed again before each pass: this machine's speed drifts by
         # tens of percent over a minute (docs/planner.md).
@@ -105,8 +106,44 @@ def _collectives_rank(rank: int, world: int, store_path: str, out: dict[str, Any
             table[kind].append([float(size), statistics.median(values)])
         if rank == 0:
             out.update(table)
+            out[SIDE_BY_SIDE] = side
     finally:
         dist.destroy_process_group()
+
+
+SIDE_BY_SIDE = "side_by_side"
+SIDE_ROUNDS = 5
+
+
+def _side_by_side(dist: Any, rank: int, world: int) -> float:
+    """How much slower a rank's training compute runs with every rank computing than alone,
+    the mean over the ranks: the clock replays each operation in one process, and a CPU run's
+    ranks share the machine's caches, memory and, where two CPUs are one core's hardware
+    threads, the core itself. The compute: the small preset's block forward and backward at
+    256 tokens (the mix of matmuls and memory-bound work a step runs), each rank timed
+    alone while the others wait at a barrier, then all at once."""
+    from scaletrain.config import load_config
+    from scaletrain.models import model_spec
+
+    block = _plain_block(model_spec(load_config([], ["model.preset=small"]), 256), 256)
+    block()  # the first pass allocates
+    # Alone and together in turn, SIDE_ROUNDS times, the least of the rounds' ratios: what the
+    # ranks cost each other every time, not a moment of the machine's (a hypervisor taking a
+    # CPU for a second: one calibration here read 1.41 where five others read 1.00-1.01, a
+    # single pair 0.85).
+    ratios = []
+    for _ in range(SIDE_ROUNDS):
+        alone = 0.0
+        for r in range(world):
+            dist.barrier()
+            if r == rank:
+                alone = median_seconds(block, repeats=5)
+        dist.barrier()
+        ratios.append(median_seconds(block, repeats=5) / alone)
+    ratio = torch.tensor([min(ratios)])
+    dist.all_reduce(ratio)
+    # Beside the others a rank never computes faster than alone: a mean below 1 is drift.
+    return max(1.0, ratio.item() / world)
 
 
 def _calls(dist: Any, rank: int, world: int, size: int, device: str = "cpu") -> dict[str, Callable[[], Any]]:
@@ -133,10 +170,13 @@ def _exchange(dist: Any, rank: int, t: torch.Tensor) -> None:
         dist.recv(t, 0)
 
 
-def gloo_collectives(world: int = 2) -> dict[str, dict[str, Any]]:
+def gloo_collectives(world: int = 2) -> tuple[dict[str, dict[str, Any]], float]:
     """Each collective's seconds by the bytes of its full buffer, over `world` gloo
-    processes on this machine (one thread each, as a CPU run's ranks): see `monotone`."""
-    return {kind: {"ranks": world, "rows": monotone(rows)} for kind, rows in _gloo_sweep(world).items()}
+    processes on this machine (one thread each, as a CPU run's ranks): see `monotone`; and
+    how much slower a rank computes beside the others than alone (`_side_by_side`)."""
+    found = _gloo_sweep(world)
+    side = float(found.pop(SIDE_BY_SIDE))
+    return {kind: {"ranks": world, "rows": monotone(rows)} for kind, rows in found.items()}, side
 
 
 def monotone(rows: list[list[float]]) -> list[list[float]]:
@@ -151,7 +191,7 @@ def monotone(rows: list[list[float]]) -> list[list[float]]:
     return sorted(out)
 
 
-def _gloo_sweep(world: int) -> dict[str, list[list[float]]]:
+def _gloo_sweep(world: int) -> dict[str, Any]:
     import tempfile
 
     import torch.multiprocessing as mp
@@ -235,7 +275,8 @@ def calibrate_cpu(world: int = 2) -> tuple[dict[str, Any], list[str]]:
             values[f"host_op_tp_{threads}"] = host_tp
             line += f"; under tensor parallel (DTensor) {host_tp * 1e6:.1f} us per operation"
         lines.append(line)
-    values["collectives"] = gloo_collectives(world)
+    values["collectives"], values[SIDE_BY_SIDE] = gloo_collectives(world)
+    lines.append(f"{world} ranks side by side: each computes {values[SIDE_BY_SIDE]:.2f}x as long as alone")
     for kind, entry in values["collectives"].items():
         rows = entry["rows"]
         lines.append(

@@ -92,6 +92,9 @@ class Rates:
     _threads: int = 1
     # A CPU: its operations one after another in a pass against each replayed alone (measure.in_sequence).
     _sequence: float = 1.0
+    # A CPU run of several ranks: a rank's compute beside the others' against alone (calibrate.py
+    # _side_by_side, measured with the calibration's ranks); host_op and host_op_tp are scaled by it too.
+    _side: float = 1.0
 
     def has_attention(self, kernel: str) -> bool:
         """Whether this GPU's table measured `kernel`'s attention (flash: the main rows; cudnn)."""
@@ -111,8 +114,8 @@ class Rates:
         if self.kind == "cpu":
             if c.flops > REPLAY_FLOPS or c.nbytes > REPLAY_BYTES:
                 # Too large to time here in passing: this CPU's measured matmul rate or bandwidth.
-                return c.flops / measured_cpu_peak() if c.flops else c.nbytes / self.memory_bw
-            return _replayed(c.op, c.args, self._threads) * self._sequence
+                return (c.flops / measured_cpu_peak() if c.flops else c.nbytes / self.memory_bw) * self._side
+            return _replayed(c.op, c.args, self._threads) * self._sequence * self._side
         if c.kind == "matmul":
             return max(self.launch, c.flops / self._matmul_rate(c))
         if c.kind == "attention":
@@ -418,10 +421,14 @@ def cpu_threads(ranks_per_node: int) -> int:
 @lru_cache(maxsize=64)
 def _cpu_rates(threads: int, several: bool) -> Rates:
     calibrated = calibration()
-    host_op = cpu_host_op(threads)
+    # Ranks side by side (several): each rank's work, its host's included, as slow as it runs beside the others.
+    side = float(calibrated.get("side_by_side", 1.0)) if several else 1.0
+    host_op = cpu_host_op(threads) * side
     host_op_tp = calibrated.get(f"host_op_tp_{threads}")
     notes = []
-    if host_op_tp is None:
+    if host_op_tp is not None:
+        host_op_tp *= side
+    else:
         host_op_tp = CPU_HOST_OP_TP
         if several:
             notes.append(
@@ -439,9 +446,15 @@ def _cpu_rates(threads: int, several: bool) -> Rates:
             f"gloo's collectives are not calibrated on this machine: {GLOO_LATENCY * 1e3:.1f} ms and "
             f"{GLOO_BANDWIDTH / 1e9:.1f} GB/s assumed (scaletrain plan --calibrate measures them)"
         )
+    if several and links and "side_by_side" not in calibrated:
+        notes.append(
+            "this machine's calibration predates the ranks-side-by-side measurement: each rank's compute priced as "
+            "if it ran alone (scaletrain plan --calibrate measures it)"
+        )
+    beside = f", x{side:.2f} beside the other ranks" if several and "side_by_side" in calibrated else ""
     return Rates(
         "cpu",
-        f"measured on this CPU ({threads} thread{'s' * (threads > 1)} per rank)",
+        f"measured on this CPU ({threads} thread{'s' * (threads > 1)} per rank{beside})",
         False,
         float(host_op),
         float(host_op_tp),
@@ -452,6 +465,7 @@ def _cpu_rates(threads: int, several: bool) -> Rates:
         None,
         threads,
         cpu_in_sequence(threads),
+        side,
     )
 
 
