@@ -78,28 +78,22 @@ def _outside_ours(env: Any) -> dict[str, str]:
 
 
 def _command(args: list[str], log: str, env: dict[str, str]) -> None:
-    """In the fork: be `python -m scaletrain ARGS` with its output into `log`, run it, exit."""
+    """In the fork: be `python -m scaletrain ARGS` with its output into `log`. The CLI ends the
+    process itself (cli.main: the atexit handlers, then os._exit with its code); what it raises
+    instead, a SystemExit's code or an uncaught error's traceback and 1, multiprocessing's own
+    end of the process turns into the exit code as the interpreter would."""
     import gc
     import runpy
     import sys
 
     gc.freeze()  # the preloaded modules' objects, out of every collection's scan (launch/startup.py)
-    code = 1
-    try:  # whatever happens, the fork ends here with the command's exit code
-        sys.stdout.flush()
-        sys.stderr.flush()
-        out = os.open(log, os.O_WRONLY | os.O_TRUNC)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-        os.environ.clear()
-        os.environ.update(env)
-        from scaletrain.cli import exit_as_interpreter
-
-        def as_main() -> None:  # scaletrain/__main__.py: the CLI, which ends the process itself
-            runpy.run_module("scaletrain", run_name="__main__", alter_sys=True)
-
-        sys.argv = ["scaletrain", *args]
-        code = exit_as_interpreter(as_main)
-    finally:
-        os._exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    out = os.open(log, os.O_WRONLY | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["scaletrain", *args]
+    runpy.run_module("scaletrain", run_name="__main__", alter_sys=True)
