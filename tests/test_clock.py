@@ -121,6 +121,46 @@ def test_ranks_side_by_side_are_priced_as_slow_as_they_ran_beside_each_other(mon
         rates_module._cpu_rates.cache_clear()
 
 
+class _Pair:
+    """torch.distributed as one rank of two sees it, the other rank's times made up: its pass
+    alone `alone` times this rank's, in step `in_step` times."""
+
+    class ReduceOp:
+        SUM, MAX = "sum", "max"
+
+    def __init__(self, alone: float, in_step: float) -> None:
+        self.alone, self.in_step = alone, in_step
+
+    def barrier(self) -> None:
+        pass
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        t.copy_(torch.maximum(t, t * self.in_step) if op == "max" else t * (1 + self.alone))
+
+
+def test_ranks_in_step_are_as_slow_as_the_slowest_of_them_each_pass(monkeypatch):
+    """calibrate.py _side_by_side: every pass in step lasts as long as its slowest rank's, against
+    the ranks' mean alone. Here a fake clock makes each of this rank's passes 60 ms, alone or in
+    step, and the other rank's in step 1.5x that: exactly 1.5. A rank that takes its own pass
+    only (no MAX over the ranks) would read 1.0, a sum of the ranks' passes 2.5."""
+    import time as time_module
+
+    from scaletrain.planning.clock import calibrate, measure
+
+    now = [0.0]
+
+    def passing() -> None:
+        now[0] += 0.06
+
+    monkeypatch.setattr(calibrate, "_plain_block", lambda *a, **k: passing)
+    monkeypatch.setattr(time_module, "perf_counter", lambda: now[0])
+    assert measure.time.perf_counter is time_module.perf_counter  # median_seconds reads this clock too
+    assert calibrate._side_by_side(_Pair(1.0, 1.5), 0, 2) == pytest.approx(1.5)
+    # In step never faster than alone: where the other rank ran slower alone (the machine drifting
+    # between the two), not below 1.
+    assert calibrate._side_by_side(_Pair(1.5, 1.0), 0, 2) == 1.0
+
+
 def test_a_collective_scales_with_the_bytes_each_rank_moves_and_gloo_reduces_scatters_as_all_reduces():
     table = {
         "collectives": {"intra": {kind: {"ranks": 2, "rows": [[1.0, 0.0], [1e6, 1.0]]} for kind in ("all_reduce", "all_gather")}}
@@ -608,3 +648,22 @@ def test_a_hybrid_shard_group_inside_a_node_gathers_over_nvlink():
     assert gathers(Setup("fsdp", 16, 1, 4096, "bf16", dp_replicate=2), 8, 2) == pytest.approx(one_node)
     # fsdp over both nodes gathers across them (16 shards, 8 NICs a node): a different price.
     assert gathers(Setup("fsdp", 16, 1, 4096, "bf16"), 8, 2) != pytest.approx(one_node)
+
+
+def test_the_optimizer_is_timed_as_the_engines_step_it(monkeypatch):
+    """measure.optimizer_seconds runs the engines' step (optim/optimizers.py skip_where with the
+    norm's finiteness, a fused optimizer's found_inf), not a bare optimizer.step(): on a CPU the
+    skip path is a per-tensor pass of its own (1.1 ms of the tiny preset's 2.8)."""
+    from scaletrain.optim import optimizers
+    from scaletrain.planning.clock import measure
+
+    seen = []
+    real = optimizers.skip_where
+
+    def recording(opt, skipped):
+        seen.append((skipped.dtype, skipped.dim()))
+        real(opt, skipped)
+
+    monkeypatch.setattr(optimizers, "skip_where", recording)
+    assert measure.optimizer_seconds(4096, 4) > 0
+    assert seen and all(s == (torch.bool, 0) for s in seen)

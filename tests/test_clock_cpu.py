@@ -88,8 +88,9 @@ def test_the_clock_predicts_this_cpus_steps(tmp_path):
     assert max(abs(e) for e in errors.values()) <= MAX_GOAL + largest, said
     # Every configuration's prediction has its phases, and its runs a measured step.
     assert all(r.phases["forward"] > 0 and r.measured[0] > 0 for r in results)
-    # The calibration measured how much slower ranks compute side by side than alone (1 where
-    # each has a core of its own and the caches hold both; up to ~2 on one core's two threads).
+    # The calibration measured how much longer the ranks' compute takes in step than one alone
+    # (about 1 where each has a core of its own, its speed steady, and the caches hold both; up to
+    # ~2 on one core's two threads).
     import json
 
     kept = json.loads((tmp_path / "cache" / "clock-calibration.json").read_text())["values"]

@@ -113,37 +113,46 @@ def _collectives_rank(rank: int, world: int, store_path: str, out: dict[str, Any
 
 SIDE_BY_SIDE = "side_by_side"
 SIDE_ROUNDS = 5
+SIDE_PASSES = 5
 
 
 def _side_by_side(dist: Any, rank: int, world: int) -> float:
-    """How much slower a rank's training compute runs with every rank computing than alone,
-    the mean over the ranks: the clock replays each operation in one process, and a CPU run's
-    ranks share the machine's caches, memory and, where two CPUs are one core's hardware
-    threads, the core itself. The compute: the small preset's block forward and backward at
-    256 tokens (the mix of matmuls and memory-bound work a step runs), each rank timed
-    alone while the others wait at a barrier, then all at once."""
+    """How much longer the ranks' compute takes in a synchronous run than one rank's alone:
+    the clock replays each operation in one process, while a CPU run's ranks share the
+    machine's caches, memory and, where two CPUs are one core's hardware threads, the core;
+    and every collective waits for the slowest rank, so a stretch of compute between two of
+    them lasts as long as the slowest rank's. On a shared virtual machine each CPU's speed
+    drifts on its own by tens of percent from one second to the next (docs/planner.md), so
+    the slowest of the ranks is slower than their mean. The compute: the small preset's block
+    forward and backward at 4 x 256 tokens (the mix of matmuls and memory-bound work a step
+    runs, ~60 ms here), each rank timed alone while the others wait at a barrier, then every
+    rank's passes in step, each pass starting at a barrier and lasting as long as its slowest
+    rank's (a barrier's own time is not in it: the collectives' rows have theirs)."""
     from scaletrain.config import load_config
     from scaletrain.models import model_spec
 
-    block = _plain_block(model_spec(load_config([], ["model.preset=small"]), 256), 256)
+    block = _plain_block(model_spec(load_config([], ["model.preset=small"]), 256), 256, batch=4)
     block()  # the first pass allocates
-    # Alone and together in turn, SIDE_ROUNDS times, the least of the rounds' ratios: what the
-    # ranks cost each other every time, not a moment of the machine's (a hypervisor taking a
-    # CPU for a second: one calibration here read 1.41 where five others read 1.00-1.01, a
-    # single pair 0.85).
+    # Alone and in step in turn, SIDE_ROUNDS times, the median of the rounds' ratios: what a
+    # synchronous run meets as a rule, not one moment of the machine's.
     ratios = []
     for _ in range(SIDE_ROUNDS):
-        alone = 0.0
+        alone = torch.zeros(1)
         for r in range(world):
             dist.barrier()
             if r == rank:
-                alone = median_seconds(block, repeats=5)
-        dist.barrier()
-        ratios.append(median_seconds(block, repeats=5) / alone)
-    ratio = torch.tensor([min(ratios)])
-    dist.all_reduce(ratio)
-    # Beside the others a rank never computes faster than alone: a mean below 1 is drift.
-    return max(1.0, ratio.item() / world)
+                alone[0] = median_seconds(block, repeats=5)
+        dist.all_reduce(alone)  # the ranks' alone times, summed
+        paced = torch.zeros(SIDE_PASSES)
+        for i in range(SIDE_PASSES):
+            dist.barrier()
+            t0 = time.perf_counter()
+            block()
+            paced[i] = time.perf_counter() - t0
+        dist.all_reduce(paced, op=dist.ReduceOp.MAX)  # each pass as long as its slowest rank's
+        ratios.append(statistics.median(paced.tolist()) / (alone.item() / world))
+    # In step the ranks never compute faster than alone: a median below 1 is drift.
+    return max(1.0, statistics.median(ratios))
 
 
 def _calls(dist: Any, rank: int, world: int, size: int, device: str = "cpu") -> dict[str, Callable[[], Any]]:
@@ -276,7 +285,7 @@ def calibrate_cpu(world: int = 2) -> tuple[dict[str, Any], list[str]]:
             line += f"; under tensor parallel (DTensor) {host_tp * 1e6:.1f} us per operation"
         lines.append(line)
     values["collectives"], values[SIDE_BY_SIDE] = gloo_collectives(world)
-    lines.append(f"{world} ranks side by side: each computes {values[SIDE_BY_SIDE]:.2f}x as long as alone")
+    lines.append(f"{world} ranks in step: their compute takes {values[SIDE_BY_SIDE]:.2f}x as long as one alone")
     for kind, entry in values["collectives"].items():
         rows = entry["rows"]
         lines.append(

@@ -351,7 +351,7 @@ def _measured_optimizer(params: int, tensors: int, threads: int) -> float:
         with Threads(threads):
             return optimizer_seconds(params, tensors)
 
-    return _kept(threads, measure, "optimizer", threads, params, tensors)
+    return _kept(threads, measure, "optimizer-step", threads, params, tensors)
 
 
 @lru_cache(maxsize=16)
@@ -421,7 +421,7 @@ def cpu_threads(ranks_per_node: int) -> int:
 @lru_cache(maxsize=64)
 def _cpu_rates(threads: int, several: bool) -> Rates:
     calibrated = calibration()
-    # Ranks side by side (several): each rank's work, its host's included, as slow as it runs beside the others.
+    # Ranks in step (several): each rank's work, its host's included, as slow as the slowest rank's beside the others.
     side = float(calibrated.get("side_by_side", 1.0)) if several else 1.0
     host_op = cpu_host_op(threads) * side
     host_op_tp = calibrated.get(f"host_op_tp_{threads}")
