@@ -2,7 +2,7 @@
 configuration of `scaletrain bench --suite clock` (bench/clock.py: tiny and small, seq 64 to
 1024, micro-batch 1 to 16, activation checkpointing on and off, ddp, fsdp, zero2 and zero3 at
 world 1 and 2, tp 2, pp 2, cp 2 in both designs, a mixture of experts with ep 2), calibrated
-afresh, each predicted and at once run; docs/planner.md holds the same table from two rounds.
+afresh, each predicted and at once run; docs/planner.md holds the same table from three rounds.
 
 Timing, so `serial` (alone, after the others) and `slow`. The bounds are the issue's goals
 (the median |error| within 10%, none past 20%) widened by what this machine lets one round
