@@ -141,8 +141,8 @@ class _Pair:
 def test_ranks_in_step_are_as_slow_as_the_slowest_of_them_each_pass(monkeypatch):
     """calibrate.py _side_by_side: every pass in step lasts as long as its slowest rank's, against
     the ranks' mean alone. Here a fake clock makes each of this rank's passes 60 ms, alone or in
-    step, and the other rank's in step 1.5x that: exactly 1.5. A rank that takes its own pass
-    only (no MAX over the ranks) would read 1.0, a sum of the ranks' passes 2.5."""
+    step, and the other rank's in step 1.5x that: exactly 1.5. A rank that took its own passes
+    only (no MAX over the ranks) would read 1.0, the two ranks' passes summed 2.0."""
     import time as time_module
 
     from scaletrain.planning.clock import calibrate, measure

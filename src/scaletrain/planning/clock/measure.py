@@ -41,7 +41,7 @@ def optimizer_seconds(params: int, tensors: int, device: str = "cpu", cap: int =
     the norm checked on the device and handed to the step (optim/optimizers.py skip_where: a
     fused step takes it as found_inf and gives each tensor's step count back where set, a
     per-tensor pass of its own on a CPU: the tiny preset's 0.8M parameters in 38 tensors
-    measured 2.8 ms so where AdamW and clipping alone measured 1.7, against an optimizer
+    stepped so in 2.8 ms where AdamW and clipping alone took 1.7, against an optimizer
     phase of 3.7 ms in its run at micro-batch 1); past `cap` parameters measured at `cap` and
     scaled (on a CPU the step is a pass over memory, linear in the parameters; a GPU's fixed
     cost per step is not, so calibrate_gpu measures two sizes whole)."""
