@@ -315,6 +315,26 @@ def test_an_unknown_suite_configuration_is_one_line():
         run_suite(1, 4, __import__("pathlib").Path("/nonexistent"), ["nope"], None, print)
 
 
+def test_a_bench_into_an_earlier_ones_folder_runs_each_configuration_afresh(monkeypatch, tmp_path):
+    """bench/clock.py measure: an earlier bench's run of the same configuration and round (its
+    final checkpoint, which train.resume=never refuses) is gone before the run starts."""
+    from scaletrain.bench import clock
+
+    run_dir = tmp_path / "runs" / "tiny-ddp-mb1-s64-w1-0"
+    (run_dir / "checkpoints" / "step_13").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"event": "interval", "step_s": 9.0, "phases": {}}\n')
+
+    def run(cmd, log, what):
+        assert not run_dir.exists(), "the earlier run is still there"
+        run_dir.mkdir()
+        rows = [{"event": "interval", "step_s": s, "phases": {"forward_s": s / 2}} for s in (1.0, 0.2, 0.4)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    monkeypatch.setattr(clock, "run_logged", run)
+    step, phases = clock.measure(clock.CASES[1], 13, 3, run_dir)
+    assert step == pytest.approx(0.3) and phases == {"forward_s": pytest.approx(0.15)}  # the first interval left out
+
+
 @pytest.mark.unit
 def test_a_run_that_only_checks_its_configured_layout_is_planned_without_the_clock(monkeypatch):
     # scaletrain train plans its configured layout for the memory lines it logs; pricing a

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 from collections.abc import Callable
@@ -125,6 +126,10 @@ def measure(case: Case, steps: int, log_every: int, run_dir: Path) -> tuple[floa
     # forked from its agent where torch has no GPU: ~5 s of imports less per rank than
     # torchrun starting new Pythons; the steps timed are the same).
     command = ["launch", "--nproc", str(case.world)] if case.world > 1 else ["train"]
+    # The bench's own folder for this configuration and round: an earlier bench into the same
+    # --out left its run there (its checkpoint, which train.resume=never refuses to train over),
+    # and that bench's summary.json is replaced as well.
+    shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [
         sys.executable,
         "-m",
