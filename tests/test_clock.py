@@ -97,7 +97,7 @@ def test_measured_curves_interpolate_and_never_fall_with_size():
 def test_ranks_side_by_side_are_priced_as_slow_as_they_ran_beside_each_other(monkeypatch):
     """A CPU run's ranks share the machine's caches, memory and, on hardware threads, its cores:
     each rank's compute and host cost are priced at the calibration's side-by-side factor
-    (calibrate.py _side_by_side); one process is not."""
+    (calibrate.py _in_step); one process is not."""
     monkeypatch.setattr(rates_module, "_CALIBRATED", {})
     monkeypatch.setattr(rates_module, "calibration", lambda: dict(rates_module._CALIBRATED))
     rates_module._cpu_rates.cache_clear()
@@ -139,7 +139,7 @@ class _Pair:
 
 
 def test_ranks_in_step_are_as_slow_as_the_slowest_of_them_each_pass(monkeypatch):
-    """calibrate.py _side_by_side: every pass in step lasts as long as its slowest rank's, against
+    """calibrate.py _in_step: every pass in step lasts as long as its slowest rank's, against
     the ranks' mean alone. Here a fake clock makes each of this rank's passes 60 ms, alone or in
     step, and the other rank's in step 1.5x that: exactly 1.5. A rank that took its own passes
     only (no MAX over the ranks) would read 1.0, the two ranks' passes summed 2.0."""
@@ -155,10 +155,10 @@ def test_ranks_in_step_are_as_slow_as_the_slowest_of_them_each_pass(monkeypatch)
     monkeypatch.setattr(calibrate, "_plain_block", lambda *a, **k: passing)
     monkeypatch.setattr(time_module, "perf_counter", lambda: now[0])
     assert measure.time.perf_counter is time_module.perf_counter  # median_seconds reads this clock too
-    assert calibrate._side_by_side(_Pair(1.0, 1.5), 0, 2) == pytest.approx(1.5)
+    assert calibrate._in_step(_Pair(1.0, 1.5), 0, 2) == pytest.approx(1.5)
     # In step never faster than alone: where the other rank ran slower alone (the machine drifting
     # between the two), not below 1.
-    assert calibrate._side_by_side(_Pair(1.5, 1.0), 0, 2) == 1.0
+    assert calibrate._in_step(_Pair(1.5, 1.0), 0, 2) == 1.0
 
 
 def test_a_collective_scales_with_the_bytes_each_rank_moves_and_gloo_reduces_scatters_as_all_reduces():

@@ -83,7 +83,7 @@ def _collectives_rank(rank: int, world: int, store_path: str, out: dict[str, Any
             a @ b
 
     try:
-        side = _side_by_side(dist, rank, world)
+        side = _in_step(dist, rank, world)
         # Two passes over every size and kind, each point the median of its passes' medians,
         # the compute alone timed again before each pass: this machine's speed drifts by
         # tens of percent over a minute (docs/planner.md).
@@ -116,7 +116,7 @@ SIDE_ROUNDS = 5
 SIDE_PASSES = 5
 
 
-def _side_by_side(dist: Any, rank: int, world: int) -> float:
+def _in_step(dist: Any, rank: int, world: int) -> float:
     """How much longer the ranks' compute takes in a synchronous run than one rank's alone:
     the clock replays each operation in one process, while a CPU run's ranks share the
     machine's caches, memory and, where two CPUs are one core's hardware threads, the core;
@@ -182,7 +182,7 @@ def _exchange(dist: Any, rank: int, t: torch.Tensor) -> None:
 def gloo_collectives(world: int = 2) -> tuple[dict[str, dict[str, Any]], float]:
     """Each collective's seconds by the bytes of its full buffer, over `world` gloo
     processes on this machine (one thread each, as a CPU run's ranks): see `monotone`; and
-    how much slower a rank computes beside the others than alone (`_side_by_side`)."""
+    how much longer the ranks compute in step than one alone (`_in_step`)."""
     found = _gloo_sweep(world)
     side = float(found.pop(SIDE_BY_SIDE))
     return {kind: {"ranks": world, "rows": monotone(rows)} for kind, rows in found.items()}, side

@@ -92,8 +92,9 @@ class Rates:
     _threads: int = 1
     # A CPU: its operations one after another in a pass against each replayed alone (measure.in_sequence).
     _sequence: float = 1.0
-    # A CPU run of several ranks: a rank's compute beside the others' against alone (calibrate.py
-    # _side_by_side, measured with the calibration's ranks); host_op and host_op_tp are scaled by it too.
+    # A CPU run of several ranks: their compute in step (each pass as long as the slowest rank's)
+    # against one alone (calibrate.py _in_step, with the calibration's ranks); host_op and
+    # host_op_tp are scaled by it too.
     _side: float = 1.0
 
     def has_attention(self, kernel: str) -> bool:
