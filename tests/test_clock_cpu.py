@@ -95,3 +95,6 @@ def test_the_clock_predicts_this_cpus_steps(tmp_path):
 
     kept = json.loads((tmp_path / "cache" / "clock-calibration.json").read_text())["values"]
     assert 0.5 < kept["side_by_side"] < 4, kept["side_by_side"]
+    # And DTensor's cost per operation over the two ranks in step (none left is 0; a millisecond
+    # per operation would be a pass counted twice, or its parts not taken out).
+    assert 0 <= kept["host_op_tp_in_step"] < 1e-3, kept["host_op_tp_in_step"]

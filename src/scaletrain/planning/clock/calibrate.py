@@ -84,6 +84,7 @@ def _collectives_rank(rank: int, world: int, store_path: str, out: dict[str, Any
 
     try:
         side = _in_step(dist, rank, world)
+        tp = _tp_in_step(dist, world)
         # Two passes over every size and kind, each point the median of its passes' medians,
         # the compute alone timed again before each pass: this machine's speed drifts by
         # tens of percent over a minute (docs/planner.md).
@@ -106,7 +107,7 @@ def _collectives_rank(rank: int, world: int, store_path: str, out: dict[str, Any
             table[kind].append([float(size), statistics.median(values)])
         if rank == 0:
             out.update(table)
-            out[SIDE_BY_SIDE] = side
+            out[SIDE_BY_SIDE], out[TP_IN_STEP] = side, tp
     finally:
         dist.destroy_process_group()
 
@@ -143,16 +144,64 @@ def _in_step(dist: Any, rank: int, world: int) -> float:
             if r == rank:
                 alone[0] = median_seconds(block, repeats=5)
         dist.all_reduce(alone)  # the ranks' alone times, summed
-        paced = torch.zeros(SIDE_PASSES)
-        for i in range(SIDE_PASSES):
-            dist.barrier()
-            t0 = time.perf_counter()
-            block()
-            paced[i] = time.perf_counter() - t0
-        dist.all_reduce(paced, op=dist.ReduceOp.MAX)  # each pass as long as its slowest rank's
-        ratios.append(statistics.median(paced.tolist()) / (alone.item() / world))
+        ratios.append(_paced(dist, block) / (alone.item() / world))
     # In step the ranks never compute faster than alone: a median below 1 is drift.
     return max(1.0, statistics.median(ratios))
+
+
+def _paced(dist: Any, run: Callable[[], None]) -> float:
+    """The median of SIDE_PASSES passes of `run` on every rank, each starting at a barrier and
+    lasting as long as its slowest rank's (an all-reduce with MAX)."""
+    paced = torch.zeros(SIDE_PASSES)
+    for i in range(SIDE_PASSES):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        paced[i] = time.perf_counter() - t0
+    dist.all_reduce(paced, op=dist.ReduceOp.MAX)
+    return statistics.median(paced.tolist())
+
+
+TP_IN_STEP = "tp_block_in_step"
+TP_BLOCK = (4, 256)  # micro-batch x tokens of the small preset's block that _tp_in_step splits
+
+
+def _tp_in_step(dist: Any, world: int) -> float:
+    """Seconds of the small preset's block split by the tensor-parallel plan over all `world`
+    ranks (sequence parallel, as a run splits it), forward and backward of TP_BLOCK, the ranks
+    in step: the median of SIDE_ROUNDS rounds of _paced passes. Its collectives run for real,
+    and DTensor's bookkeeping with them (host_op_tp_in_step)."""
+    from scaletrain.config import load_config
+    from scaletrain.models import model_spec
+
+    batch, tokens = TP_BLOCK
+    run = _tp_block(model_spec(load_config([], ["model.preset=small"]), tokens), tokens, "cpu", batch, whole_group=True)
+    run()  # the first pass allocates
+    return statistics.median(_paced(dist, run) for _ in range(SIDE_ROUNDS))
+
+
+def host_op_tp_in_step(passed: float, links: dict[str, Any], side: float, world: int) -> float:
+    """DTensor's cost per dispatched operation on `world` ranks in step (tensor parallel as a
+    CPU run meets it): _tp_in_step's pass less what the clock prices apart from it, over the
+    operations the rank's block dispatches. Apart: the block's operations as a several-rank run's
+    (replayed at one thread, in sequence, x `side`) and its eight collectives (with sequence
+    parallel an all-gather before each sub-block and a reduce-scatter after it, forward and
+    backward) at `links`, the rows just measured. What is left is the host's: DTensor's
+    dispatch and redistribution on a real mesh (each operation's sharding propagated, each
+    collective's result wrapped and waited for); on a mesh of one (host_op_seconds) it reads
+    a third to half as much here. Not below 0: a pass that ran faster than its parts is drift."""
+    from scaletrain.config import load_config
+    from scaletrain.models import model_spec
+    from scaletrain.planning.clock.compute import price, tp_rank_model
+
+    batch, tokens = TP_BLOCK
+    spec = model_spec(load_config([], ["model.preset=small"]), tokens)
+    work = block_work(tp_rank_model(spec, world) or spec, batch, tokens, "fp32")
+    r = rates.several_cpu_ranks(links, side)
+    ops = sum(price(p, r, False, host_op=0.0).seconds for p in (work.forward, work.backward))
+    buffer = batch * tokens * spec.hidden_size * 4
+    collectives = 4 * (r.collective("all_gather", buffer, world, 0) + r.collective("reduce_scatter", buffer, world, 0))
+    return max(0.0, passed - ops - collectives) / (work.forward.dispatched + work.backward.dispatched)
 
 
 def _calls(dist: Any, rank: int, world: int, size: int, device: str = "cpu") -> dict[str, Callable[[], Any]]:
@@ -179,13 +228,14 @@ def _exchange(dist: Any, rank: int, t: torch.Tensor) -> None:
         dist.recv(t, 0)
 
 
-def gloo_collectives(world: int = 2) -> tuple[dict[str, dict[str, Any]], float]:
+def gloo_collectives(world: int = 2) -> tuple[dict[str, dict[str, Any]], float, float]:
     """Each collective's seconds by the bytes of its full buffer, over `world` gloo
-    processes on this machine (one thread each, as a CPU run's ranks): see `monotone`; and
-    how much longer the ranks compute in step than one alone (`_in_step`)."""
+    processes on this machine (one thread each, as a CPU run's ranks): see `monotone`; how
+    much longer the ranks compute in step than one alone (`_in_step`); and the seconds of a
+    tensor-parallel block over them in step (`_tp_in_step`)."""
     found = _gloo_sweep(world)
-    side = float(found.pop(SIDE_BY_SIDE))
-    return {kind: {"ranks": world, "rows": monotone(rows)} for kind, rows in found.items()}, side
+    side, tp = float(found.pop(SIDE_BY_SIDE)), float(found.pop(TP_IN_STEP))
+    return {kind: {"ranks": world, "rows": monotone(rows)} for kind, rows in found.items()}, side, tp
 
 
 def monotone(rows: list[list[float]]) -> list[list[float]]:
@@ -284,8 +334,13 @@ def calibrate_cpu(world: int = 2) -> tuple[dict[str, Any], list[str]]:
             values[f"host_op_tp_{threads}"] = host_tp
             line += f"; under tensor parallel (DTensor) {host_tp * 1e6:.1f} us per operation"
         lines.append(line)
-    values["collectives"], values[SIDE_BY_SIDE] = gloo_collectives(world)
+    values["collectives"], values[SIDE_BY_SIDE], tp = gloo_collectives(world)
     lines.append(f"{world} ranks in step: their compute takes {values[SIDE_BY_SIDE]:.2f}x as long as one alone")
+    values["host_op_tp_in_step"] = host_op_tp_in_step(tp, values["collectives"], values[SIDE_BY_SIDE], world)
+    lines.append(
+        f"tensor parallel over {world} ranks in step: {values['host_op_tp_in_step'] * 1e6:.1f} us per operation "
+        f"(the small block's pass {tp * 1e3:.1f} ms, its operations and collectives taken out)"
+    )
     for kind, entry in values["collectives"].items():
         rows = entry["rows"]
         lines.append(

@@ -29,6 +29,7 @@ cores run the collective's copies and reductions and the compute: nothing is hid
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from scaletrain.models.spec import ModelSpec
@@ -259,6 +260,7 @@ def _model_parallel(work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, 
         else:
             t = count * rates.collective("all_reduce", buffer, s.tp, across)
         work.add("comm", f"tensor parallel's {count} collectives ({buffer / 2**20:.1f} MiB each)", t)
+        _tp_ends(work, model, s, rates, buffer, across)
     if s.pp > 1:
         sent = pp_comm_bytes_per_step(model, s)
         sends = 2 * s.grad_accum * (sent and 1) * _stages_per_rank(s)
@@ -284,6 +286,34 @@ def _model_parallel(work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, 
             rates.collective("all_to_all", full, s.ep, off > 0) - rates.latency(off > 0)
         )
         work.add("comm", f"expert parallel's {count} all-to-alls ({sent / 2**30:.2f} GiB a step)", t)
+
+
+def _tp_ends(work: EngineWork, model: ModelSpec, s: Setup, rates: Rates, buffer: float, across: int) -> None:
+    """Tensor parallel's collectives beyond the blocks' (models/llama_tp.py; each seen in a
+    profiled tp 2 run's trace): the embedding's output reduced (a reduce-scatter with sequence
+    parallel, gathered back in backward) and the head's input gathered (its gradient reduced
+    in backward), one of each per micro-batch on the stages holding them; and small
+    all-reduces, each about a collective's start-up: loss parallel's three per chunk of the
+    loss (the logits' max and sum over the vocabulary shards, the picked target's logit), the
+    sequence-parallel norms' gradients (partial sums over the tp ranks: one per FSDP unit,
+    each block and the root, at the step's gradient sync) and the gradient norm's."""
+    ends = s.grad_accum * 2 / s.pp  # the embedding on the first stage, the head on the last
+    if s.sequence_parallel:
+        big = ends * (
+            rates.collective("all_gather", buffer, s.tp, across) + rates.collective("reduce_scatter", buffer, s.tp, across)
+        )
+    else:
+        big = ends * rates.collective("all_reduce", buffer, s.tp, across)
+    tokens = s.micro_batch * s.seq_len
+    chunks = max(1, math.ceil(tokens / model.loss_chunk_tokens)) if model.loss_chunk_tokens else 1
+    losses = 3 * chunks * s.grad_accum / s.pp
+    small = losses * rates.collective("all_reduce", tokens / chunks * 4, s.tp, across)  # one fp32 value per token
+    units = rank_blocks(model, s) + 1 if s.sequence_parallel else 0
+    small += (units + 1) * rates.collective("all_reduce", 2 * model.hidden_size * 4, s.tp, across)
+    work.add(
+        "comm", f"tensor parallel's {ends * (2 if s.sequence_parallel else 1):g} collectives at the embedding and the head", big
+    )
+    work.add("comm", f"tensor parallel's {losses + units + 1:g} small all-reduces (the loss, the norms' gradients)", small)
 
 
 def _stages_per_rank(s: Setup) -> int:

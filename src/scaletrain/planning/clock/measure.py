@@ -97,7 +97,10 @@ def _plain_block(spec: Any, tokens: int, batch: int = 1) -> Callable[[], None]:
     return run
 
 
-def _tp_block(spec: Any, tokens: int, device_type: str) -> Callable[[], None]:
+def _tp_block(spec: Any, tokens: int, device_type: str, batch: int = 1, whole_group: bool = False) -> Callable[[], None]:
+    """The block split by the tensor-parallel plan (sequence parallel, as runs split it) over
+    a mesh of this rank alone, or with `whole_group` over every rank of the process group
+    (calibrate.py: the gloo sweep's ranks), forward and backward of `batch` x `tokens`."""
     import tempfile
 
     import torch.distributed as dist
@@ -106,8 +109,12 @@ def _tp_block(spec: Any, tokens: int, device_type: str) -> Callable[[], None]:
     if not dist.is_initialized():
         store = dist.FileStore(tempfile.mkstemp()[1], 1)
         dist.init_process_group("gloo" if device_type == "cpu" else "nccl", store=store, rank=0, world_size=1)
-    mesh = DeviceMesh(device_type, [dist.get_rank()]) if dist.get_world_size() == 1 else None
-    if mesh is None:  # a job's rank: its group spans others, so a mesh of one needs a group of its own
+    world = dist.get_world_size()
+    if whole_group:
+        mesh = DeviceMesh(device_type, list(range(world)))
+    elif world == 1:
+        mesh = DeviceMesh(device_type, [dist.get_rank()])
+    else:  # a job's rank: its group spans others, so a mesh of one needs a group of its own
         mesh = DeviceMesh(device_type, [dist.get_rank()], _init_backend=False)
     model = spec.build_meta(tokens)
     spec.apply_tp(model, mesh, True, True)
@@ -116,8 +123,9 @@ def _tp_block(spec: Any, tokens: int, device_type: str) -> Callable[[], None]:
     cos, sin = model.rope_cos[:tokens], model.rope_sin[:tokens]
     # The residual stream between blocks is each rank's local shard of the sequence (the
     # plan's layers return local tensors), as in the model.
-    x = torch.randn(1, tokens, spec.hidden_size, device=device_type, requires_grad=True)
-    seed = torch.ones(1, tokens, spec.hidden_size, device=device_type)
+    local = tokens // mesh.size()
+    x = torch.randn(batch, local, spec.hidden_size, device=device_type, requires_grad=True)
+    seed = torch.ones(batch, local, spec.hidden_size, device=device_type)
 
     def run() -> None:
         block(x.clone(), cos, sin).backward(seed)

@@ -93,8 +93,8 @@ class Rates:
     # A CPU: its operations one after another in a pass against each replayed alone (measure.in_sequence).
     _sequence: float = 1.0
     # A CPU run of several ranks: their compute in step (each pass as long as the slowest rank's)
-    # against one alone (calibrate.py _in_step, with the calibration's ranks); host_op and
-    # host_op_tp are scaled by it too.
+    # against one alone (calibrate.py _in_step, with the calibration's ranks); host_op is
+    # scaled by it too, and host_op_tp where it was measured on a mesh of one, not in step.
     _side: float = 1.0
 
     def has_attention(self, kernel: str) -> bool:
@@ -427,8 +427,16 @@ def _cpu_rates(threads: int, several: bool) -> Rates:
     host_op = cpu_host_op(threads) * side
     host_op_tp = calibrated.get(f"host_op_tp_{threads}")
     notes = []
-    if host_op_tp is not None:
+    in_step = calibrated.get("host_op_tp_in_step") if several and threads == 1 else None
+    if in_step is not None:
+        host_op_tp = in_step  # measured on the calibration's ranks in step (calibrate.py host_op_tp_in_step)
+    elif host_op_tp is not None:
         host_op_tp *= side
+        if several and "side_by_side" in calibrated:
+            notes.append(
+                "this machine's calibration predates tensor parallel's measurement over ranks in step: DTensor's cost "
+                "per operation priced as on a mesh of one (scaletrain plan --calibrate measures it)"
+            )
     else:
         host_op_tp = CPU_HOST_OP_TP
         if several:
@@ -468,6 +476,14 @@ def _cpu_rates(threads: int, several: bool) -> Rates:
         cpu_in_sequence(threads),
         side,
     )
+
+
+def several_cpu_ranks(links: dict[str, Any], side: float) -> Rates:
+    """A several-rank CPU run's rates at one thread per rank (as _cpu_rates prices it) with the
+    collectives `links` and the in-step factor `side` given, before they are kept, the host's
+    costs left at 0: what calibrate.py takes out of a pass it measured."""
+    links = {"collectives": {"intra": links}}
+    return Rates("cpu", "", False, 0.0, 0.0, 0.0, cpu_bandwidth(1), _table=links, _sequence=cpu_in_sequence(1), _side=side)
 
 
 _CALIBRATED: dict[str, Any] = {}  # this process's own calibration, where the cache is off
