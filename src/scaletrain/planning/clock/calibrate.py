@@ -188,8 +188,9 @@ def host_op_tp_in_step(passed: float, links: dict[str, Any], side: float, world:
     parallel an all-gather before each sub-block and a reduce-scatter after it, forward and
     backward) at `links`, the rows just measured. What is left is the host's: DTensor's
     dispatch and redistribution on a real mesh (each operation's sharding propagated, each
-    collective's result wrapped and waited for); on a mesh of one (host_op_seconds) it reads
-    a third to half as much here. Not below 0: a pass that ran faster than its parts is drift."""
+    collective's result wrapped and waited for), and whatever the collectives cost in the pass
+    beyond their rows, so the split between the two terms moves with the rows while their sum
+    is the pass (docs/planner.md). Not below 0: a pass faster than its parts is drift."""
     from scaletrain.config import load_config
     from scaletrain.models import model_spec
     from scaletrain.planning.clock.compute import price, tp_rank_model

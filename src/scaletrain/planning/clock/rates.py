@@ -432,7 +432,7 @@ def _cpu_rates(threads: int, several: bool) -> Rates:
         host_op_tp = in_step  # measured on the calibration's ranks in step (calibrate.py host_op_tp_in_step)
     elif host_op_tp is not None:
         host_op_tp *= side
-        if several and "side_by_side" in calibrated:
+        if several and threads == 1:  # what the in-step measurement would have priced
             notes.append(
                 "this machine's calibration predates tensor parallel's measurement over ranks in step: DTensor's cost "
                 "per operation priced as on a mesh of one (scaletrain plan --calibrate measures it)"
@@ -482,8 +482,8 @@ def several_cpu_ranks(links: dict[str, Any], side: float) -> Rates:
     """A several-rank CPU run's rates at one thread per rank (as _cpu_rates prices it) with the
     collectives `links` and the in-step factor `side` given, before they are kept, the host's
     costs left at 0: what calibrate.py takes out of a pass it measured."""
-    links = {"collectives": {"intra": links}}
-    return Rates("cpu", "", False, 0.0, 0.0, 0.0, cpu_bandwidth(1), _table=links, _sequence=cpu_in_sequence(1), _side=side)
+    table = {"collectives": {"intra": links}}
+    return Rates("cpu", "", False, 0.0, 0.0, 0.0, cpu_bandwidth(1), _table=table, _sequence=cpu_in_sequence(1), _side=side)
 
 
 _CALIBRATED: dict[str, Any] = {}  # this process's own calibration, where the cache is off
