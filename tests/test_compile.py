@@ -67,8 +67,13 @@ def test_every_block_is_compiled_in_place_under_its_own_name():
 def test_compile_is_refused_where_it_is_not_checked():
     with pytest.raises(UserError, match="train.compile=true is offered with ddp and fsdp"):
         load_config([], ["train.compile=true", "parallel.strategy=zero3"])
-    with pytest.raises(UserError, match="not with parallel.pp=2; accepted: train.compile=false, or .* with pp=1"):
-        load_config([], ["train.compile=true", "parallel.strategy=fsdp", "parallel.pp=2", "train.grad_accum=2"])
+    # Pipelines compile with the schedules that run each backward whole (tests/test_gradients.py
+    # checks their gradients, compiled); the zero-bubble ones split it, which a compiled block cannot.
+    pp = ["train.compile=true", "parallel.strategy=fsdp", "parallel.pp=2", "train.grad_accum=4"]
+    assert load_config([], [*pp, "parallel.pp_schedule=interleaved_1f1b"]).train.compile
+    for schedule in ("interleaved_zb", "zbv", "dualpipev"):
+        with pytest.raises(UserError, match=f"parallel.pp_schedule={schedule} .* accepted: parallel.pp_schedule=gpipe\\|1f1b"):
+            load_config([], [*pp, f"parallel.pp_schedule={schedule}"])
     # Tensor parallel compiles (tests/test_gradients.py checks its gradients, compiled).
     assert load_config([], ["train.compile=true", "parallel.strategy=fsdp", "parallel.tp=2"]).train.compile
     with pytest.raises(UserError, match="model.moe.experts_impl=loop: the loop reads the token counts on the host"):

@@ -117,6 +117,7 @@ def test_gradients_after_one_backward_equal_one_process(
     # scales the sum by 1/4, exact in binary). Mixture-of-experts variants likewise: each
     # token's experts are the same in any split, and under expert parallel its slots are
     # computed on another rank, in the same order among that expert's slots.
+    # Compiled pipelines likewise: each stage's blocks compiled, the schedule's order unchanged.
     # Tensor parallel compiled: inductor fuses and reorders the blocks' fp32 arithmetic, a few
     # ulps an operation (tests/test_compile.py), far inside the bound; a lost gradient is not.
     untied = UNTIED in (PIPELINE_VARIANTS | COMPILED_TP_VARIANTS).get(variant, [])
@@ -133,5 +134,6 @@ def test_gradients_after_one_backward_equal_one_process(
     if variant in MOE_CP_VARIANTS:
         ref_loss, ref_grads = one_process(*MOE_CP_VARIANTS[variant][0])
     got = engine_grads[variant]
+    assert got["compiled_blocks"] > 0 if "_compiled" in variant else got["compiled_blocks"] == 0
     assert got["loss"] == pytest.approx(ref_loss, rel=RTOL)
     assert_grads_close(got["grads"], ref_grads)

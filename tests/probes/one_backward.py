@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config.parallel import dims_for
-from scaletrain.config.stages import SCHEDULES
+from scaletrain.config.stages import SCHEDULES, SPLIT_BACKWARD
 from scaletrain.data import RankBatches
 from scaletrain.engines import block_wrappers
 from scaletrain.engines.block_wrappers import plain_name
@@ -79,6 +79,13 @@ PIPELINE_VARIANTS = {
                         "train.micro_batch=1", "train.grad_accum=4", UNTIED]
     for schedule in SCHEDULES
 }  # fmt: skip
+# Compiled (aot_eager: above), each schedule that runs a micro-batch's backward whole (the
+# zero-bubble ones split it, which a compiled block's backward cannot: config/stages.py).
+PIPELINE_VARIANTS |= {
+    f"pp2_{schedule}_compiled": [*PIPELINE_VARIANTS[f"pp2_{schedule}"], "train.compile=true"]
+    for schedule in SCHEDULES
+    if schedule not in SPLIT_BACKWARD
+}
 
 
 # A mixture of experts (8 experts, top-2), without its auxiliary terms: the balance term is
@@ -188,8 +195,13 @@ def main() -> None:
         grads = full_grads(engine)
         if getattr(engine, "pipeline", None) is not None:  # each rank holds its own stages' gradients
             grads = engine.pipeline.gather({"grads": grads})["grads"]
+        # How many blocks this rank runs compiled (torch.compile's wrapper set), so that a
+        # compiled variant that silently ran eager cannot pass as compiled.
+        compiled = sum(
+            getattr(m, "_compiled_call_impl", None) is not None for m in getattr(engine, "module", engine.model).modules()
+        )
         if world.rank == 0:
-            results[variant] = {"loss": loss.item() / world.world_size, "grads": grads}
+            results[variant] = {"loss": loss.item() / world.world_size, "grads": grads, "compiled_blocks": compiled}
         del engine  # no live DDP model at teardown (gloo may abort); DDP holds cycles
         gc.collect()
     if world.rank == 0:

@@ -10,9 +10,13 @@ said in `differs` (the table prints it).
 
 Sources (read in the stored public repositories; the settings as each states them):
 - torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (commit 820504e) and
-  benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (8b6770a): Llama 3.1 8B and 70B on
-  H100 with 96 GB HBM2e at a 500 W power limit, NVLink in a node, 400 Gb/s RDMA per GPU;
-  sequence 8192 (the presets of the benchmarked commit), bf16 unless float8 is named.
+  benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (8b6770a): Llama 3.1 8B, 70B and 405B
+  on H100 with 96 GB HBM2e at a 500 W power limit, NVLink in a node, 400 Gb/s RDMA per GPU;
+  sequence 8192 (the presets of the benchmarked commit) unless a table names another, bf16
+  unless float8 is named. Its tables 1-5 are here; table 6 (405B with cp beside pp) is not:
+  scaletrain refuses cp with pp. Its pipelines split each dp rank's batch into as many
+  micro-batches as pp (the benchmarked commit's default), and its interleaved 1F1B runs two
+  stages a rank (its default split points for a looped schedule).
 - llm-foundry, scripts/train/benchmarking/README.md (commit 8c8dd48), "H100 80GB BF16": MPT
   models (vocabulary 50368, tied embeddings, multi-head attention, a GELU MLP of 4 x d_model,
   learned positions, biases) under FSDP (FULL_SHARD), amp_bf16, flash attention, its
@@ -68,6 +72,30 @@ SAC = ("parallel.activation_checkpointing=true", "parallel.ac_mode=selective")
 BF16 = ("precision=bf16", "parallel.strategy=fsdp")
 L8B = ("model.preset=8b", "data.seq_len=8192", *BF16, *SAC)
 MPT = "MPT's GELU MLP as a SwiGLU of equal FLOPs, learned positions and biases left out"
+FULL_AC = ("parallel.activation_checkpointing=true",)
+# scaletrain trains float8 with neither tp nor pp (config/float8.py): those runs are planned in bf16.
+NO_FLOAT8 = f"{TITAN_H100}; float8 in the source, planned in bf16 (scaletrain does not combine float8 with tp or pp)"
+NO_ASYNC_TP = f"{NO_FLOAT8}; async tensor parallel in the source, planned as plain tp (scaletrain has none)"
+# torchtitan's context parallel is torch's ring attention (context_parallel, its keys and values all-gathered), compiled.
+RING = (
+    f"{TITAN_H100}; torch's ring attention in the source, planned as Ulysses (the same attention FLOPs a rank; "
+    "scaletrain's all-gather design does not compile)"
+)
+
+
+def _long(cp: int, seq: int) -> tuple[str, ...]:
+    """torchtitan's table 2: the 8B at one sequence a rank, compiled, float8, full checkpointing."""
+    ulysses = ("parallel.cp_mode=ulysses",) if cp > 1 else ()
+    return ("model.preset=8b", f"data.seq_len={seq}", *BF16, *FULL_AC, f"parallel.cp={cp}", *ulysses, "train.micro_batch=1",
+            f"train.global_batch={8 // cp}", "train.compile=true", "train.float8=true")  # fmt: skip
+
+
+def _titan_405b(schedule: str) -> tuple[str, ...]:
+    """torchtitan's table 5: 405B on 512 GPUs, FSDP 8 x TP 8 x PP 8, 32 sequences a dp rank in 8 micro-batches."""
+    return ("model.preset=405b", "data.seq_len=8192", *BF16, "parallel.tp=8", "parallel.pp=8",
+            f"parallel.pp_schedule={schedule}", *FULL_AC, "train.micro_batch=4", "train.global_batch=256",
+            "train.compile=true")  # fmt: skip
+
 
 PUBLISHED = (
     Published(TITAN, "Llama 3.1 8B, FSDP 8, eager", 8, 5762, 16, 8192, (*L8B, "train.micro_batch=2", "train.global_batch=16",
@@ -76,8 +104,30 @@ PUBLISHED = (
               "train.compile=true"), 96, TITAN_H100),
     Published(TITAN, "Llama 3.1 8B, FSDP 8, compiled, float8", 8, 8532, 16, 8192, (*L8B, "train.micro_batch=2",
               "train.global_batch=16", "train.compile=true", "train.float8=true"), 96, TITAN_H100),
+    Published(TITAN, "Llama 3.1 8B, FSDP 8, seq 32768, compiled, float8, full AC", 8, 3890, 8, 32768, _long(1, 32768), 96,
+              TITAN_H100),
+    Published(TITAN, "Llama 3.1 8B, FSDP 4 x cp 2, seq 65536, compiled, float8, full AC", 8, 2540, 4, 65536,
+              _long(2, 65536), 96, RING),
+    Published(TITAN, "Llama 3.1 8B, FSDP 2 x cp 4, seq 131072, compiled, float8, full AC", 8, 1071, 2, 131072,
+              _long(4, 131072), 96, RING),
+    Published(TITAN, "Llama 3.1 8B, cp 8, seq 262144, compiled, float8, full AC", 8, 548, 1, 262144, _long(8, 262144), 96,
+              RING),
+    Published(TITAN, "Llama 3.1 8B, FSDP 128, eager", 128, 5605, 256, 8192, (*L8B, "train.micro_batch=2",
+              "train.global_batch=256", "train.compile=false"), 96, TITAN_H100),
     Published(TITAN, "Llama 3.1 8B, FSDP 128, compiled", 128, 6514, 256, 8192, (*L8B, "train.micro_batch=2",
               "train.global_batch=256", "train.compile=true"), 96, TITAN_H100),
+    Published(TITAN, "Llama 3.1 8B, FSDP 128, compiled, float8", 128, 8380, 256, 8192, (*L8B, "train.micro_batch=2",
+              "train.global_batch=256", "train.compile=true", "train.float8=true"), 96, TITAN_H100),
+    Published(TITAN, "Llama 3.1 70B, FSDP 32 x TP 8, compiled, float8, full AC", 256, 829, 512, 8192, ("model.preset=70b",
+              "data.seq_len=8192", *BF16, "parallel.tp=8", *FULL_AC, "train.micro_batch=16", "train.global_batch=512",
+              "train.compile=true"), 96, NO_FLOAT8),
+    Published(TITAN, "Llama 3.1 70B, FSDP 32 x TP 8, compiled, float8, async TP, full AC", 256, 876, 512, 8192, (
+              "model.preset=70b", "data.seq_len=8192", *BF16, "parallel.tp=8", *FULL_AC, "train.micro_batch=16",
+              "train.global_batch=512", "train.compile=true"), 96, NO_ASYNC_TP),
+    Published(TITAN, "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8 (1F1B), compiled, float8, async TP, full AC", 512, 100, 256, 8192,
+              _titan_405b("1f1b"), 96, NO_ASYNC_TP),
+    Published(TITAN, "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8 (interleaved 1F1B), compiled, float8, async TP, full AC", 512, 128,
+              256, 8192, _titan_405b("interleaved_1f1b"), 96, NO_ASYNC_TP),
     Published(ASYNC_TP, "Llama 3 8B, FSDP 8 x TP 8, compiled", 64, 4378, 96, 8192, (*L8B, "parallel.tp=8", "train.micro_batch=12",
               "train.global_batch=96", "train.compile=true"), 96, TITAN_H100),
     Published(ASYNC_TP, "Llama 3 70B, FSDP 32 x TP 8, compiled, full AC", 256, 597.3, 512, 8192, ("model.preset=70b",

@@ -33,7 +33,7 @@ from scaletrain.config.model import (  # noqa: F401  # re-exported: the schema's
 from scaletrain.config.sequences import long_sequence_problem
 from scaletrain.config.sources import SOURCES as MODEL_SOURCES
 from scaletrain.config.spikes import SpikesSection, spikes_problem
-from scaletrain.config.stages import SCHEDULES, schedule_problem
+from scaletrain.config.stages import SCHEDULES, compile_problem, schedule_problem
 from scaletrain.optim.registry import OPTIMIZERS, layout_problem
 from scaletrain.optim.registry import SCHEDULES as LR_SCHEDULES
 from scaletrain.optim.registry import accepted as registered
@@ -479,6 +479,8 @@ class Config(Section):
         problem = schedule_problem(par.pp_schedule, par.pp, self.train.grad_accum) if self.train.global_batch is None else None
         if problem:
             raise ValueError(f"parallel.pp_schedule={par.pp_schedule}: {problem}")
+        if self.train.compile and (problem := compile_problem(par.pp_schedule, par.pp)):
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -513,13 +515,11 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _compile_where_checked(self) -> Config:
-        par = self.parallel
-        if self.train.compile and (not _can(par.strategy, "compile") or par.pp > 1):
-            where = f"parallel.strategy={par.strategy}" if not _can(par.strategy, "compile") else f"parallel.pp={par.pp}"
+        if self.train.compile and not _can(strategy := self.parallel.strategy, "compile"):
             compiled = names_where(lambda r: r.compile)
             raise ValueError(
-                f"train.compile=true is offered with {' and '.join(compiled)}, with or without tp, without pp (checked "
-                f"there), not with {where}; accepted: train.compile=false, or parallel.strategy={'|'.join(compiled)} with pp=1"
+                f"train.compile=true is offered with {' and '.join(compiled)}, with or without tp or pp (checked there), not "
+                f"with parallel.strategy={strategy}; accepted: train.compile=false, or parallel.strategy={'|'.join(compiled)}"
             )
         return self
 

@@ -22,6 +22,25 @@ SCHEDULES: dict[str, tuple[str, int, str]] = {
     "dualpipev": ("ScheduleDualPipeV", 2, "v"),
 }
 
+# The zero-bubble schedules run each micro-batch's backward in two halves, the input's
+# gradient first and the weights' later (torch's stage_backward_input / _weight), keeping the
+# graph between them. A compiled block's backward is one AOTAutograd node, which computes both
+# at once and frees its saved buffers when it runs (donated buffers): torch refuses the second
+# half ("compiled with non-empty donated buffers which requires ... retain_graph=False").
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
+
+
+def compile_problem(schedule: str, pp: int) -> str | None:
+    """Why train.compile cannot run with this pipeline (SPLIT_BACKWARD), or None."""
+    if pp == 1 or schedule not in SPLIT_BACKWARD:
+        return None
+    offered = "|".join(s for s in SCHEDULES if s not in SPLIT_BACKWARD)
+    return (
+        f"train.compile=true does not combine with parallel.pp_schedule={schedule} (a zero-bubble schedule runs each "
+        "backward in two halves, input's then weights', which a compiled block's one backward cannot); accepted: "
+        f"parallel.pp_schedule={offered}, or train.compile=false"
+    )
+
 
 def schedule_problem(schedule: str, pp: int, micro_batches: int) -> str | None:
     """What torch's schedule would reject about `micro_batches` (train.grad_accum) on `pp`
