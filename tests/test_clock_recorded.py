@@ -56,3 +56,26 @@ def test_the_table_plans_each_run_again_and_notes_one_measured_while_warming_up(
     assert "2 runs: median |error|" in text
     warm = [line for line in text.splitlines() if "warming up" in line]
     assert warm == ["- tiny-3 (2026-01-01-h200/results.jsonl): 3 steps, measured while warming up (the median of steps 2-3)"]
+
+
+def test_a_published_run_is_planned_again_at_the_peaks_its_source_bounds_its_gpu_by(monkeypatch) -> None:
+    """bench/published.py's `lower`: the run planned on the datasheet's GPU, and again with the
+    peaks its source bounds its GPU by, that prediction in the row's note."""
+    from scaletrain.bench import published
+    from scaletrain.bench.clock_recorded import compare_published, predict
+
+    half = published.Peaks(989e12 / 2, 1979e12 / 2, 3.35e12 / 2, "half the SXM's peaks")
+    shape = ("model.preset=1b", "precision=bf16", "parallel.strategy=fsdp", "data.seq_len=2048", "train.micro_batch=16")
+    run = published.Published("a source", "1b", 8, 10_000.0, 128, 2048, (*shape, "train.global_batch=128"), 80, "", half)
+    monkeypatch.setattr(published, "PUBLISHED", (run,))
+    [row] = compare_published(lambda line: None)
+    full = predict(run.overrides, "h100", 80 * 2**30, 8, 1).total
+    low = predict(run.overrides, "h100", 80 * 2**30, 8, 1, peaks=half).total
+    assert row.predicted_s == full and row.measured_s == run.step_s
+    # Every rate halved: the matmuls, attention and memory-bound work take twice as long; the
+    # host's dispatch and the collectives' latency do not, so a step of 1b at 16 x 2048 tokens a
+    # rank (its compute most of it; at 4 x 2048 the fallback's 12 us of host per operation is a
+    # third of it) takes well over 1.5x and at most 2x as long.
+    assert 1.5 * full < low <= 2 * full
+    [note] = [n for n in row.notes if "half the SXM's" in n]
+    assert note.startswith("1b: at half the SXM's peaks: ") and note.endswith(f" ({low / run.step_s - 1:+.1%})")

@@ -84,15 +84,20 @@ def recorded_runs(root: Path) -> list[Recorded]:
     return out
 
 
-def predict(overrides: tuple[str, ...], kind: str, memory: int, gpus_per_node: int = 1, nodes: int = 1) -> Any:
+def predict(overrides: tuple[str, ...], kind: str, memory: int, gpus_per_node: int = 1, nodes: int = 1, peaks: Any = None) -> Any:
     """The chosen layout's StepTime as `scaletrain plan --configured-only --device-defaults`
-    plans `overrides` on `gpus_per_node` x `nodes` GPUs of `kind`."""
+    plans `overrides` on `gpus_per_node` x `nodes` GPUs of `kind`; `peaks` (a published.Peaks),
+    where given, in place of the kind's datasheet peaks."""
+    from dataclasses import replace
+
     from scaletrain.config import load_config
     from scaletrain.planning.hardware import gpu
     from scaletrain.training.preflight import plan_as_trained
 
     cfg = load_config([], list(overrides))
     device = gpu(kind, f"{memory}B")
+    if peaks is not None:
+        device = replace(device, peak_flops_16=peaks.bf16, peak_flops_8=peaks.float8, memory_bw=peaks.memory_bw)
     named = "strategy" in cfg.parallel.model_fields_set and cfg.parallel.strategy != "auto"
     plan, _, _ = plan_as_trained(cfg, device, gpus_per_node * nodes, nodes, None, 0.1, False, named, True)
     chosen = plan.chosen if plan.chosen.fits or plan.chosen.smaller is None else plan.chosen.smaller
@@ -178,6 +183,9 @@ def compare_published(say: Say) -> list[Compared]:
         nodes = max(1, p.gpus // 8)
         t = predict(p.overrides, "h100", p.memory_gib * 2**30, gpus_per_node=min(8, p.gpus), nodes=nodes)
         notes = tuple(t.notes) + ((f"{p.name}: {p.differs}",) if p.differs else ())
+        if p.lower is not None:  # the source's own lower bound of its GPU's peaks
+            low = predict(p.overrides, "h100", p.memory_gib * 2**30, min(8, p.gpus), nodes, peaks=p.lower).total
+            notes += (f"{p.name}: at {p.lower.said}: {_seconds(low)} ({low / p.step_s - 1:+.1%})",)
         c = Compared(p.name, p.source, f"{p.gpus} x H100", p.step_s, t.total, dict(t.phases), notes)
         say(f"{p.source} {p.name}: published {p.step_s:.3f} s/step, predicted {t.total:.3f} ({c.error:+.1%})")
         out.append(c)

@@ -31,6 +31,26 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Peaks:
+    """A GPU's dense peaks where a source bounds them (bench/clock_recorded.py plans with them too)."""
+
+    bf16: float  # FLOP/s
+    float8: float  # FLOP/s
+    memory_bw: float  # bytes/s
+    said: str  # what they are, for the table's note
+
+
+# torchtitan's H100s, by its own footnote: a peak "between SXM and NVL", and 2.4 TB/s of HBM2e.
+# The lower bound: the H100 NVL's datasheet (1,671 and 3,341 TFLOP/s with sparsity: dense is half).
+TITAN_LOWER = Peaks(
+    835e12,
+    1670e12,
+    2.4e12,
+    "the source's lower bound (the H100 NVL's peaks, 835 TFLOP/s bf16, 1,670 float8; its stated 2.4 TB/s)",
+)
+
+
+@dataclass(frozen=True)
 class Published:
     source: str
     name: str
@@ -41,6 +61,7 @@ class Published:
     overrides: tuple[str, ...]
     memory_gib: int = 80  # per GPU
     differs: str = ""  # what scaletrain cannot configure as the source ran it
+    lower: Peaks | None = None  # the source's lower bound of its GPU's peaks, planned with as well
 
     @property
     def step_s(self) -> float:
@@ -99,40 +120,40 @@ def _titan_405b(schedule: str) -> tuple[str, ...]:
 
 PUBLISHED = (
     Published(TITAN, "Llama 3.1 8B, FSDP 8, eager", 8, 5762, 16, 8192, (*L8B, "train.micro_batch=2", "train.global_batch=16",
-              "train.compile=false"), 96, TITAN_H100),
+              "train.compile=false"), 96, TITAN_H100, TITAN_LOWER),
     Published(TITAN, "Llama 3.1 8B, FSDP 8, compiled", 8, 6667, 16, 8192, (*L8B, "train.micro_batch=2", "train.global_batch=16",
-              "train.compile=true"), 96, TITAN_H100),
+              "train.compile=true"), 96, TITAN_H100, TITAN_LOWER),
     Published(TITAN, "Llama 3.1 8B, FSDP 8, compiled, float8", 8, 8532, 16, 8192, (*L8B, "train.micro_batch=2",
-              "train.global_batch=16", "train.compile=true", "train.float8=true"), 96, TITAN_H100),
+              "train.global_batch=16", "train.compile=true", "train.float8=true"), 96, TITAN_H100, TITAN_LOWER),
     Published(TITAN, "Llama 3.1 8B, FSDP 8, seq 32768, compiled, float8, full AC", 8, 3890, 8, 32768, _long(1, 32768), 96,
-              TITAN_H100),
+              TITAN_H100, TITAN_LOWER),
     Published(TITAN, "Llama 3.1 8B, FSDP 4 x cp 2, seq 65536, compiled, float8, full AC", 8, 2540, 4, 65536,
-              _long(2, 65536), 96, RING),
+              _long(2, 65536), 96, RING, TITAN_LOWER),
     Published(TITAN, "Llama 3.1 8B, FSDP 2 x cp 4, seq 131072, compiled, float8, full AC", 8, 1071, 2, 131072,
-              _long(4, 131072), 96, RING),
+              _long(4, 131072), 96, RING, TITAN_LOWER),
     Published(TITAN, "Llama 3.1 8B, cp 8, seq 262144, compiled, float8, full AC", 8, 548, 1, 262144, _long(8, 262144), 96,
-              RING),
+              RING, TITAN_LOWER),
     Published(TITAN, "Llama 3.1 8B, FSDP 128, eager", 128, 5605, 256, 8192, (*L8B, "train.micro_batch=2",
-              "train.global_batch=256", "train.compile=false"), 96, TITAN_H100),
+              "train.global_batch=256", "train.compile=false"), 96, TITAN_H100, TITAN_LOWER),
     Published(TITAN, "Llama 3.1 8B, FSDP 128, compiled", 128, 6514, 256, 8192, (*L8B, "train.micro_batch=2",
-              "train.global_batch=256", "train.compile=true"), 96, TITAN_H100),
+              "train.global_batch=256", "train.compile=true"), 96, TITAN_H100, TITAN_LOWER),
     Published(TITAN, "Llama 3.1 8B, FSDP 128, compiled, float8", 128, 8380, 256, 8192, (*L8B, "train.micro_batch=2",
-              "train.global_batch=256", "train.compile=true", "train.float8=true"), 96, TITAN_H100),
+              "train.global_batch=256", "train.compile=true", "train.float8=true"), 96, TITAN_H100, TITAN_LOWER),
     Published(TITAN, "Llama 3.1 70B, FSDP 32 x TP 8, compiled, float8, full AC", 256, 829, 512, 8192, ("model.preset=70b",
               "data.seq_len=8192", *BF16, "parallel.tp=8", *FULL_AC, "train.micro_batch=16", "train.global_batch=512",
-              "train.compile=true"), 96, NO_FLOAT8),
+              "train.compile=true"), 96, NO_FLOAT8, TITAN_LOWER),
     Published(TITAN, "Llama 3.1 70B, FSDP 32 x TP 8, compiled, float8, async TP, full AC", 256, 876, 512, 8192, (
               "model.preset=70b", "data.seq_len=8192", *BF16, "parallel.tp=8", *FULL_AC, "train.micro_batch=16",
-              "train.global_batch=512", "train.compile=true"), 96, NO_ASYNC_TP),
+              "train.global_batch=512", "train.compile=true"), 96, NO_ASYNC_TP, TITAN_LOWER),
     Published(TITAN, "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8 (1F1B), compiled, float8, async TP, full AC", 512, 100, 256, 8192,
-              _titan_405b("1f1b"), 96, NO_ASYNC_TP),
+              _titan_405b("1f1b"), 96, NO_ASYNC_TP, TITAN_LOWER),
     Published(TITAN, "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8 (interleaved 1F1B), compiled, float8, async TP, full AC", 512, 128,
-              256, 8192, _titan_405b("interleaved_1f1b"), 96, NO_ASYNC_TP),
+              256, 8192, _titan_405b("interleaved_1f1b"), 96, NO_ASYNC_TP, TITAN_LOWER),
     Published(ASYNC_TP, "Llama 3 8B, FSDP 8 x TP 8, compiled", 64, 4378, 96, 8192, (*L8B, "parallel.tp=8", "train.micro_batch=12",
-              "train.global_batch=96", "train.compile=true"), 96, TITAN_H100),
+              "train.global_batch=96", "train.compile=true"), 96, TITAN_H100, TITAN_LOWER),
     Published(ASYNC_TP, "Llama 3 70B, FSDP 32 x TP 8, compiled, full AC", 256, 597.3, 512, 8192, ("model.preset=70b",
               "data.seq_len=8192", *BF16, "parallel.tp=8", "parallel.activation_checkpointing=true", "train.micro_batch=16",
-              "train.global_batch=512", "train.compile=true"), 96, TITAN_H100),
+              "train.global_batch=512", "train.compile=true"), 96, TITAN_H100, TITAN_LOWER),
     Published(FOUNDRY, "MPT-1b, 8 GPUs, seq 2048", 8, 45455, 112, 2048, (*_mpt(2048, 24, 16), "data.seq_len=2048", *BF16,
               "train.micro_batch=14", "train.global_batch=112"), 80, MPT),
     Published(FOUNDRY, "MPT-7b, 8 GPUs, seq 2048", 8, 10643, 48, 2048, (*_mpt(4096, 32, 32), "data.seq_len=2048", *BF16,
