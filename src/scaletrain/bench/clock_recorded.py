@@ -19,7 +19,10 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from scaletrain.bench.published import Peaks
 
 Say = Callable[[str], None]
 # Keys of a run's command that do not change its step (where it writes, how long, what it logs).
@@ -84,10 +87,12 @@ def recorded_runs(root: Path) -> list[Recorded]:
     return out
 
 
-def predict(overrides: tuple[str, ...], kind: str, memory: int, gpus_per_node: int = 1, nodes: int = 1, peaks: Any = None) -> Any:
+def predict(
+    overrides: tuple[str, ...], kind: str, memory: int, gpus_per_node: int = 1, nodes: int = 1, peaks: Peaks | None = None
+) -> Any:
     """The chosen layout's StepTime as `scaletrain plan --configured-only --device-defaults`
-    plans `overrides` on `gpus_per_node` x `nodes` GPUs of `kind`; `peaks` (a published.Peaks),
-    where given, in place of the kind's datasheet peaks."""
+    plans `overrides` on `gpus_per_node` x `nodes` GPUs of `kind`; `peaks`, where
+    given, in place of the kind's datasheet peaks."""
     from dataclasses import replace
 
     from scaletrain.config import load_config
