@@ -272,10 +272,11 @@ def test_more_data_parallel_ranks_add_exposed_communication_on_a_cpu():
 
 
 def test_float8_pays_where_its_weight_casts_spread_over_enough_tokens():
-    # Each FSDP gather casts the whole converted weight (9 bytes a parameter eager): at one
-    # sequence of 2048 tokens that takes back the matmuls' saving, at 16 it does not, and
-    # compiled (the amax folded into the producer's kernel) float8 pays more.
-    # On the datasheet's rates (the H100 has no measured table): the rule, not a table's entries.
+    # Compiled, the casts fused into their neighbours: each weight's cast per pass costs the
+    # same at any micro-batch, the products' saving grows with the tokens. Eager, torchao's
+    # casts are separate kernels over every activation (amax, scale, clamp, copy): float8 is
+    # slower than bf16 at any size. The float8 block as traced (clock/trace.py), on the
+    # datasheet's rates (the H100 has no measured table): the rule, not a table's entries.
     spec = LlamaSpec(resolve_shape(ModelConfig(preset="1b"), None))
     h100 = gpu("h100", None)
     ratio = lambda mb, **train: (
@@ -284,7 +285,8 @@ def test_float8_pays_where_its_weight_casts_spread_over_enough_tokens():
             spec, Setup("fsdp", 1, mb, 2048, "bf16", float8=True), h100, **train
         ).total
     )
-    assert ratio(1) < 1.01 and 1.05 < ratio(16) < ratio(16, compile="true")
+    assert ratio(1, compile="true") < 1.1 < ratio(4, compile="true") < ratio(16, compile="true")
+    assert ratio(16) < 1
 
 
 def test_the_plan_uses_the_clock_and_explains_it(tmp_path):

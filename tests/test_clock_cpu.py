@@ -1,7 +1,8 @@
 """The planner's clock against steps measured on this CPU (issue 55, item 4): every
 configuration of `scaletrain bench --suite clock` (bench/clock.py: tiny and small, seq 64 to
 1024, micro-batch 1 to 16, activation checkpointing on and off, ddp, fsdp, zero2 and zero3 at
-world 1 and 2, tp 2, pp 2, cp 2 in both designs, a mixture of experts with ep 2), calibrated
+world 1 and 2, tp 2, pp 2, cp 2 in both designs, a mixture of experts with ep 2, float8 at world
+1 and 2), calibrated
 afresh, each predicted and at once run; docs/planner.md holds the same table from three rounds.
 
 Timing, so `serial` (alone, after the others) and `slow`. The bounds are the issue's goals
@@ -25,7 +26,7 @@ import pytest
 
 from scaletrain.bench.clock import CASES, run_suite
 
-# A calibration and 16 configurations, each predicted and run: about 7 minutes here.
+# A calibration and 18 configurations, each predicted and run: about 8 minutes here.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(1500)]
 
 # The spread of a configuration's measured steps over two rounds on this project's 2-core CPU

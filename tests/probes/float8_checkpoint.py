@@ -1,8 +1,9 @@
 """Probe: a float8 model's state through the real ddp and fsdp engines, on a CPU.
 
-float8 matmuls need a GPU (compute capability 8.9+) and the engines refuse a CPU, so this
-probe swaps the engines' `apply_float8` for the conversion alone (engines/float8.py's
-`convert`, the same code after the device check) and never runs a forward. It builds
+The state FSDP holds with its float8 all-gather, which runs over NCCL only (gloo has no float8
+dtypes: on a CPU the engine gathers in bf16), so this probe swaps the engines' `apply_float8`
+for the conversion alone (engines/float8.py's `convert`, FSDP's with the float8 all-gather, as
+on a GPU) and never runs a forward, which would gather. It builds
 each engine with and without float8 from the same seed and checks what a checkpoint
 depends on: the same state-dict keys, plain tensors (no torchao subclass) with the same
 values, one optimizer step on the converted model, a DCP save of each loaded by the other,
@@ -32,13 +33,16 @@ from scaletrain.optim.optimizers import decay_groups
 from common import SMALL_MODEL
 
 
-def without_device_check(model, spec, device, fsdp):
+def as_on_a_gpu(model, spec, device, fsdp):
+    """The conversion as on a GPU: FSDP with its float8 all-gather (the engine turns that off
+    over gloo, which has no float8 dtypes; this probe runs no forward, so nothing is gathered:
+    it checks the state the NCCL path holds)."""
     return convert(model, spec, fsdp)
 
 
 def engine(world, strategy: str, float8: bool, seed: int):
     cfg = load_config([], [*SMALL_MODEL, f"parallel.strategy={strategy}", "precision=bf16", f"train.seed={seed}"])
-    # config/float8.py refuses run.device=cpu: the flag is set past the checks, as only this probe may.
+    # The flag set past the config's checks (this probe builds engines without running them).
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"float8": float8})})
     spec = model_spec(cfg, None)
     return build_engine(spec, world, dims_for(cfg.parallel, world.world_size), cfg, decay_groups(cfg.train))
@@ -56,8 +60,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     out = Path(ap.parse_args().out)
-    fsdp_engine.apply_float8 = without_device_check  # type: ignore[assignment]
-    ddp_engine.apply_float8 = without_device_check  # type: ignore[assignment]
+    fsdp_engine.apply_float8 = lambda model, spec, device, fsdp: as_on_a_gpu(model, spec, device, True)  # type: ignore[assignment]
+    ddp_engine.apply_float8 = as_on_a_gpu  # type: ignore[assignment]
     world = init_distributed("cpu", "gloo")
     report: dict = {}
     for strategy in ("ddp", "fsdp"):

@@ -42,9 +42,11 @@ class Case:
 
 
 SMALL = ("model.preset=small",)
+FLOAT8 = ("precision=bf16", "train.float8=true")
 # At least one of each engine, layout and size the clock prices on a CPU (issue 55 item 4):
 # tiny and small, seq 64 to 1024, micro-batch 1 to 16, activation checkpointing on and off,
-# ddp, fsdp, zero2 and zero3 at world 1 and 2, tp 2, pp 2, cp 2 in both designs, a mixture of experts.
+# ddp, fsdp, zero2 and zero3 at world 1 and 2, tp 2, pp 2, cp 2 in both designs, a mixture of
+# experts, and float8.
 CASES = (
     Case("tiny ddp mb16 s128", 1, ("model.preset=tiny", "data.seq_len=128", "train.micro_batch=16", "parallel.strategy=ddp")),
     Case("tiny ddp mb1 s64", 1, ("model.preset=tiny", "data.seq_len=64", "train.micro_batch=1", "parallel.strategy=ddp")),
@@ -62,6 +64,9 @@ CASES = (
     Case("small fsdp cp2 mb2 s1024", 2, (*SMALL, "data.seq_len=1024", "train.micro_batch=2", "parallel.strategy=fsdp", "parallel.cp=2")),
     Case("small fsdp cp2 ulysses mb2 s1024", 2, (*SMALL, "data.seq_len=1024", "train.micro_batch=2", "parallel.strategy=fsdp", "parallel.cp=2", "parallel.cp_mode=ulysses")),
     Case("tiny-moe fsdp ep2 mb8 s128", 2, ("model.preset=tiny-moe", "data.seq_len=128", "train.micro_batch=8", "parallel.strategy=fsdp", "parallel.ep=2")),
+    # train.float8 (torch._scaled_mm runs on this CPU): its block traced with torchao's layers.
+    Case("small ddp mb8 s256 float8", 1, (*SMALL, "data.seq_len=256", "train.micro_batch=8", "parallel.strategy=ddp", *FLOAT8)),
+    Case("small fsdp mb4 s256 float8", 2, (*SMALL, "data.seq_len=256", "train.micro_batch=4", "parallel.strategy=fsdp", *FLOAT8)),
 )  # fmt: skip
 
 

@@ -48,11 +48,6 @@ def float8_problem(cfg: Any) -> str | None:
             f"train.float8=true runs the blocks' matmuls in float8 inside a bf16 run; precision={cfg.precision} is not "
             "offered (torchao's float8 training is bf16's); accepted: precision=bf16, or train.float8=false"
         )
-    if cfg.run.device == "cpu":
-        return (
-            "train.float8=true needs a GPU with float8 matmuls (NVIDIA compute capability 8.9 or newer: Ada, Hopper); "
-            "run.device=cpu has none; accepted: run.device=auto|cuda on such a GPU, or train.float8=false"
-        )
     unchecked = [
         (par.tp > 1, f"parallel.tp={par.tp}", "parallel.tp=1", "torchao's float8 tensor-parallel styles are not wired"),
         (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1", "not checked yet"),
@@ -71,12 +66,20 @@ def float8_problem(cfg: Any) -> str | None:
     return None
 
 
-def float8_device_problem(device_type: str, capability: tuple[int, int] | None, name: str, hip: bool = False) -> str | None:
-    """Whether a run's device can train in float8 (its type, CUDA compute capability, name)."""
+def float8_device_problem(
+    device_type: str, capability: tuple[int, int] | None, name: str, hip: bool = False, cpu_float8: bool = False
+) -> str | None:
+    """Whether a run's device can train in float8 (its type, CUDA compute capability, name);
+    `cpu_float8`: this torch runs float8 matmuls on the CPU (torch._scaled_mm: torch 2.13 does,
+    models/float8.py `cpu_float8_matmul` asks), slowly but exactly as a GPU rounds them, so a
+    float8 configuration can be tried and tested before it meets one."""
+    if device_type == "cpu" and cpu_float8:
+        return None
     if device_type != "cuda":
         return (
-            f"train.float8=true needs a GPU with float8 matmuls (NVIDIA compute capability 8.9 or newer: Ada, Hopper); "
-            f"this run's device is {device_type} (no CUDA device found); accepted: train.float8=false, or such a GPU"
+            f"train.float8=true needs float8 matmuls: an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper), or "
+            f"a CPU with a torch that runs torch._scaled_mm there (2.13 does); this run's device is {device_type} "
+            f"(torch {_torch_version()}); accepted: train.float8=false, or such a device"
         )
     if hip:
         return f"train.float8=true is not checked on ROCm ({name}); accepted: train.float8=false, or an NVIDIA GPU"
@@ -87,3 +90,12 @@ def float8_device_problem(device_type: str, capability: tuple[int, int] | None, 
             f"or newer (Ada 8.9, Hopper 9.0); {name} has {have}; accepted: train.float8=false, or such a GPU"
         )
     return None
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"

@@ -24,17 +24,15 @@ weights_only, which DCP's reader uses, refuses the subclass: seen before this ho
 from __future__ import annotations
 
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
-from scaletrain.config.float8 import MISSING_EXTRA, float8_device_problem
+from scaletrain.config.float8 import float8_device_problem
 from scaletrain.errors import UserError
-from scaletrain.models.float8 import float8_linears
+from scaletrain.models.float8 import convert_linears, cpu_float8_matmul, torchao_float8
 from scaletrain.models.spec import ModelSpec
-from scaletrain.models.torchao_noise import quiet_torchao
 
 
 def apply_float8(model: nn.Module, spec: ModelSpec, device: torch.device, fsdp: bool) -> Float8:
@@ -42,7 +40,7 @@ def apply_float8(model: nn.Module, spec: ModelSpec, device: torch.device, fsdp: 
     hip = device.type == "cuda" and torch.version.hip is not None
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    problem = float8_device_problem(device.type, capability, name, hip)
+    problem = float8_device_problem(device.type, capability, name, hip, cpu_float8=device.type == "cpu" and cpu_float8_matmul())
     if problem:
         raise UserError(problem)
     return convert(model, spec, fsdp)
@@ -50,13 +48,10 @@ def apply_float8(model: nn.Module, spec: ModelSpec, device: torch.device, fsdp: 
 
 def convert(model: nn.Module, spec: ModelSpec, fsdp: bool) -> Float8:
     """Swap the chosen Linear layers of the (meta-device) model for torchao's Float8Linear,
-    in place; `fsdp`: their weights all-gathered in float8 by FSDP2. No device check (the
-    CPU tests convert meta models; a float8 forward on a CPU is not offered)."""
-    ao = _torchao()
-    chosen = {id(m) for m in float8_linears(model, spec.blocks(model)).values()}
-    config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)  # tensorwise: torchao's default recipe
-    ao.convert_to_float8_training(model, module_filter_fn=lambda m, _fqn: id(m) in chosen, config=config)
-    converted = [m for m in model.modules() if isinstance(m, ao.Float8Linear)]
+    in place; `fsdp`: their weights all-gathered in float8 by FSDP2 (over NCCL: gloo has no
+    float8 dtypes). No device check (the CPU tests convert meta models)."""
+    ao = torchao_float8()
+    converted = convert_linears(model, spec.blocks(model), fsdp_gather=fsdp)
     if fsdp:
         unwrap = partial(_plain_weights, wrapper=ao.WeightWithDynamicFloat8CastTensor)
         for linear in converted:
@@ -92,24 +87,3 @@ def _plain_weights(module: nn.Module, state_dict: dict[str, Any], prefix: str, _
         state_dict[key] = DTensor.from_local(
             local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
         )
-
-
-def _torchao() -> SimpleNamespace:
-    """torchao's float8 training API, imported without its import-time noise
-    (models/torchao_noise.py); a one-line UserError naming the extra without it."""
-    try:
-        with quiet_torchao():
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
-            from torchao.float8.float8_linear import Float8Linear
-            from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-    except ModuleNotFoundError as e:
-        if not (e.name or "").startswith("torchao"):
-            raise
-        raise UserError(MISSING_EXTRA) from None
-    return SimpleNamespace(
-        Float8LinearConfig=Float8LinearConfig,
-        convert_to_float8_training=convert_to_float8_training,
-        precompute_float8_dynamic_scale_for_fsdp=precompute_float8_dynamic_scale_for_fsdp,
-        Float8Linear=Float8Linear,
-        WeightWithDynamicFloat8CastTensor=WeightWithDynamicFloat8CastTensor,
-    )

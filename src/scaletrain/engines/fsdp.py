@@ -77,7 +77,10 @@ class FSDPEngine(TorchEngineMixin):
             # Float8 first (torchtitan's order), on the meta model: then checkpointing, compile
             # and fully_shard, whose all-gathers carry the converted weights in float8.
             if cfg.train.float8:  # config/float8.py: never with tp or pp
-                self.float8 = apply_float8(model, spec, world.device, fsdp=True)
+                # Their weights all-gathered in float8 over NCCL; gloo has no float8 dtypes (an
+                # all-gather of one fails, "Invalid scalar type"): on a CPU each unit gathers
+                # its weights in bf16 and each Float8Linear casts them, as under ddp.
+                self.float8 = apply_float8(model, spec, world.device, fsdp=world.device.type == "cuda")
             model = build(model)
         else:
             capability(spec, PipelineStages, f"parallel.pp={dims.pp}", "parallel.pp=1").check_pp(dims.pp)

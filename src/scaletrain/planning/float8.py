@@ -36,9 +36,9 @@ from functools import lru_cache
 from typing import Any
 
 from scaletrain.errors import UserError
-from scaletrain.models.float8 import float8_linears
+from scaletrain.models.float8 import cpu_float8_matmul, float8_linears
 from scaletrain.models.spec import ModelSpec
-from scaletrain.planning.hardware import Device, fmt
+from scaletrain.planning.hardware import Device, fmt, is_host
 from scaletrain.planning.setup import Setup
 from scaletrain.strategies import TABLE
 
@@ -84,6 +84,8 @@ def plannable(s: Setup) -> bool:
 
 
 def check_device(device: Device) -> None:
+    if is_host(device) and cpu_float8_matmul():
+        return  # this torch runs float8 matmuls on the CPU (models/float8.py)
     if not device.peak_flops_8:
         raise UserError(
             f"train.float8=true needs float8 matmuls; the planned device, {device.name}, has none (NVIDIA compute "
@@ -99,7 +101,7 @@ def cast_bytes(model: ModelSpec, s: Setup, tokens: int, compiled: bool = False) 
     c16, c32 = (CAST_16_COMPILED, CAST_32_COMPILED) if compiled else (CAST_16, CAST_32)
     input_casts = 3 if s.activation_checkpointing else 2
     per_token = c16 * (input_casts * c.in_features + 2 * c.out_features)
-    if TABLE[s.strategy].partitions == 3:  # FSDP: each shard cast once per all-gather
+    if TABLE[s.strategy].partitions == 3 and s.float8_gather:  # FSDP: each shard cast once per all-gather
         gathers = 1 if not s.reshard_after_forward else 2
         weights = c32 * c.params / s.shard * gathers
     else:  # the whole fp32 weight, as often as the input (forward, backward, a recompute)
@@ -109,7 +111,7 @@ def cast_bytes(model: ModelSpec, s: Setup, tokens: int, compiled: bool = False) 
 
 def gather_saving(model: ModelSpec, s: Setup, param_bytes: float) -> float:
     """Bytes per weight gather float8 all-gather saves: the converted weights at 1 byte."""
-    if not s.float8 or TABLE[s.strategy].partitions < 3:
+    if not s.float8 or not s.float8_gather or TABLE[s.strategy].partitions < 3:
         return 0.0
     return converted(model).params / s.tp * (param_bytes - 1.0)
 
@@ -118,7 +120,7 @@ def buffer_saving(model: ModelSpec, s: Setup, gathered_bytes: float, all_units: 
     """What FSDP's gathered units hold less with float8 all-gather: the converted weights of
     the units gathered at once (every block when they stay gathered; else the current and
     the prefetched block) at 1 byte instead of `gathered_bytes`."""
-    if not s.float8 or TABLE[s.strategy].buffers != "fsdp_units":
+    if not s.float8 or not s.float8_gather or TABLE[s.strategy].buffers != "fsdp_units":
         return 0.0
     c = converted(model)
     return (c.params if all_units else 2 * c.block_params) * (gathered_bytes - 1.0)
@@ -132,9 +134,9 @@ def saved_saving(model: ModelSpec, s: Setup, regime: str, low_bytes: int) -> flo
     return float(converted(model).block_params * low_bytes)
 
 
-def bf16_beside(chosen: Any, judge: Callable[[Setup], Any]) -> tuple[list[str], dict[str, Any]]:
+def bf16_beside(chosen: Any, judge: Callable[[Setup], Any], compiled: bool) -> tuple[list[str], dict[str, Any]]:
     """The plan's line comparing the chosen float8 layout with the same layout in bf16, and
-    the same figures for its JSON."""
+    the same figures for its JSON; `compiled`: train.compile (else advice where bf16 is faster)."""
     s = chosen.setup
     if not s.float8:
         return [], {}
@@ -149,6 +151,11 @@ def bf16_beside(chosen: Any, judge: Callable[[Setup], Any]) -> tuple[list[str], 
     line = (
         f"train.float8: {s.label} estimated {chosen.step_time:.3g} s/step against {plain.step_time:.3g} in bf16 "
         f"({figures['speedup']:.2f}x; peak {fmt(chosen.memory.peak)} against {fmt(plain.memory.peak)}): "
-        f"the blocks' Linear layers at the float8 peak, their casts counted (docs/float8.md); MFU stays against the bf16 peak"
+        f"the blocks' float8 products and their casts priced (docs/float8.md); MFU stays against the bf16 peak"
     )
-    return [line], figures
+    lines = [line]
+    if not compiled and plain.step_time < chosen.step_time:
+        # Eager, each cast is an amax, a scale, a clamp and a copy of its own (torchao's casts
+        # unfused), which the float8 products do not win back: torch.compile fuses them.
+        lines.append("train.float8 is slower than bf16 here without train.compile: its casts run unfused; add train.compile=true")
+    return lines, figures

@@ -155,6 +155,8 @@ def evaluate(
     seen before), which a run that only checks its configured layout's memory does not need."""
     if s.activation_offload and is_host(device):
         s = replace(s, activation_offload=False)  # a CPU's host memory is its device memory: nothing moves
+    if s.float8 and is_host(device):
+        s = replace(s, float8_gather=False)  # gloo carries no float8: FSDP gathers the weights in bf16 (engines/fsdp.py)
     mem = estimate(model, s)
     comm = comm_bytes_per_step(model, s, s.grad_accum)
     tp_comm = tp_comm_bytes_per_step(model, s, s.grad_accum)
@@ -232,7 +234,7 @@ def make_plan(
     plan.notes += moe_note(model, cfg.data.seq_len) + groups_note(cfg.train)
     plan.moe = moe_summary(model, cfg.data.seq_len)
     if timed:
-        float8_notes, plan.float8 = bf16_beside(chosen, judge)
+        float8_notes, plan.float8 = bf16_beside(chosen, judge, bool(cfg.train.compile))
         plan.notes += float8_notes
     return plan
 

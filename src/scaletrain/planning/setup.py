@@ -51,6 +51,9 @@ class Setup:
     # train.float8: the blocks' Linear layers in float8 (planning/float8.py: their matmuls at the
     # float8 peak, FSDP's all-gathers of their weights at 1 byte).
     float8: bool = False
+    # ... and FSDP all-gathers those weights in float8 (over NCCL; gloo has no float8 dtypes:
+    # evaluate() turns it off on a CPU, whose units gather them in bf16).
+    float8_gather: bool = True
     # train.optimizer: its state per parameter and where it runs are its entry's
     # (optim/registry.py; planning/memory.py, planner.py).
     optimizer: str = "adamw"

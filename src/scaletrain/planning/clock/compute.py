@@ -36,7 +36,7 @@ import torch
 from scaletrain.models.spec import LlamaSpec, ModelSpec, with_fields
 from scaletrain.planning.activations import BLOCK_TRACE
 from scaletrain.planning.clock.rates import Rates
-from scaletrain.planning.clock.trace import Pass, block_work, embedding_work, head_work
+from scaletrain.planning.clock.trace import Pass, block_work, embedding_work, float8_traceable, head_work
 from scaletrain.planning.experts import repeated_under_tp
 from scaletrain.planning.memory import ffn_width, regime
 from scaletrain.planning.setup import Setup
@@ -198,6 +198,12 @@ class Scale:
     attention: float  # the priced attention over the traced one
 
 
+def float8_traced(s: Setup) -> bool:
+    """Whether layout `s` is priced from a trace of its float8 block (train.float8 with torchao
+    installed: clock/trace.py), rather than from the datasheets' float8 peaks (clock/engines.py)."""
+    return s.float8 and float8_traceable()
+
+
 def traced_size(micro_batch: int, seq_len: int, cp: int = 1) -> Scale:
     """The size a micro-batch of `micro_batch` x `seq_len` (a rank's share of each sequence
     under cp, whose attention spans cp times that) is traced at, and how it scales."""
@@ -216,7 +222,9 @@ def micro_batch(model: ModelSpec, s: Setup, rates: Rates, compiled: bool, kernel
     if split is not None:
         model, s = split, replace(s, tp=1)
     size = traced_size(s.micro_batch, s.local_seq_len, s.cp)
-    block = block_work(model, size.micro_batch, size.seq_len, reg, low)
+    # train.float8: the block traced with torchao's Float8Linear layers, where torchao is here
+    # (their float8 products and casts priced as each other call); else step.py's estimate.
+    block = block_work(model, size.micro_batch, size.seq_len, reg, low, float8=float8_traced(s))
     head = head_work(model, size.micro_batch, size.seq_len, reg, low)
     emb = embedding_work(model, size.micro_batch, size.seq_len, reg, low)
     tp_share = 1.0 / s.tp

@@ -27,7 +27,7 @@ import json
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -193,6 +193,13 @@ class Rates:
         bw = min(self._device.intra_node_bw, rails * self._device.inter_node_bw)
         return self._device.collective_latency, DATASHEET_BUS * bw
 
+    def float8_note(self) -> str | None:
+        """The plan's line where train.float8's products have no measured rate (this CPU replays them)."""
+        if self.kind == "cpu" or any(k.startswith("float8") for k in self._table.get("matmul", {})):
+            return None
+        ratio = self._device.peak_flops_8 / max(1.0, self._device.peak_flops_16) if self._device else 0.0
+        return f"train.float8: no float8 matmul measured for {self.kind}: priced at bf16's rate x the datasheet's float8 peak over bf16's ({ratio:.1f}x)"
+
     # -- GPU tables -------------------------------------------------------------------
     def _matmul_rate(self, c: Call) -> float:
         dtype = c.dtype
@@ -204,6 +211,10 @@ class Rates:
         if entries:
             return _nearest_rate(entries, c.shape[1:4] if len(c.shape) >= 4 else (1, 1, 1))
         assert self._device is not None
+        if dtype.startswith("float8"):
+            # train.float8's products (torch._scaled_mm) where the table measured none: bf16's
+            # rate at the shape, at the datasheet's float8 peak over bf16's (`float8_note`).
+            return self._matmul_rate(replace(c, dtype="bfloat16")) * self._device.peak_flops_8 / self._device.peak_flops_16
         peak = self._device.peak_flops_32 if dtype == "float32" else self._device.peak_flops_16
         return DATASHEET_MATMUL * peak * _size_efficiency(c)
 

@@ -15,7 +15,7 @@ from scaletrain.config import Config
 from scaletrain.config.stages import SCHEDULES
 from scaletrain.models.spec import ModelSpec
 from scaletrain.planning.clock import engines
-from scaletrain.planning.clock.compute import micro_batch
+from scaletrain.planning.clock.compute import float8_traced, micro_batch
 from scaletrain.planning.clock.phases import StepTime
 from scaletrain.planning.clock.rates import Rates, busy_note, rates_for
 from scaletrain.planning.hardware import Device
@@ -41,9 +41,12 @@ def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: in
     work = engines.engine_work(model, s, rates, mb, per_node, nodes)
     forward += work.forward
     backward += work.backward
-    float8 = engines.float8_change(model, s, device, rates, mb, compiled) * m
-    backward += float8 * 2 / 3
-    forward += float8 / 3
+    if s.float8 and not float8_traced(s):
+        # No torchao to trace the float8 block with: the bf16 block's matmuls at the datasheets'
+        # float8 peak over bf16's, the casts counted (clock/engines.py), and the plan says so.
+        float8 = engines.float8_change(model, s, device, rates, mb, compiled) * m
+        backward += float8 * 2 / 3
+        forward += float8 / 3
     busy = forward + backward
     phases = {
         "data": m * DATA_S,
@@ -64,6 +67,13 @@ def step_time(model: ModelSpec, s: Setup, cfg: Config, device: Device, nodes: in
             (f"{s.pp - 1} of {v * m + s.pp - 1} slots idle ({s.pp_schedule}, {m} micro-batches)", phases["bubble"]),
         )
     notes = rates.notes + work.notes + busy_note()
+    if s.float8 and float8_traced(s) and rates.float8_note():
+        notes.append(str(rates.float8_note()))
+    elif s.float8 and not float8_traced(s):
+        notes.append(
+            "train.float8: torchao is not installed, so the float8 block was not traced: its converted matmuls priced at "
+            "the datasheets' float8 peak over bf16's, its casts counted by formula (pip install 'scaletrain[float8]')"
+        )
     kernel = cfg.train.attention_kernel
     if rates.kind != "cpu" and kernel not in ("auto", "flash") and not rates.has_attention(kernel):
         notes.append(f"train.attention_kernel={kernel}: no rate measured for it on this GPU kind; priced as FlashAttention")

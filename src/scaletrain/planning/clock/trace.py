@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from scaletrain.models import selective_ac
 from scaletrain.models.capabilities import Traceable, capability
+from scaletrain.models.float8 import convert_linears
 from scaletrain.models.grouped_mm import grouped_on_fake_tensors
 from scaletrain.models.spec import ModelSpec
 from scaletrain.planning.activations import default_dtype, regime_dtypes
@@ -41,7 +42,9 @@ aten = torch.ops.aten
 # Matrix products and how many multiply-adds each does, from its tensor arguments;
 # scaletrain::grouped_mm is torch._grouped_mm behind a custom op (models/grouped_mm.py), which
 # fake tensors dispatch whole.
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm"}
+# torch._scaled_mm is train.float8's product (torchao's Float8Linear: float8 operands, a scale
+# each, a bf16 output).
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm", "_scaled_mm"}
 _NAMESPACES = ("aten", "scaletrain")
 # Kernels that allocate only: no bytes move (their cost is the dispatch).
 _ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
@@ -66,7 +69,7 @@ class Call:
 Record = tuple[Call, tuple[int, ...], tuple[int, ...]]  # a call with its input and output storages
 
 # Where a matrix product's two operands are among its arguments (addmm and baddbmm: after the bias).
-_OPERANDS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
+_OPERANDS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1, "_scaled_mm": 0}
 
 
 def tensor_layouts(args: str) -> list[tuple[list[int], list[int]] | None]:
@@ -207,6 +210,15 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        wrapped = [t for t in _tensors((args, kwargs)) if is_traceable_wrapper_subclass(t)]
+        if wrapped:
+            # A tensor subclass (train.float8's Float8TrainingTensor: float8 data and its scale)
+            # reaches a mode before its own dispatch, as one operation in the dtype it stands
+            # for: its own dispatch is what runs (the float8 product, torch._scaled_mm, and the
+            # copies that lay its operands out), so that runs here with this mode entered
+            # again, which records those operations instead.
+            with self:
+                return type(wrapped[0]).__torch_dispatch__(func, types, args, kwargs)
         out = func(*args, **kwargs)
         if func.namespace not in _NAMESPACES:
             return out
@@ -349,11 +361,22 @@ def _first(out: Any) -> torch.Tensor:
 
 
 @lru_cache(maxsize=512)
-def block_work(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype = torch.bfloat16) -> Traced:
-    """One block's forward and backward at micro_batch x seq_len tokens."""
+def block_work(
+    model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype = torch.bfloat16, float8: bool = False
+) -> Traced:
+    """One block's forward and backward at micro_batch x seq_len tokens; `float8`: its Linear
+    layers as train.float8 converts them (torchao's Float8Linear, `float8_traceable`)."""
+    kind = "block-ops-float8" if float8 else "block-ops"
     return _cached(
-        "block-ops", model, micro_batch, seq_len, regime, low, lambda: _trace_block(model, micro_batch, seq_len, regime, low)
+        kind, model, micro_batch, seq_len, regime, low, lambda: _trace_block(model, micro_batch, seq_len, regime, low, float8)
     )
+
+
+def float8_traceable() -> bool:
+    """Whether a float8 block can be traced here: torchao (the float8 extra) is installed."""
+    from importlib.util import find_spec
+
+    return find_spec("torchao") is not None
 
 
 @lru_cache(maxsize=512)
@@ -421,12 +444,17 @@ def _from_json(raw: dict[str, Any]) -> Traced:
     )
 
 
-def _trace_block(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype) -> Traced:
+def _trace_block(model: ModelSpec, micro_batch: int, seq_len: int, regime: str, low: torch.dtype, float8: bool) -> Traced:
     param_dtype, act_dtype = regime_dtypes(regime, low)
     # A mixture of experts' experts as the devices run them under experts_impl=auto: grouped.
     with FakeTensorMode(), grouped_on_fake_tensors():
         with default_dtype(param_dtype):
             block, extra = _traceable(model).traced_block(seq_len)
+        if float8:
+            # The engines' conversion (models/float8.py), without FSDP's float8 all-gather: each
+            # weight is cast in the pass that uses it, as under ddp (under FSDP over NCCL the
+            # shard is cast once per all-gather instead: a few percent of the casts' bytes).
+            convert_linears(block, block, fsdp_gather=False)
         x = torch.empty(micro_batch, seq_len, model.hidden_size, dtype=act_dtype, requires_grad=True).clone()
         with _autocast(regime, low):
             return _passes(lambda: _first(block(x, *extra)))
