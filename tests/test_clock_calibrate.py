@@ -38,3 +38,45 @@ def test_a_nodes_collectives_are_swept_by_size_in_processes_of_their_own():
         assert entry["ranks"] == 2 and [r[0] for r in entry["rows"]] == [4096.0, 65536.0, 1048576.0], kind
         times = [r[1] for r in entry["rows"]]
         assert all(t > 0 for t in times) and times == sorted(times), kind  # monotone: a larger buffer never faster
+
+
+@pytest.mark.unit
+def test_float8_products_are_swept_at_the_calls_the_float8_block_makes_and_priced_from_them():
+    """The GPU sweep's float8 rows (clock/float8_rates.py), run here on the CPU (torch 2.13 runs
+    torch._scaled_mm there): every product the tiny preset's float8 block makes, forward (e4m3)
+    and backward (e5m2 first), timed; a GPU table holding them prices those products from them
+    and says nothing of the datasheet, and one without them falls back and says so."""
+    from dataclasses import replace
+
+    import torch
+
+    from scaletrain.config import load_config
+    from scaletrain.models import model_spec
+    from scaletrain.planning.clock.calibrate import gemm_seconds
+    from scaletrain.planning.clock.float8_rates import float8_calls, float8_rows
+    from scaletrain.planning.clock.rates import rates_for
+    from scaletrain.planning.hardware import gpu
+
+    spec = model_spec(load_config([], ["model.preset=tiny"]), 64)
+    timed = []
+
+    def timer(call) -> float:
+        out = call()
+        assert out.dtype == torch.bfloat16  # the product ran, in the traced dtypes and layouts
+        timed.append(out.shape)
+        return gemm_seconds(call, lambda: None)
+
+    rows = float8_rows([spec], "cpu", timer, tokens=(64,))
+    calls = float8_calls([spec], (64,))  # the tiny block's 7 converted Linear layers x 3 products, distinct
+    assert set(rows) == {"float8_e4m3fn", "float8_e5m2"} and len(timed) == len(calls) > 0
+    assert sorted((d, m, n, k) for d, r in rows.items() for m, n, k, _ in r) == sorted(calls)
+    assert all(rate > 0 for r in rows.values() for *_, rate in r)
+    h200 = gpu("h200", None)
+    base = rates_for(h200)
+    with_rows = replace(base, _table={**base._table, "matmul": {**base._table["matmul"], **rows}})
+    (key, call) = sorted(calls.items())[0]
+    want = next(rate for m, n, k, rate in rows[key[0]] if (m, n, k) == key[1:])
+    assert with_rows._matmul_rate(call) == pytest.approx(want)
+    assert with_rows.float8_note() is None
+    assert base.float8_note() and "no float8 matmul measured for h200" in str(base.float8_note())
+    assert base._matmul_rate(call) == pytest.approx(base._matmul_rate(replace(call, dtype="bfloat16")) * 1979 / 989, rel=1e-3)

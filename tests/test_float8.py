@@ -25,7 +25,7 @@ from scaletrain.planning.clock.compute import micro_batch
 from scaletrain.planning.clock.rates import rates_for
 from scaletrain.planning.clock.step import step_time
 from scaletrain.planning.clock.trace import block_work
-from scaletrain.planning.float8 import CAST_16, CAST_32, cast_bytes, converted
+from scaletrain.planning.float8 import CAST_16, CAST_32, cast_bytes, converted, plannable
 from scaletrain.planning.hardware import KNOWN_GPUS, gpu, this_cpu
 from scaletrain.planning.memory import engine_buffers, estimate
 from scaletrain.planning.planner import comm_bytes_per_step
@@ -316,7 +316,9 @@ def test_the_plan_shows_float8_beside_bf16_and_only_where_it_runs():
     cfg = load_config([], [*args, "train.compile=true"])
     spec = spec_of("model.preset=1b")
     plan = make_plan(cfg, spec, 8, 1, replace(H100, memory=80 * 2**30))
-    assert {c.setup.strategy for c in plan.candidates} == {"ddp", "fsdp"}  # no zero1-3, no tp or pp
+    assert {c.setup.strategy for c in plan.candidates} == {"ddp", "fsdp"}  # no zero1-3
+    # A pipeline runs float8 (each stage's blocks converted: tests/test_float8_cpu.py); tensor parallel does not yet.
+    assert plannable(replace(plan.chosen.setup, strategy="fsdp", pp=2)) and not plannable(replace(plan.chosen.setup, tp=2))
     assert all(c.setup.float8 and "float8" in c.setup.label for c in plan.candidates)
     f = plan.as_dict()["float8"]
     assert f["bf16_step_time_s"] > f["step_time_s"] > 0 and f["speedup"] > 1

@@ -1,7 +1,8 @@
 """train.float8 trained on this CPU: torch 2.13 runs float8 matmuls there (torch._scaled_mm),
 rounding as a GPU's float8 tensor cores do, so torchao's Float8Linear trains for real in the
 suite: ddp at world 2 equals one process on the same global batch, fsdp at world 2 (its units
-gathered in bf16: gloo has no float8 dtypes) equals fsdp in one process, and a float8 run is
+gathered in bf16: gloo has no float8 dtypes) and a pipeline of two stages equal fsdp in one
+process, and a float8 run is
 not the bf16 run (its products rounded to float8) but stays close to it.
 
 Tolerances (all runs bf16, float8 training's precision, the tiny preset at seq 64, 6 steps;
@@ -43,8 +44,9 @@ LATER_NORM_RTOL = 5e-2
 F8_VS_BF16_RTOL = 2e-3
 
 
-def _run(small_dataset, run, strategy: str, nproc: int, *extra: str):
-    accum = 2 // nproc
+def _run(small_dataset, run, strategy: str, nproc: int, *extra: str, accum: int | None = None):
+    """`STEPS` steps of 2 x 2 sequences: micro-batches of 2, accumulated over what the ranks do not hold."""
+    accum = accum or 2 // nproc
     args = [*base_overrides(small_dataset, run, steps=STEPS), f"parallel.strategy={strategy}", "train.micro_batch=2"]
     check(train([*args, f"train.grad_accum={accum}", *FLOAT8, *extra], nproc=nproc))
     return metric_rows(run)
@@ -74,6 +76,19 @@ def test_float8_at_world_2_equals_one_process(small_dataset, tmp_path, strategy)
         f"{strategy}: "
         + ", ".join(f"{a['loss']:.6f}/{b['loss']:.6f} {a['grad_norm']:.5f}/{b['grad_norm']:.5f}" for a, b in zip(one, two))
     )
+    _assert_same_training(two, one)
+
+
+@pytest.mark.dist
+@pytest.mark.equivalence
+@pytest.mark.timeout(600)
+def test_float8_with_a_pipeline_equals_one_process(small_dataset, tmp_path):
+    # Two stages of two blocks each, each stage's Linear layers converted (engines/fsdp.py): the
+    # same 2 micro-batches a step as one process accumulating them.
+    untied = "model.tie_embeddings=false"  # a pipeline's first and last stages hold their own
+    one = _run(small_dataset, tmp_path / "one", "fsdp", 1, untied, accum=2)
+    two = _run(small_dataset, tmp_path / "pp", "fsdp", 2, untied, "parallel.pp=2", accum=2)
+    assert run_info(tmp_path / "pp")["world_size"] == 2
     _assert_same_training(two, one)
 
 

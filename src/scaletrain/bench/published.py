@@ -95,7 +95,7 @@ L8B = ("model.preset=8b", "data.seq_len=8192", *BF16, *SAC)
 MPT = "MPT's GELU MLP as a SwiGLU of equal FLOPs, learned positions and biases left out"
 FULL_AC = ("parallel.activation_checkpointing=true",)
 # scaletrain trains float8 with neither tp nor pp (config/float8.py): those runs are planned in bf16.
-NO_FLOAT8 = f"{TITAN_H100}; float8 in the source, planned in bf16 (scaletrain does not combine float8 with tp or pp)"
+NO_FLOAT8 = f"{TITAN_H100}; float8 in the source, planned in bf16 (scaletrain does not combine float8 with tp)"
 NO_ASYNC_TP = f"{NO_FLOAT8}; async tensor parallel in the source, planned as plain tp (scaletrain has none)"
 # torchtitan's context parallel is torch's ring attention (context_parallel, its keys and values all-gathered), compiled.
 RING = (

@@ -50,7 +50,6 @@ def float8_problem(cfg: Any) -> str | None:
         )
     unchecked = [
         (par.tp > 1, f"parallel.tp={par.tp}", "parallel.tp=1", "torchao's float8 tensor-parallel styles are not wired"),
-        (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1", "not checked yet"),
         (
             not SOURCES[m.source].float8,
             f"model.source={m.source}",

@@ -76,7 +76,7 @@ class FSDPEngine(TorchEngineMixin):
             model = spec.build_meta(cfg.data.seq_len)
             # Float8 first (torchtitan's order), on the meta model: then checkpointing, compile
             # and fully_shard, whose all-gathers carry the converted weights in float8.
-            if cfg.train.float8:  # config/float8.py: never with tp or pp
+            if cfg.train.float8:  # config/float8.py: never with tp
                 # Their weights all-gathered in float8 over NCCL; gloo has no float8 dtypes (an
                 # all-gather of one fails, "Invalid scalar type"): on a CPU each unit gathers
                 # its weights in bf16 and each Float8Linear casts them, as under ddp.
@@ -85,7 +85,13 @@ class FSDPEngine(TorchEngineMixin):
         else:
             capability(spec, PipelineStages, f"parallel.pp={dims.pp}", "parallel.pp=1").check_pp(dims.pp)
             ids, parts, ranges = stage_parts(spec, dims, world.rank, par.pp_schedule, cfg.data.seq_len)
+            # Float8 on each stage's meta module first, as above: its blocks' Linear layers.
+            stages8 = (
+                [apply_float8(p, spec, world.device, world.device.type == "cuda") for p in parts] if cfg.train.float8 else []
+            )
             parts = [build(part) for part in parts]
+            if stages8:
+                self.float8 = Float8(nn.ModuleList(parts), stages8[0].ao, precompute=any(f.precompute for f in stages8))
             self.pipeline = Pipeline(
                 parts,
                 ids,

@@ -80,7 +80,7 @@ def converted(model: ModelSpec) -> Converted:
 
 def plannable(s: Setup) -> bool:
     """Whether a candidate layout can train in float8 (config/float8.py's refusals)."""
-    return TABLE[s.strategy].float8 and s.tp == 1 and s.pp == 1 and s.offload_params == "none"
+    return TABLE[s.strategy].float8 and s.tp == 1 and (s.pp == 1 or TABLE[s.strategy].pp) and s.offload_params == "none"
 
 
 def check_device(device: Device) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from scaletrain.planning.clock import contention, rates
+from scaletrain.planning.clock.float8_rates import float8_rows
 from scaletrain.planning.clock.measure import (
     _plain_block,
     _tp_block,
@@ -444,7 +445,7 @@ def warm_up(device: str, seconds: float = 1.0) -> None:
 
 
 def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, Any]:
-    """This GPU's table: matmuls at the models' shapes (bf16 and fp32), FlashAttention by
+    """This GPU's table: matmuls at the models' shapes (bf16, fp32 and train.float8's), FlashAttention by
     length and head size through SDPA, copy bandwidth by size, the host's cost per operation
     (plain and under tensor parallel over a mesh of one), the shortest kernel, AdamW's
     bytes per second; within about a minute."""
@@ -487,9 +488,12 @@ def calibrate_gpu(models: list[Any], say: Callable[[str], None]) -> dict[str, An
         if layout != "nn":
             by_layout.setdefault(layout, []).append([m, n, k, rate(m, n, k, layout, torch.bfloat16)])
     table["matmul_layout"] = {"bfloat16": by_layout}
+    # train.float8's products (torch._scaled_mm) at the calls the models' float8 blocks make.
+    float8 = float8_rows(models, device, lambda call: gemm_seconds(call, sync))
+    table["matmul"].update(float8)
     say(
         f"matmuls: {len(plain)} shapes in bf16, {len(plain32)} in fp32, {sum(map(len, by_layout.values()))} in bf16 in the layouts "
-        f"the passes run them in ({time.perf_counter() - started:.0f} s in)"
+        f"the passes run them in, {sum(map(len, float8.values()))} float8 ({time.perf_counter() - started:.0f} s in)"
     )
     # FlashAttention (torch's choice) and cuDNN's fused attention, which train.attention_kernel=auto
     # takes where it is faster (training/attention_kernel.py): the clock prices the faster.
