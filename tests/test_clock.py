@@ -416,8 +416,7 @@ def test_a_time_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(tm
     assert rates_module._kept(2, measure, *key) == 0.001 and len(measured) == 2  # a quiet entry serves a busy process
     # An older file's bare number (busy or not, nobody knows) is measured again.
     digest = __import__("hashlib").sha256(json.dumps(rates_module._cpu_key(*key)).encode()).hexdigest()
-    path = tmp_path / rates_module.CALLS_FILE
-    path.write_text(json.dumps({digest: 0.7}))
+    (tmp_path / rates_module.CALLS_FILE / f"{digest}.json").write_text(json.dumps(0.7))
     now["busy"] = None
     assert rates_module._kept(2, measure, *key) == 0.002 and len(measured) == 3
 

@@ -377,6 +377,7 @@ def test_a_pipeline_stage_is_gathered_once_per_step_whatever_the_micro_batches()
 
 
 def test_activation_traces_are_kept_across_processes(tmp_path, monkeypatch):
+    from scaletrain import disk_cache
     from scaletrain.planning import trace_cache
 
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
@@ -394,13 +395,25 @@ def test_activation_traces_are_kept_across_processes(tmp_path, monkeypatch):
     # one read before computing lost the other's, and the suite's processes replayed again).
     other = lambda: trace_cache.cached("block", (4, "fp32"), lambda: compute([7, 8]))  # noqa: E731
     assert trace_cache.cached("block", (3, "fp32"), lambda: (other(), compute([1, 2]))[1]) == [1, 2]
-    assert len(json.loads((tmp_path / trace_cache.FILE).read_text())) == 4
+    entries = sorted((tmp_path / trace_cache.FILE).glob("*.json"))
+    assert len(entries) == 4 and not list((tmp_path / trace_cache.FILE).glob(".*"))  # no temporary left
     assert trace_cache.cached("block", (4, "fp32"), lambda: compute([0, 0])) == [7, 8] and len(computed) == 4
-    (tmp_path / trace_cache.FILE).write_text("{not json")  # damaged: traced again, and the file rewritten
+    for e in entries:
+        e.write_text("{not json")  # damaged (a disk that filled mid-write): traced again, and rewritten
     assert trace_cache.cached("block", (1, "fp32"), lambda: compute([3, 4])) == [3, 4] and len(computed) == 5
-    assert json.loads((tmp_path / trace_cache.FILE).read_text())
+    assert sum(e.read_text() == "[3, 4]" for e in entries) == 1
+    # The one-file cache of an older scaletrain (tens of MB that every process parsed) is removed
+    # by the first entry written beside it.
+    legacy = tmp_path / f"{trace_cache.FILE}.json"
+    legacy.write_text("{}")
+    trace_cache.cached("block", (5, "fp32"), lambda: compute([5]))
+    assert not legacy.exists() and len(list((tmp_path / trace_cache.FILE).glob("*.json"))) == 5
+    # Past the bound, the oldest half goes.
+    monkeypatch.setattr(disk_cache, "MAX_ENTRIES", 4)
+    trace_cache.cached("block", (6, "fp32"), lambda: compute([6]))
+    assert len(list((tmp_path / trace_cache.FILE).glob("*.json"))) == 3
     monkeypatch.setenv("SCALETRAIN_CACHE", "off")
-    assert trace_cache.cached("block", (1, "fp32"), lambda: compute([3, 4])) == [3, 4] and len(computed) == 6
+    assert trace_cache.cached("block", (1, "fp32"), lambda: compute([3, 4])) == [3, 4] and len(computed) == 8
     # A second process plans without tracing: torch._dynamo (FakeTensorMode's import) stays out.
     probe = (
         "import sys; from scaletrain.config import load_config; from scaletrain.models import model_spec; "
@@ -445,8 +458,8 @@ def test_the_cpus_measured_peak_is_kept_per_machine(tmp_path, monkeypatch):
         torch.set_num_threads(threads)
         hardware.measured_cpu_peak.cache_clear()
     # A file from before the busy flag (bare numbers): not trusted, measured again.
-    path = tmp_path / hardware.PEAK_FILE
-    path.write_text(json.dumps({k: 1e9 for k in json.loads(path.read_text())}))
+    for path in (tmp_path / hardware.PEAK_FILE).glob("*.json"):
+        path.write_text(json.dumps(1e9))
     assert peak() == 9e10
 
 

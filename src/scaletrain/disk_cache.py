@@ -1,12 +1,17 @@
-"""Small results kept across processes in one JSON file each (`$SCALETRAIN_CACHE` or
-`~/.cache/scaletrain`): what many short processes of one machine would otherwise each
-compute again (the planner's activation traces: planning/trace_cache.py; py-cpuinfo's answer:
-engines/deepspeed.py; the CPU's measured matmul rate: planning/hardware.py). Keys are hashed from everything the result depends on, so a key
-that changes misses and computes again. Writes replace the file atomically, with what it
-holds just before (entries other processes kept meanwhile stay); two processes writing in
-the same moment may lose an entry (computed again later), never corrupt the file. Any I/O
-problem (a read-only home) just means computing, as without the cache;
-`SCALETRAIN_CACHE=off` turns it off.
+"""Small results kept across processes, one JSON file per entry (`$SCALETRAIN_CACHE` or
+`~/.cache/scaletrain`, a folder per kind of result): what many short processes of one machine
+would otherwise each compute again (the planner's traces: planning/trace_cache.py; the clock's
+replayed operations: planning/clock/rates.py; py-cpuinfo's answer: engines/deepspeed.py; the
+CPU's measured matmul rate: planning/hardware.py). Keys are hashed from everything the result
+depends on, so a key that changes misses and computes again.
+
+One file per entry, not one file per kind: the clock's traces grew to thousands of entries
+(55 MB on a machine that planned for weeks), which every planning process parsed whole (2.4 s)
+and every miss wrote back whole, so a suite's plans slowed as it ran. Now a lookup reads one
+small file and a miss writes one: no process loses another's entry, and a reader never meets a
+half-written one (each is written beside and renamed into place). Past MAX_ENTRIES in a folder
+the oldest half is removed. Any I/O problem (a read-only home) just means computing, as
+without the cache; `SCALETRAIN_CACHE=off` turns it off.
 """
 
 from __future__ import annotations
@@ -16,33 +21,37 @@ import json
 import os
 import platform
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-MAX_ENTRIES = 4096  # a bound on a file's size; past it, the oldest half is dropped
+MAX_ENTRIES = 4096  # a bound on a folder's size; past it, the oldest half is removed
 
 
-def cached(file: str, key: Any, compute: Callable[[], Any], usable: Callable[[Any], bool] | None = None) -> Any:
-    """compute(), or its earlier result under the same JSON-able `key` in `file` where
-    `usable` (if given) accepts it (else computed again and replaced)."""
-    path = cache_path(file)
-    if path is None:
+def cached(kind: str, key: Any, compute: Callable[[], Any], usable: Callable[[Any], bool] | None = None) -> Any:
+    """compute(), or its earlier result under the same JSON-able `key` among `kind`'s entries
+    (a folder of the cache) where `usable` (if given) accepts it (else computed again and replaced)."""
+    folder = cache_path(kind)
+    if folder is None:
         return compute()
-    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()
-    entries = _read(path)
-    if digest in entries and (usable is None or usable(entries[digest])):
-        return entries[digest]
+    entry = folder / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()}.json"
+    try:
+        found = json.loads(entry.read_text())
+        if usable is None or usable(found):
+            return found
+    except (OSError, ValueError):
+        pass  # not kept yet, or damaged: computed and written again
     value = compute()
-    # Read again: what other processes kept while this one computed (seconds, for a replay
-    # or a trace: ranks and tests plan side by side) stays, rather than the last writer's
-    # entries alone. Two writes within the same moments can still lose one.
-    entries = _read(path)
-    entries[digest] = value
-    if len(entries) > MAX_ENTRIES:
-        entries = dict(list(entries.items())[len(entries) // 2 :])
-    _write(path, entries)
+    _write(entry, value)
     return value
+
+
+def forget(kind: str) -> None:
+    """Remove every entry kept under `kind` (a bench that measures afresh)."""
+    folder = cache_path(kind)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def cpu_identity() -> list[str] | None:
@@ -64,34 +73,26 @@ def cache_path(file: str) -> Path | None:
     return Path(where or Path.home() / ".cache" / "scaletrain") / file
 
 
-# Each file as this process last read or wrote it, by its size and modification time: a
-# file of the planner's traces grows to megabytes, which every lookup parsed again.
-_SEEN: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}
-
-
-def _read(path: Path) -> dict[str, Any]:
+def _write(entry: Path, value: Any) -> None:
+    tmp = entry.with_name(f".{entry.name}.{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        stat = path.stat()
-        stamp = (stat.st_mtime_ns, stat.st_size)
-        seen = _SEEN.get(path)
-        if seen is not None and seen[0] == stamp:
-            return dict(seen[1])
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(entries, dict):
-        return {}
-    _SEEN[path] = (stamp, entries)
-    return dict(entries)
-
-
-def _write(path: Path, entries: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, path)
-        stat = path.stat()
-        _SEEN[path] = ((stat.st_mtime_ns, stat.st_size), dict(entries))
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, entry)
+        _bound(entry.parent)
+        # The one-file cache this replaced, where an older scaletrain left it (tens of MB).
+        entry.parent.with_suffix(".json").unlink(missing_ok=True)
     except OSError:
         tmp.unlink(missing_ok=True)
+
+
+def _bound(folder: Path) -> None:
+    """Past MAX_ENTRIES entries, the oldest-written half removed (a miss only: a listing of a
+    few thousand names is milliseconds beside the computation it follows)."""
+    with os.scandir(folder) as found:
+        entries = [e for e in found if e.name.endswith(".json") and not e.name.startswith(".")]
+    if len(entries) <= MAX_ENTRIES:
+        return
+    entries.sort(key=lambda e: e.stat().st_mtime_ns)
+    for e in entries[: len(entries) // 2]:
+        Path(e.path).unlink(missing_ok=True)

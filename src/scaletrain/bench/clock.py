@@ -204,9 +204,7 @@ def forget_replays() -> None:
     ):
         cached.cache_clear()
     compute.forget()
-    path = disk_cache.cache_path(rates.CALLS_FILE)
-    if path is not None and path.exists():
-        path.unlink()
+    disk_cache.forget(rates.CALLS_FILE)
 
 
 def run_suite(

@@ -431,7 +431,7 @@ def _skip_unneeded_start_costs() -> None:
         cpuinfo.get_cpu_info = functools.cache(lambda: ask() if key is None else disk_cache.cached(CPU_FILE, key, ask))
 
 
-CPU_FILE = "cpuinfo.json"
+CPU_FILE = "cpuinfo"
 
 
 def _cpu_key(version: str) -> list[str] | None:

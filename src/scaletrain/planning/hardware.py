@@ -122,7 +122,7 @@ def measured_cpu_peak() -> float:
     return float(contention.kept(PEAK_FILE, key, threads, _matmul_rate, "flops")["flops"])
 
 
-PEAK_FILE = "cpu-peak.json"
+PEAK_FILE = "cpu-peak"
 
 
 def _matmul_rate() -> float:

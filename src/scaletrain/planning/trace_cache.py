@@ -4,13 +4,12 @@ Tracing what a block saves for backward runs the block under FakeTensorMode, who
 use imports torch._dynamo and torch._inductor: ~0.45 s of a core in every process that
 plans (rank 0 of each run, `scaletrain plan`), for a handful of integers that depend only
 on the model, the trace's shape, the precision regime, torch and scaletrain's own model
-and planner code. So each result is kept in one small JSON file
-(`$SCALETRAIN_CACHE` or `~/.cache/scaletrain`, `activation-traces.json`), keyed by all of
-those (the code by a hash of its source files): a later process with the same key reads
-it instead of tracing. A key that changes (another torch, edited model code) misses and
-traces again. Writes replace the file atomically; two processes writing at once may lose
-an entry (it is traced again later), never corrupt the file. Any I/O problem (a read-only
-home) just means tracing, as without the cache; `SCALETRAIN_CACHE=off` turns it off.
+and planner code. So each result is kept (disk_cache.py: a small JSON file
+per entry under `$SCALETRAIN_CACHE` or `~/.cache/scaletrain`, `activation-traces/`), keyed by
+all of those (the code by a hash of its source files): a later process with the same key
+reads it instead of tracing. A key that changes (another torch, edited model code) misses and
+traces again. Any I/O problem (a read-only home) just means tracing, as without the cache;
+`SCALETRAIN_CACHE=off` turns it off.
 """
 
 from __future__ import annotations
@@ -24,11 +23,11 @@ from typing import Any
 
 from scaletrain import disk_cache
 
-FILE = "activation-traces.json"
+FILE = "activation-traces"
 
 
 # The clock's operation traces (planning/clock/trace.py), larger, in a file of their own.
-OPS_FILE = "clock-traces.json"
+OPS_FILE = "clock-traces"
 
 
 def cached(kind: str, fields: tuple[Any, ...], compute: Callable[[], Any], file: str = FILE) -> Any:

@@ -303,7 +303,7 @@ def _nearest_rate(entries: list[list[float]], key: tuple[int, ...]) -> float:
 
 
 # -- this CPU -------------------------------------------------------------------------
-CALLS_FILE = "clock-calls.json"
+CALLS_FILE = "clock-calls"
 # What this process priced with measurements taken while other processes used the CPU: by
 # the measurement's key, the cores they used (clock/contention.py; StepTime's notes say so).
 BUSY_MEASURED: dict[str, float] = {}
