@@ -19,24 +19,19 @@ an all-gather, the same bytes as the all-reduces, with 1/tp of the norm activati
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 
 from scaletrain.errors import UserError
 from scaletrain.models.presets import ModelShape
+
+# DTensor's modules are imported where the split is applied: importing them pulls in sympy
+# (~2 s of a core), which every process that plans paid for check_tp alone.
+if TYPE_CHECKING:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def check_tp(shape: ModelShape, tp: int) -> None:
@@ -76,11 +71,23 @@ def _waited(module: nn.Module, args: Any, out: Any) -> Any:
     reduction `to_local` left in flight). A compiled first block given that wrapper as its
     input returns no gradient for it (torch 2.13: the token embedding's gradient came back
     all zeros, the loss and every block's gradient right), so it leaves here waited."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
     return _Wait.apply(out) if isinstance(out, AsyncCollectiveTensor) else out
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Split `model` (a Llama, on the meta device or not) over the 1-D `mesh` in place."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
     seq = Shard(1) if sequence_parallel else Replicate()
     # A pipeline stage holds the embedding, the head and the final norm only if it is the
     # first or the last (the others are None there).
