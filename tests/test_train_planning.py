@@ -46,3 +46,49 @@ def test_lr_scaling_with_the_global_batch(small_dataset, tmp_path, rule):
     assert rows[1]["lr"] == pytest.approx(expected_peak)  # end of warmup = the peak
     assert f"-> {expected_peak:g} at the global batch of 8" in proc.stdout
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["lr"] == 0.001  # the user's value stays
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("setting", ["train.compile=true", "train.float8=true"])
+def test_auto_with_compile_or_float8_chooses_among_the_layouts_that_run_them(setting):
+    """`parallel.strategy=auto` beside train.compile or train.float8 (both refused with auto
+    until 2026-12-01): the config accepts it, and the planner's candidates are exactly the
+    layouts the config would accept with that setting: re-validating each as the trainer
+    does after the choice (training/preflight.py) refuses none."""
+    from dataclasses import asdict, replace
+
+    from scaletrain.config import load_config
+    from scaletrain.errors import UserError
+    from scaletrain.models import model_spec
+    from scaletrain.planning.hardware import gpu
+    from scaletrain.planning.planner import make_plan, setups_for
+
+    # A mixture of experts at a length that offers context parallel: the candidates then span
+    # ep, both cp designs, pipelines and every strategy, which compile and float8 each narrow.
+    common = ["model.preset=tiny-moe", "model.vocab_size=512", "data.seq_len=32768", "precision=bf16", "train.micro_batch=1"]
+    plain = load_config([], [*common, "parallel.strategy=auto"])
+    cfg = load_config([], [*common, "parallel.strategy=auto", setting])
+    model = model_spec(cfg, None)
+    every = setups_for(plain, 16, 2, True, model)
+    kept = [replace(s, float8=False) for s in setups_for(cfg, 16, 2, True, model)]  # the layouts, as `every` holds them
+    assert 0 < len(kept) < len(every) and set(kept) < set(every)  # narrowed, not emptied
+    for s in every:
+        layout = [
+            f"parallel.strategy={s.strategy}",
+            f"parallel.tp={s.tp}",
+            f"parallel.pp={s.pp}",
+            f"parallel.pp_schedule={s.pp_schedule}",
+            f"parallel.cp={s.cp}",
+            f"parallel.cp_mode={s.cp_mode}",
+            f"parallel.ep={s.ep}",
+            f"parallel.offload_params={s.offload_params}",
+        ]
+        try:
+            load_config([], [*common, *layout, setting])
+            accepted = True
+        except UserError:
+            accepted = False
+        assert accepted == (s in kept), (asdict(s) | {"teacher": None}, setting)
+    # And the plan chooses one of them (an H100 node pair: datasheet rates, nothing replayed).
+    chosen = make_plan(cfg, model, 16, 2, gpu("h100", None)).chosen
+    assert chosen is not None and replace(chosen.setup, float8=False) in kept

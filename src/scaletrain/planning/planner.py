@@ -15,6 +15,7 @@ from typing import Any
 from scaletrain.config import AUTO_MICRO_BATCH, Config
 from scaletrain.config.batch import described, micro_batches, settle
 from scaletrain.config.parallel import dims_for
+from scaletrain.config.stages import compile_problem
 from scaletrain.errors import UserError
 from scaletrain.models.capabilities import TensorParallel, offered
 from scaletrain.models.factory import distill_spec
@@ -77,6 +78,7 @@ def setups_for(cfg: Config, world: int, nodes: int, all_strategies: bool, model:
     # A configured tp or pp keeps only the strategies that compose with it.
     options = [o for o in options if (dims.tp == 1 or TABLE[o.strategy].tp) and (dims.pp == 1 or TABLE[o.strategy].pp)]
     options = [o for o in options if not base.float8 or plannable(o)]  # train.float8: where it runs
+    options = [o for o in options if not cfg.train.compile or compiles(o)]  # train.compile: likewise
     options = [o for o in options if _optimizer_runs(o)]  # train.optimizer: likewise
     options = [o for o in options if not cfg.train.spikes.enabled or TABLE[o.strategy].holds_back]  # train.spikes
     if p.strategy == "auto":
@@ -91,6 +93,15 @@ _PLAIN: dict[str, Any] = dict(offload_optimizer="none", offload_params="none", r
 _BY_COMPLEXITY = sorted(TABLE.values(), key=lambda r: r.complexity)
 # The strategy tensor and pipeline parallel layouts are planned on.
 _MODEL_PARALLEL = next(r for r in _BY_COMPLEXITY if r.tp and r.pp)
+
+
+def compiles(s: Setup) -> bool:
+    """Where train.compile runs (the config refuses the rest: the strategy's capability,
+    config/stages.py's zero-bubble schedules, config/sequences.py's all-gather cp, whose mask
+    does not trace, and config/schema.py's expert parallel, whose all-to-all reads its split
+    sizes on the host)."""
+    cp_traces = s.cp == 1 or s.cp_mode == "ulysses"
+    return TABLE[s.strategy].compile and s.ep == 1 and compile_problem(s.pp_schedule, s.pp) is None and cp_traces
 
 
 def _optimizer_runs(s: Setup) -> bool:
