@@ -515,9 +515,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _compile_where_checked(self) -> Config:
-        # auto: the planner offers compiled layouts only (planning/planner.py `compiles`).
-        strategy = self.parallel.strategy
-        if self.train.compile and strategy != "auto" and not _can(strategy, "compile"):
+        if self.train.compile and (strategy := self.parallel.strategy) != "auto" and not _can(strategy, "compile"):
             compiled = names_where(lambda r: r.compile)
             raise ValueError(
                 f"train.compile=true is offered with {' and '.join(compiled)}, with or without tp or pp (checked there), not "
@@ -597,7 +595,6 @@ def _expert_parallel_problem(cfg: Config, experts: bool) -> None:
 
 def _can(strategy: str, capability: str) -> bool:
     """Whether `strategy` has a capability of the strategy table. `auto` has none: the
-    planner resolves it after these checks, so a setting only some strategies take needs
-    the strategy named (train.compile and train.float8 excepted: the planner's candidates
-    under auto are only the layouts they run with)."""
+    planner resolves it after these checks, so a setting only some strategies take needs the
+    strategy named (not compile and float8: auto's candidates are the layouts they run with)."""
     return strategy in TABLE and bool(getattr(TABLE[strategy], capability))
