@@ -229,6 +229,10 @@ def run_suite(
     for r in range(rounds):
         for res in results:
             if refresh:
+                # Replayed on a quiet machine, as the run after it is timed: the last run's ranks
+                # may still be exiting (a round's predictions of one configuration moved 2.0 s to
+                # 3.1 s with its measured steps within 1.3-1.6, its optimizer replayed 8x slow).
+                wait_for_quiet(say)
                 forget_replays()
             predicted = predict(res.case)
             # A step of milliseconds is timed over more of them: each log interval at least
