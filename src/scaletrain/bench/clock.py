@@ -229,9 +229,9 @@ def run_suite(
     for r in range(rounds):
         for res in results:
             if refresh:
-                # Replayed on a quiet machine, as the run after it is timed: the last run's ranks
-                # may still be exiting (a round's predictions of one configuration moved 2.0 s to
-                # 3.1 s with its measured steps within 1.3-1.6, its optimizer replayed 8x slow).
+                # Replayed on a quiet machine, as the run after it is timed: never beside the last
+                # run's exiting ranks. (It did not explain the predictions that moved 1.5x between
+                # rounds on 2026-12-01: a bench with this wait never had to wait.)
                 wait_for_quiet(say)
                 forget_replays()
             predicted = predict(res.case)
