@@ -19,6 +19,7 @@ an all-gather, the same bytes as the all-reduces, with 1/tp of the norm activati
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,18 +67,17 @@ class _Wait(torch.autograd.Function):
         return grad
 
 
-def _waited(module: nn.Module, args: Any, out: Any) -> Any:
+def _waited(module: nn.Module, args: Any, out: Any, waitable: type) -> Any:
     """The embedding's output, a plain tensor where it is still an AsyncCollectiveTensor (the
     reduction `to_local` left in flight). A compiled first block given that wrapper as its
     input returns no gradient for it (torch 2.13: the token embedding's gradient came back
     all zeros, the loss and every block's gradient right), so it leaves here waited."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return _Wait.apply(out) if isinstance(out, AsyncCollectiveTensor) else out
+    return _Wait.apply(out) if isinstance(out, waitable) else out
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Split `model` (a Llama, on the meta device or not) over the 1-D `mesh` in place."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -107,7 +107,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_p
         top["norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
     if isinstance(embed, nn.Module):
-        embed.register_forward_hook(_waited)
+        # The class bound here, not imported by the hook: it runs every step.
+        embed.register_forward_hook(functools.partial(_waited, waitable=AsyncCollectiveTensor))
     if tied:
         # parallelize_module gave each module a parameter of its own; both are Shard(0) of
         # the [vocab, dim] matrix, so one of them serves both again.
