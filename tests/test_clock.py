@@ -393,10 +393,10 @@ def test_a_time_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(tm
     """The tiny preset's step priced at 0.30 s against 0.05 s measured: the cache had kept
     replays timed while a test suite filled both cores. Planted: `usable` accepting a busy
     entry whatever the machine is doing now fails the second measurement's count."""
-    from scaletrain.planning.clock import contention
+    from scaletrain.planning.clock import contention, cpu_measured
 
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
-    monkeypatch.setattr(rates_module, "BUSY_MEASURED", {})
+    monkeypatch.setattr(cpu_measured, "BUSY_MEASURED", {})
     now = {"busy": 1.9}
     monkeypatch.setattr(contention, "busy", lambda threads: now["busy"])
     times = iter([0.5, 0.001, 0.002])
@@ -407,18 +407,86 @@ def test_a_time_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(tm
         return next(times)
 
     key = ("test-call", 2, "mm", "[]")
-    assert rates_module._kept(2, measure, *key) == 0.5  # busy: measured and kept, marked
-    assert rates_module.busy_note() and "busy" in rates_module.busy_note()[0] and "1.9 of" in rates_module.busy_note()[0]
-    assert rates_module._kept(2, measure, *key) == 0.5 and len(measured) == 1  # still busy: the busy entry serves
+    assert cpu_measured._kept(2, measure, *key) == 0.5  # busy: measured and kept, marked
+    assert cpu_measured.busy_note() and "busy" in cpu_measured.busy_note()[0] and "1.9 of" in cpu_measured.busy_note()[0]
+    assert cpu_measured._kept(2, measure, *key) == 0.5 and len(measured) == 1  # still busy: the busy entry serves
     now["busy"] = None
-    assert rates_module._kept(2, measure, *key) == 0.001 and len(measured) == 2  # quiet: measured again
+    assert cpu_measured._kept(2, measure, *key) == 0.001 and len(measured) == 2  # quiet: measured again
     now["busy"] = 1.9
-    assert rates_module._kept(2, measure, *key) == 0.001 and len(measured) == 2  # a quiet entry serves a busy process
+    assert cpu_measured._kept(2, measure, *key) == 0.001 and len(measured) == 2  # a quiet entry serves a busy process
     # An older file's bare number (busy or not, nobody knows) is measured again.
-    digest = __import__("hashlib").sha256(json.dumps(rates_module._cpu_key(*key)).encode()).hexdigest()
-    (tmp_path / rates_module.CALLS_FILE / f"{digest}.json").write_text(json.dumps(0.7))
+    digest = __import__("hashlib").sha256(json.dumps(cpu_measured.cpu_key(*key)).encode()).hexdigest()
+    (tmp_path / cpu_measured.CALLS_FILE / f"{digest}.json").write_text(json.dumps(0.7))
     now["busy"] = None
-    assert rates_module._kept(2, measure, *key) == 0.002 and len(measured) == 3
+    assert cpu_measured._kept(2, measure, *key) == 0.002 and len(measured) == 3
+
+
+def test_a_replay_timed_on_a_busy_machine_is_timed_again_by_the_process_once_quiet(tmp_path, monkeypatch):
+    """CI's clock test (2026-12-01): its world-1 configurations predicted 2-5x their steps in
+    both rounds, the second reusing this process's memory of the first's slow replays. A replay
+    timed busy serves while the machine stays busy and is timed again once it is quiet; one
+    timed quiet is kept. Planted: the process's cache keeping busy values as quiet ones fails
+    the third call (0.5, not 0.001)."""
+    from scaletrain.planning.clock import contention, cpu_measured, replay
+
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_measured, "BUSY_MEASURED", {})
+    now = {"busy": 1.4}
+    monkeypatch.setattr(contention, "busy", lambda threads: now["busy"])
+    times = iter([0.5, 0.001])
+    timed = []
+
+    def seconds(op: str, args: str) -> float:
+        timed.append(op)
+        return next(times)
+
+    monkeypatch.setattr(replay, "seconds", seconds)
+    cpu_measured._replayed.cache_clear()
+    try:
+        call = ("aten.mm.default", "[[], {}]", 2)
+        assert cpu_measured._replayed(*call) == 0.5 and cpu_measured.busy_note()
+        assert cpu_measured._replayed(*call) == 0.5 and len(timed) == 1  # still busy: served, not timed again
+        now["busy"] = None
+        assert cpu_measured._replayed(*call) == 0.001 and len(timed) == 2  # timed again, quiet
+        assert not cpu_measured.busy_note()  # what this process now prices with was timed quiet
+        now["busy"] = 1.4
+        assert cpu_measured._replayed(*call) == 0.001 and len(timed) == 2  # kept: not timed a third time
+    finally:
+        cpu_measured._replayed.cache_clear()
+
+
+_STAT = """cpu  300 0 100 1000 10 0 5 40 0 0
+cpu0 100 0 50 500 5 0 0 30 0 0
+cpu1 200 0 50 500 5 0 5 10 0 0
+intr 12345
+"""
+
+
+def test_the_busy_probe_counts_everything_on_this_processes_cpus(monkeypatch):
+    """What kept the CPUs this process runs on from it: every process on them, the kernel's
+    threads and a virtual machine's steal, which a container's cgroup counter does not see; a
+    cgroup's own counter where a CPU quota makes the container a slice of a shared host."""
+    from scaletrain.planning.clock import contention
+
+    tick = __import__("os").sysconf("SC_CLK_TCK")
+    # user + nice + system + irq + softirq + steal; idle and iowait not
+    assert contention._stat_seconds(_STAT, {0}) == pytest.approx((100 + 50 + 30) / tick)
+    assert contention._stat_seconds(_STAT, {0, 1}) == pytest.approx((180 + 265) / tick)
+    assert contention._stat_seconds(_STAT, {0, 7}) == pytest.approx(445 / tick)  # no line for cpu7: the total's
+    assert contention._stat_seconds(_STAT, None) == pytest.approx(445 / tick)
+    assert contention._stat_seconds("cpu  x y\n", {0}) is None
+    assert not contention._has_quota("max 100000\n") and not contention._has_quota(None)
+    assert contention._has_quota("150000 100000\n")
+    files = {"/proc/stat": _STAT, "/sys/fs/cgroup/cpu.stat": "usage_usec 2500000\nuser_usec 2000000\n"}
+    monkeypatch.setattr(contention, "_read", files.get)
+    monkeypatch.setattr(contention, "_affinity", lambda: {1})
+    assert contention._machine_seconds() == pytest.approx(265 / tick)  # no quota: this CPU's line
+    files["/sys/fs/cgroup/cpu.max"] = "150000 100000"
+    assert contention._machine_seconds() == pytest.approx(2.5)  # a quota: the cgroup's own usage
+    del files["/proc/stat"], files["/sys/fs/cgroup/cpu.max"]
+    assert contention._machine_seconds() == pytest.approx(2.5)  # no /proc/stat: the cgroup's
+    del files["/sys/fs/cgroup/cpu.stat"]
+    assert contention._machine_seconds() is None
 
 
 def test_a_calibration_on_a_busy_machine_says_so():

@@ -24,16 +24,22 @@ import statistics
 
 import pytest
 
-from scaletrain.bench.clock import CASES, run_suite
+from scaletrain.bench.clock import CASES, forget_replays, run_suite
 
-# A calibration and 18 configurations, each predicted and run: about 8 minutes here.
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(1500)]
+# A calibration and 18 configurations, each predicted and run: about 8 minutes here (CI: 7.5),
+# three times that where the first round misses.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(2700)]
 
 # The spread of a configuration's measured steps over two rounds on this project's 2-core CPU
 # (docs/planner.md's table): its median over the configurations (6.1%, 8.7% and 8.8% in three
 # benches) and the largest (41% in the last, for a 20 ms step): what one round may be off by.
 SPREAD, LARGEST_SPREAD = 0.09, 0.40
 MEDIAN_GOAL, MAX_GOAL = 0.10, 0.20
+
+
+def _moved(values: list[float]) -> float:
+    """How far a configuration's values moved over the rounds: (max - min) / min."""
+    return (max(values) - min(values)) / min(values)
 
 
 def _what_ran(rounds: list[list]) -> str:
@@ -74,16 +80,23 @@ def test_the_clock_predicts_this_cpus_steps(tmp_path):
     ):
         # A machine noisier than the one SPREAD was measured on (a Sapphire Rapids VM, 2026-11-29: the
         # same configuration predicted 0.755 s and 0.438 s, measured 0.518 s and 0.595 s, in two
-        # runs 20 minutes apart): a second round measures how far this machine's rounds move
-        # (prediction and run), the bounds widen by that, and each configuration's error is the
-        # median of its rounds, as the bench's table takes it.
-        again = run_suite(1, 9, tmp_path / "again", None, None, print, refresh=False)
-        rounds.append(again)
-        moved = [abs(a.predicted[0] - b.predicted[0]) / min(a.predicted[0], b.predicted[0])
-                 + abs(a.measured[0] - b.measured[0]) / min(a.measured[0], b.measured[0]) for a, b in zip(results, again, strict=True)]  # fmt: skip
-        spread, largest = max(spread, statistics.median(moved)), max(largest, max(moved))
-        errors = {name: statistics.median([e, b.error]) for (name, e), b in zip(errors.items(), again, strict=True)}
-        print(f"a second round: rounds moved by a median {statistics.median(moved):.0%}, at most {max(moved):.0%}")
+        # runs 20 minutes apart; CI's machine, 2026-12-01: its world-1 configurations predicted
+        # 2-5x their steps in one round): two more rounds, each calibrated and replayed afresh
+        # (forget_replays: not this process's memory of the first round's times), and each
+        # configuration's error the median of its three, which one round's slow replays or
+        # runs cannot move. The median bound widens by how far this machine's rounds moved
+        # (prediction and run, the median over the configurations); the largest by how far a
+        # configuration's runs moved (its predictions' moves are what the median of three
+        # absorbs: widening by them would let a configuration 5x off pass).
+        for k in (1, 2):
+            forget_replays()
+            rounds.append(run_suite(1, 9, tmp_path / f"again{k}", None, None, print, refresh=False))
+        by_case = list(zip(*rounds, strict=True))
+        moved = [_moved([x.predicted[0] for x in rs]) + _moved([x.measured[0] for x in rs]) for rs in by_case]
+        ran = [_moved([x.measured[0] for x in rs]) for rs in by_case]
+        spread, largest = max(spread, statistics.median(moved)), max(largest, max(ran))
+        errors = {name: statistics.median(x.error for x in rs) for name, rs in zip(errors, by_case, strict=True)}
+        print(f"three rounds: they moved by a median {statistics.median(moved):.0%}; the runs at most {max(ran):.0%}")
     said = f"{ {k: round(v, 3) for k, v in errors.items()} }; spread {spread:.2f}, largest {largest:.2f}; {_what_ran(rounds)}"
     assert statistics.median(abs(e) for e in errors.values()) <= MEDIAN_GOAL + spread, said
     assert max(abs(e) for e in errors.values()) <= MAX_GOAL + largest, said

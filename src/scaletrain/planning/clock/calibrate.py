@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from scaletrain.planning.clock import contention, rates
+from scaletrain.planning.clock import contention, cpu_measured, rates
 from scaletrain.planning.clock.float8_rates import float8_rows
 from scaletrain.planning.clock.measure import (
     _plain_block,
@@ -326,8 +326,8 @@ def calibrate_cpu(world: int = 2) -> tuple[dict[str, Any], list[str]]:
     values: dict[str, Any] = {}
     lines = []
     for threads in sorted({torch.get_num_threads(), 1}):
-        replayed = lambda c: rates.replayed_seconds(c, threads)  # noqa: B023, E731 - used within this iteration
-        with rates.Threads(threads):
+        replayed = lambda c: cpu_measured.replayed_seconds(c, threads)  # noqa: B023, E731 - used within this iteration
+        with cpu_measured.Threads(threads):
             host, bw = host_op_seconds(replayed), copy_bandwidth()
             host_tp = host_op_seconds(replayed, tensor_parallel=True) if threads == 1 else None
         values[f"host_op_{threads}"], values[f"bandwidth_{threads}"] = host, bw
@@ -363,7 +363,7 @@ def save_calibration(values: dict[str, Any]) -> Any:
 
     rates.set_calibration(values)
     path = disk_cache.cache_path(rates.CALIBRATION_FILE)
-    key = rates._cpu_key("calibration")
+    key = cpu_measured.cpu_key("calibration")
     if path is None or key is None:
         return None
     path.parent.mkdir(parents=True, exist_ok=True)

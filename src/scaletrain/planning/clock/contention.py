@@ -9,9 +9,15 @@ test suite ran). So each measurement the clock keeps says whether the machine wa
 when it was taken (clock/rates.py): a process that finds the machine quiet measures such an
 entry again rather than trusting it, and a plan priced with one says so.
 
-How busy: the CPU time the whole machine (its cgroup, in a container) spent over a short
-sleep of this process, less this process's own, in cores. Read from Linux's counters; where
-they are not readable nothing is known and every measurement counts as quiet, as before.
+How busy: the CPU time spent on the CPUs this process may run on over a short sleep of it,
+less this process's own, in cores. Read from Linux's counters: /proc/stat's line for each of
+those CPUs, which counts everything that kept them from this process (other containers'
+processes, the kernel's own threads reclaiming a finished run's memory, and in a virtual
+machine the time the hypervisor gave its core to another guest: "steal"), none of which a
+container's cgroup counter sees. Where a CPU quota makes this container a slice of a shared
+host (cgroup v2's cpu.max), its cgroup's counter instead: the host's other tenants then run
+on cores this container does not use. Where neither is readable nothing is known and every
+measurement counts as quiet, as before.
 """
 
 from __future__ import annotations
@@ -35,19 +41,71 @@ _LAST: tuple[float, float | None] = (-1e9, None)
 
 
 def _machine_seconds() -> float | None:
-    """The CPU seconds the machine (or this container's cgroup) has spent, all processes."""
-    try:  # cgroup v2: this container's own processes, not the host's
-        for line in Path("/sys/fs/cgroup/cpu.stat").read_text().splitlines():
-            if line.startswith("usage_usec "):
-                return int(line.split()[1]) / 1e6
-    except (OSError, ValueError):
-        pass
+    """The CPU seconds spent on this process's CPUs, by anything (module docstring)."""
+    cgroup = _read("/sys/fs/cgroup/cpu.stat")
+    if cgroup is not None and _has_quota(_read("/sys/fs/cgroup/cpu.max")):
+        return _cgroup_seconds(cgroup)
+    stat = _read("/proc/stat")
+    spent = _stat_seconds(stat, _affinity()) if stat is not None else None
+    if spent is None and cgroup is not None:
+        return _cgroup_seconds(cgroup)
+    return spent
+
+
+def _read(path: str) -> str | None:
     try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
+        return Path(path).read_text()
+    except OSError:
         return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _affinity() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return None
+
+
+def _has_quota(cpu_max: str | None) -> bool:
+    """cgroup v2's cpu.max ("max 100000", or "<quota> <period>"): whether a quota is set."""
+    return cpu_max is not None and cpu_max.split()[:1] not in ([], ["max"])
+
+
+def _cgroup_seconds(cpu_stat: str) -> float | None:
+    for line in cpu_stat.splitlines():
+        if line.startswith("usage_usec "):
+            try:
+                return int(line.split()[1]) / 1e6
+            except ValueError:
+                return None
+    return None
+
+
+def _stat_seconds(stat: str, cpus: set[int] | None) -> float | None:
+    """The non-idle seconds of /proc/stat's lines for `cpus` (user, nice, system, irq,
+    softirq and steal; idle and iowait not), or of its total line where `cpus` is unknown or
+    names a CPU it has no line for."""
+    total: float | None = None
+    per_cpu: dict[int, float] = {}
+    for line in stat.splitlines():
+        if not line.startswith("cpu"):
+            continue
+        name, *rest = line.split()
+        try:
+            fields = [int(v) for v in rest]
+        except ValueError:
+            return None
+        if len(fields) < 4:
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+        busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+        if name == "cpu":
+            total = busy
+        elif name[3:].isdigit():
+            per_cpu[int(name[3:])] = busy
+    if cpus and cpus <= per_cpu.keys():
+        return sum(per_cpu[c] for c in cpus)
+    return total
 
 
 def _own_seconds() -> float:

@@ -26,7 +26,6 @@ import bisect
 import json
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -35,8 +34,14 @@ from typing import Any
 import torch
 
 from scaletrain import disk_cache
-from scaletrain.planning.clock import contention
-from scaletrain.planning.clock.measure import copy_bandwidth, host_op_seconds, in_sequence, optimizer_seconds
+from scaletrain.planning.clock.cpu_measured import (
+    _measured_optimizer,
+    _replayed,
+    cpu_bandwidth,
+    cpu_host_op,
+    cpu_in_sequence,
+    cpu_key,
+)
 from scaletrain.planning.clock.trace import Call, matmul_layout
 from scaletrain.planning.hardware import Device, is_host, measured_cpu_peak
 
@@ -302,113 +307,6 @@ def _nearest_rate(entries: list[list[float]], key: tuple[int, ...]) -> float:
     return rate
 
 
-# -- this CPU -------------------------------------------------------------------------
-CALLS_FILE = "clock-calls"
-# What this process priced with measurements taken while other processes used the CPU: by
-# the measurement's key, the cores they used (clock/contention.py; StepTime's notes say so).
-BUSY_MEASURED: dict[str, float] = {}
-
-
-def _kept(threads: int, measure: Callable[[], float], *fields: Any) -> float:
-    """measure() at `threads` threads, kept in CALLS_FILE with whether the machine was busy
-    when it ran: a busy entry is measured again by a process that finds the machine quiet."""
-
-    entry = contention.kept(CALLS_FILE, _cpu_key(*fields), threads, measure, "s")
-    if entry["busy"] is not None:
-        BUSY_MEASURED[json.dumps(fields)] = entry["busy"]
-    return float(entry["s"])
-
-
-def busy_note() -> list[str]:
-    """A line when this process priced with measurements taken on a busy CPU."""
-    if not BUSY_MEASURED:
-        return []
-    return [contention.note(max(BUSY_MEASURED.values()), len(BUSY_MEASURED))]
-
-
-def _cpu_key(*fields: Any) -> list[Any] | None:
-    cpu = disk_cache.cpu_identity()
-    if cpu is None:
-        return None
-    return [*cpu, torch.__version__, os.environ.get("ATEN_CPU_CAPABILITY", ""), *fields]
-
-
-def replayed_seconds(c: Call, threads: int) -> float:
-    """One call's seconds replayed on this CPU at `threads` threads (kept: _replayed)."""
-    return _replayed(c.op, c.args, threads)
-
-
-@lru_cache(maxsize=65536)
-def _replayed(op: str, args: str, threads: int) -> float:
-    from scaletrain.planning.clock.replay import seconds
-
-    def measure() -> float:
-        with Threads(threads):
-            try:
-                return seconds(op, args)
-            except Exception:  # noqa: BLE001 - an operation that cannot be rebuilt is priced by its bytes below
-                return -1.0
-
-    value = _kept(threads, measure, "call", threads, op, args)
-    if value < 0:
-        from scaletrain.planning.clock.replay import call_bytes
-
-        return call_bytes(args) * 2 / cpu_bandwidth(threads)
-    return value
-
-
-@lru_cache(maxsize=256)
-def _measured_optimizer(params: int, tensors: int, threads: int) -> float:
-    def measure() -> float:
-        with Threads(threads):
-            return optimizer_seconds(params, tensors)
-
-    return _kept(threads, measure, "optimizer-step", threads, params, tensors)
-
-
-@lru_cache(maxsize=16)
-def cpu_host_op(threads: int) -> float:
-    def measure() -> float:
-        with Threads(threads):
-            return host_op_seconds(lambda c: _replayed(c.op, c.args, threads))
-
-    return _kept(threads, measure, "host-op", threads)
-
-
-@lru_cache(maxsize=16)
-def cpu_in_sequence(threads: int) -> float:
-    def measure() -> float:
-        with Threads(threads):
-            return in_sequence(lambda c: _replayed(c.op, c.args, threads), cpu_host_op(threads))
-
-    return _kept(threads, measure, "in-sequence", threads)
-
-
-@lru_cache(maxsize=16)
-def cpu_bandwidth(threads: int) -> float:
-    def measure() -> float:
-        with Threads(threads):
-            return copy_bandwidth()
-
-    return _kept(threads, measure, "bandwidth", threads)
-
-
-class Threads:
-    """torch's intra-op threads set to `n` inside (the ranks' count, not the planner's)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __enter__(self) -> None:
-        self.old = torch.get_num_threads()
-        if self.n != self.old:
-            torch.set_num_threads(self.n)
-
-    def __exit__(self, *exc: Any) -> None:
-        if torch.get_num_threads() != self.old:
-            torch.set_num_threads(self.old)
-
-
 # -- choosing -------------------------------------------------------------------------
 CALIBRATION_FILE = "clock-calibration.json"
 
@@ -511,7 +409,7 @@ def calibration() -> dict[str, Any]:
     if _CALIBRATED:
         return dict(_CALIBRATED)
     path = disk_cache.cache_path(CALIBRATION_FILE)
-    key = _cpu_key("calibration")
+    key = cpu_key("calibration")
     if path is None or key is None or not path.is_file():
         return {}
     try:

@@ -16,8 +16,9 @@ from scaletrain.config.stages import SCHEDULES
 from scaletrain.models.spec import ModelSpec
 from scaletrain.planning.clock import engines
 from scaletrain.planning.clock.compute import float8_traced, micro_batch
+from scaletrain.planning.clock.cpu_measured import busy_note
 from scaletrain.planning.clock.phases import StepTime
-from scaletrain.planning.clock.rates import Rates, busy_note, rates_for
+from scaletrain.planning.clock.rates import Rates, rates_for
 from scaletrain.planning.hardware import Device
 from scaletrain.planning.pipeline import bubble
 from scaletrain.planning.setup import Setup
