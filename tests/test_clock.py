@@ -337,6 +337,43 @@ def test_a_bench_into_an_earlier_ones_folder_runs_each_configuration_afresh(monk
     assert step == pytest.approx(0.3) and phases == {"forward_s": pytest.approx(0.15)}  # the first interval left out
 
 
+def test_the_bench_predicts_again_once_quiet_where_a_prediction_used_busy_times(monkeypatch):
+    """bench/clock.py: a prediction priced with times taken on a busy machine is made again
+    after waiting for quiet; a machine still busy after the wait is not waited on again.
+    Planted: the second prediction left out fails the first assertion (1 call, not 2)."""
+    from scaletrain.bench import clock
+    from scaletrain.planning.clock import cpu_measured
+
+    calls, waits, quiet = [], [], {"after_wait": True, "busy": True}
+
+    def predict(case):
+        calls.append(case)
+        if quiet["busy"]:
+            cpu_measured.BUSY_MEASURED["x"] = 1.0
+        return len(calls)
+
+    def wait(say):
+        waits.append(1)
+        quiet["busy"] = False
+        return quiet["after_wait"]
+
+    monkeypatch.setattr(cpu_measured, "BUSY_MEASURED", {})
+    monkeypatch.setattr(clock, "predict", predict)
+    monkeypatch.setattr(clock, "wait_for_quiet", wait)
+    said: list[str] = []
+    case = clock.CASES[0]
+    assert clock._predicted_quietly(case, said.append, True) == (2, True) and len(waits) == 1
+    assert "busy machine" in said[0]
+    calls.clear()  # quiet, no busy times: predicted once
+    assert clock._predicted_quietly(case, said.append, True) == (1, True) and len(waits) == 1
+    quiet.update(busy=True, after_wait=False)  # busy past the wait: not patient after it
+    calls.clear()
+    assert clock._predicted_quietly(case, said.append, True) == (2, False) and len(waits) == 2
+    calls.clear()
+    quiet["busy"] = True
+    assert clock._predicted_quietly(case, said.append, False) == (1, False) and len(waits) == 2
+
+
 @pytest.mark.unit
 def test_a_run_that_only_checks_its_configured_layout_is_planned_without_the_clock(monkeypatch):
     # scaletrain train plans its configured layout for the memory lines it logs; pricing a

@@ -173,9 +173,9 @@ def calibrate(say: Say) -> None:
 QUIET_WAIT_S = 120.0  # the longest the bench waits for other processes to leave the CPUs
 
 
-def wait_for_quiet(say: Say) -> None:
+def wait_for_quiet(say: Say) -> bool:
     """Calibrate on a quiet machine: wait (at most QUIET_WAIT_S) for other processes to stop
-    using the CPUs, saying how long it waited, or that it goes on busy."""
+    using the CPUs, saying how long it waited, or that it goes on busy (False)."""
     import torch
 
     from scaletrain.planning.clock import contention
@@ -185,8 +185,10 @@ def wait_for_quiet(say: Say) -> None:
         say(
             f"the machine is still busy after {waited:.0f} s (other processes use {others:.1f} of its {contention.cores()} cores): measuring anyway"
         )
-    elif waited >= contention.QUIET_PROBES * contention.REPROBE_S:
+        return False
+    if waited >= contention.QUIET_PROBES * contention.REPROBE_S:
         say(f"waited {waited:.0f} s for other processes to leave the CPUs")
+    return True
 
 
 def forget_replays() -> None:
@@ -222,7 +224,9 @@ def run_suite(
         raise UserError(f"--only {', '.join(unknown)}: no such configuration; accepted: {', '.join(c.name for c in CASES)}")
     out.mkdir(parents=True, exist_ok=True)
     os.environ["SCALETRAIN_CACHE"] = str((out / "cache").resolve())  # the runs read the same calibration
-    wait_for_quiet(say)
+    # A machine found busy past QUIET_WAIT_S is taken as it is from then on: its "busy" is its
+    # usual state, and waiting before each configuration would only add that wait 18 times.
+    patient = wait_for_quiet(say)
     calibrate(say)
     results = [Result(c) for c in cases]
     log_every = max(1, steps // 4)
@@ -232,9 +236,9 @@ def run_suite(
                 # Replayed on a quiet machine, as the run after it is timed: never beside the last
                 # run's exiting ranks. (It did not explain the predictions that moved 1.5x between
                 # rounds on 2026-12-01: a bench with this wait never had to wait.)
-                wait_for_quiet(say)
+                patient = patient and wait_for_quiet(say)
                 forget_replays()
-            predicted = _predicted_quietly(res.case, say)
+            predicted, patient = _predicted_quietly(res.case, say, patient)
             # A step of milliseconds is timed over more of them: each log interval at least
             # INTERVAL_S long as predicted, so that one slow moment of the machine is a small
             # part of it (the tiny preset at micro-batch 1: 20 ms steps).
@@ -264,21 +268,22 @@ def _phases_side_by_side(predicted: dict[str, float], measured: dict[str, float]
     )
 
 
-def _predicted_quietly(case: Case, say: Say) -> Any:
+def _predicted_quietly(case: Case, say: Say, patient: bool) -> tuple[Any, bool]:
     """predict(case); where some of its operations were timed while other work held the CPUs
-    (clock/contention.py: those times are slow, and not kept), once more after waiting for a
-    quiet machine, which measures them again."""
+    (clock/contention.py: those times are slow, and kept only while the machine stays busy),
+    once more after waiting for a quiet machine, which times them again. `patient`: whether
+    to wait (else the machine was found busy past the wait before); returned as it stands."""
     from scaletrain.planning.clock import cpu_measured
 
     cpu_measured.BUSY_MEASURED.clear()  # the bench's own process: what this prediction used
     predicted = predict(case)
-    if cpu_measured.BUSY_MEASURED:
+    if cpu_measured.BUSY_MEASURED and patient:
         say(
             f"{case.name}: {len(cpu_measured.BUSY_MEASURED)} of its operations were timed on a busy machine: again, once it is quiet"
         )
-        wait_for_quiet(say)
+        patient = wait_for_quiet(say)
         predicted = predict(case)
-    return predicted
+    return predicted, patient
 
 
 def _slug(name: str) -> str:
