@@ -12,9 +12,8 @@ entry again rather than trusting it, and a plan priced with one says so.
 How busy: the CPU time spent on the CPUs this process may run on over a short sleep of it,
 less this process's own, in cores. Read from Linux's counters: /proc/stat's line for each of
 those CPUs, which counts everything that kept them from this process (other containers'
-processes, the kernel's own threads reclaiming a finished run's memory, and in a virtual
-machine the time the hypervisor gave its core to another guest: "steal"), none of which a
-container's cgroup counter sees. Where a CPU quota makes this container a slice of a shared
+processes, the kernel's own threads, and in a virtual machine the time the hypervisor gave
+its core to another guest: "steal"), none of which a container's cgroup counter sees. Where a CPU quota makes this container a slice of a shared
 host (cgroup v2's cpu.max), its cgroup's counter instead: the host's other tenants then run
 on cores this container does not use. Where neither is readable nothing is known and every
 measurement counts as quiet, as before.
