@@ -80,3 +80,46 @@ def test_float8_products_are_swept_at_the_calls_the_float8_block_makes_and_price
     assert with_rows.float8_note() is None
     assert base.float8_note() and "no float8 matmul measured for h200" in str(base.float8_note())
     assert base._matmul_rate(call) == pytest.approx(base._matmul_rate(replace(call, dtype="bfloat16")) * 1979 / 989, rel=1e-3)
+
+
+@pytest.mark.unit
+def test_a_pass_and_its_operations_are_timed_in_alternation_so_a_machine_slowing_between_does_not_move_the_ratio(monkeypatch):
+    """This machine's speed moves by ~10% within seconds (measure.py ALTERNATIONS): a ratio of
+    one measurement of the operations and one of the pass, taken apart, moved with it. Here a
+    machine (a clock of its own) that runs at half speed from about halfway through the seven
+    alternations: the pass costs 1.2x its operations at either speed (in_sequence), and 2 us
+    of host per dispatched operation at full speed (host_op_seconds; 4 at half), and the
+    medians say so. Planted: every alternation's operations timed before any pass
+    (in_sequence 2.4: operations at full speed, passes at half)."""
+    from types import SimpleNamespace
+
+    from scaletrain.planning.clock import measure
+
+    clock = {"t": 0.0, "halfway": 0.0}
+    slow = lambda: 2.0 if clock["t"] >= clock["halfway"] else 1.0  # noqa: E731
+    calls = [SimpleNamespace(count=c) for c in (1, 2, 3)]  # 6 operations' worth, at 1 ms each
+    phase = SimpleNamespace(calls=calls, dispatched=5)
+    work = SimpleNamespace(forward=phase, backward=SimpleNamespace(calls=[], dispatched=5))
+
+    def spend(seconds: float) -> None:
+        clock["t"] += seconds * slow()
+
+    pass_seconds = {"s": 0.0}
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: clock["t"]))
+    monkeypatch.setattr(measure, "block_work", lambda *a, **k: work)
+    monkeypatch.setattr(measure, "_plain_block", lambda *a, **k: lambda: spend(pass_seconds["s"]))
+    prepare = lambda c: lambda: spend(1e-3)  # noqa: E731
+    kept = lambda c: pytest.fail("a call that could be built was priced by its kept time")  # noqa: E731
+
+    # One alternation is 6 calls a call and 6 passes (warm-ups included): halfway through the seven.
+    pass_seconds["s"] = 6e-3 * 1.2 + 10 * 2e-6
+    clock["t"], clock["halfway"] = 0.0, 3.5 * 6 * (6 * 1e-3 + pass_seconds["s"])
+    assert measure.in_sequence(prepare, kept, 2e-6) == pytest.approx(1.2)
+    pass_seconds["s"] = 6e-3 + 10 * 2e-6
+    clock["t"] = 0.0
+    assert measure.host_op_seconds(kept, prepare=prepare) == pytest.approx(2e-6)
+    # A call that cannot be built is priced at its kept time, the same in every alternation.
+    pass_seconds["s"] = (6e-3 - 1e-3 + 0.5e-3) * 1.2 + 10 * 2e-6
+    clock["t"] = 0.0
+    built_except_first = lambda c: None if c is calls[0] else prepare(c)  # noqa: E731
+    assert measure.in_sequence(built_except_first, lambda c: 0.5e-3, 2e-6) == pytest.approx(1.2)

@@ -328,8 +328,10 @@ def calibrate_cpu(world: int = 2) -> tuple[dict[str, Any], list[str]]:
     for threads in sorted({torch.get_num_threads(), 1}):
         replayed = lambda c: cpu_measured.replayed_seconds(c, threads)  # noqa: B023, E731 - used within this iteration
         with cpu_measured.Threads(threads):
-            host, bw = host_op_seconds(replayed), copy_bandwidth()
-            host_tp = host_op_seconds(replayed, tensor_parallel=True) if threads == 1 else None
+            host, bw = host_op_seconds(replayed, prepare=cpu_measured.prepared_call), copy_bandwidth()
+            host_tp = (
+                host_op_seconds(replayed, tensor_parallel=True, prepare=cpu_measured.prepared_call) if threads == 1 else None
+            )
         values[f"host_op_{threads}"], values[f"bandwidth_{threads}"] = host, bw
         line = f"{threads} thread{'s' * (threads > 1)}: {host * 1e6:.1f} us per operation, copies at {bw / 1e9:.1f} GB/s"
         if host_tp is not None:

@@ -66,22 +66,30 @@ def optimizer_seconds(params: int, tensors: int, device: str = "cpu", cap: int =
     return median_seconds(step, repeats=5, sync=sync) * scale
 
 
-def host_op_seconds(replayed: Callable[[Any], float], tensor_parallel: bool = False) -> float:
+def host_op_seconds(
+    replayed: Callable[[Any], float],
+    tensor_parallel: bool = False,
+    prepare: Callable[[Any], Callable[[], Any] | None] | None = None,
+) -> float:
     """The host's cost per dispatched operation of an eager training pass beyond the
     operations' own calls: the tiny preset's block at 8 tokens forward and backward for
     real, less its replayed operations, over its dispatched count (module docstring). With
     `tensor_parallel`, the block split by the tensor-parallel plan over a mesh of one rank
     (DTensor's dispatch: the same traced operations cost the host more), in a gloo group of
-    one made for it where none exists."""
+    one made for it where none exists. With `prepare`, the operations and the pass measured
+    in alternation (in_sequence), the median of the differences."""
     from scaletrain.config import load_config
     from scaletrain.models import model_spec
 
     spec = model_spec(load_config([], ["model.preset=tiny"]), 256)
     tokens = 8
     work = block_work(spec, 1, tokens, "fp32")
-    ops = sum(replayed(c) * c.count for p in (work.forward, work.backward) for c in p.calls)
     dispatched = work.forward.dispatched + work.backward.dispatched
     run = _tp_block(spec, tokens, "cpu") if tensor_parallel else _plain_block(spec, tokens)
+    if prepare is not None:
+        pairs = _alternated(work, prepare, replayed, run)
+        return statistics.median(max(0.0, real - ops) for ops, real in pairs) / dispatched
+    ops = sum(replayed(c) * c.count for p in (work.forward, work.backward) for c in p.calls)
     real = median_seconds(run, repeats=31)
     return max(0.0, real - ops) / dispatched
 
@@ -140,21 +148,49 @@ def matmul_rate(n: int = 1024, device: str = "cpu", dtype: torch.dtype = torch.f
     return 2 * n**3 / median_seconds(lambda: a @ b, sync=sync)
 
 
-def in_sequence(replayed: Callable[[Any], float], host_op: float) -> float:
+# in_sequence's and host_op_seconds' alternations. This machine's speed moves by ~10% within
+# seconds: the small block's operations replayed back to back summed 48.8 to 63.4 ms between
+# measurements a few seconds apart, its pass 58 to 74 ms (2026-12-01, AMD EPYC VM, 2 threads),
+# so a ratio of one measurement of each, taken apart, moved with it and carried that into every
+# prediction (the bench's predictions of one configuration 0.83-1.08 s where its runs measured
+# 0.91-0.95). Six calibrations in a row there: one measurement of each, in_sequence 1.04-1.40
+# and the host 3.1-8.3 us per operation; the median of 7 alternations, each pair within a
+# second, 1.06-1.22 and 5.3-8.5 us (~5 s a thread count instead of ~2).
+ALTERNATIONS = 7
+
+
+def in_sequence(prepare: Callable[[Any], Callable[[], Any] | None], replayed: Callable[[Any], float], host_op: float) -> float:
     """How much slower a block's operations run one after another in a training pass than
-    each replayed alone (the least of its repeats), its host's share taken out: the small
-    preset's block at 4 x 256 tokens forward and backward for real (the median of its
-    repeats), less its dispatched operations' host cost, over the sum of its operations
-    replayed (an operation alone finds its inputs in the caches its predecessor left and its
-    output pages already mapped; in a pass it does not, and a pass meets the machine's
-    usual interference, where a replay's least time does not)."""
+    each replayed alone, its host's share taken out: the small preset's block at 4 x 256
+    tokens forward and backward for real, less its dispatched operations' host cost, over
+    the sum of its operations replayed (an operation alone finds its inputs in the caches
+    its predecessor left and its output pages already mapped; in a pass it does not, and a
+    pass meets the machine's usual interference). Measured in ALTERNATIONS alternations of
+    the operations (each the median of 5 calls after one, as replay.seconds times a large
+    one; `prepare(call)` gives the call with its arguments built, None where they cannot be
+    built: then `replayed(call)`, its kept time) and the pass (the median of 5), the median
+    of their ratios: both sides of each ratio see the machine in the same second."""
     from scaletrain.config import load_config
     from scaletrain.models import model_spec
 
     spec = model_spec(load_config([], ["model.preset=small"]), 4096)
     tokens, batch = 256, 4
     work = block_work(spec, batch, tokens, "fp32")
-    ops = sum(replayed(c) * c.count for p in (work.forward, work.backward) for c in p.calls)
     dispatched = work.forward.dispatched + work.backward.dispatched
-    real = median_seconds(_plain_block(spec, tokens, batch), repeats=15)
-    return max(0.5, (real - dispatched * host_op) / ops) if ops > 0 else 1.0
+    pairs = _alternated(work, prepare, replayed, _plain_block(spec, tokens, batch))
+    return statistics.median(max(0.5, (real - dispatched * host_op) / ops) if ops > 0 else 1.0 for ops, real in pairs)
+
+
+def _alternated(
+    work: Any, prepare: Callable[[Any], Callable[[], Any] | None], replayed: Callable[[Any], float], run: Callable[[], None]
+) -> list[tuple[float, float]]:
+    """ALTERNATIONS pairs (the pass's operations replayed one by one and summed, the pass
+    itself), each pair measured within a second: an operation the median of 5 calls after
+    one (as replay.seconds times a large one), or `replayed(call)`'s kept time where
+    `prepare(call)` cannot build it; the pass the median of 5."""
+    calls = [(c, prepare(c)) for p in (work.forward, work.backward) for c in p.calls]
+    pairs = []
+    for _ in range(ALTERNATIONS):
+        ops = sum(c.count * (median_seconds(call, repeats=5) if call else replayed(c)) for c, call in calls)
+        pairs.append((ops, median_seconds(run, repeats=5)))
+    return pairs

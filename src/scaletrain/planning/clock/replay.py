@@ -117,15 +117,21 @@ def seconds(op: str, args_json: str) -> float:
     median, as a run's step is measured: their least time, tried, under-predicted every
     configuration of the CPU's table by a few percent more on this shared machine); what a
     call costs in a pass beside the others, rather than alone, is measure.in_sequence's factor."""
-    func = resolve(op)
-    args, kwargs = arguments(op, args_json)
-    func(*args, **kwargs)  # warm-up: first-touch page faults, lazy kernel initialisation
+    call = prepared(op, args_json)
+    call()  # warm-up: first-touch page faults, lazy kernel initialisation
     times: list[float] = []
     spent = 0.0
     while (len(times) < 5 and spent < ENOUGH_SECONDS) or (spent < MIN_SECONDS and len(times) < 50):
         t0 = time.perf_counter()
-        func(*args, **kwargs)
+        call()
         dt = time.perf_counter() - t0
         times.append(dt)
         spent += dt
     return statistics.median(times)
+
+
+def prepared(op: str, args_json: str) -> Any:
+    """The call with its arguments rebuilt once, to be run (and timed) as often as wanted."""
+    func = resolve(op)
+    args, kwargs = arguments(op, args_json)
+    return lambda: func(*args, **kwargs)
