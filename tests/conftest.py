@@ -14,6 +14,7 @@ import pytest
 
 from scaletrain.launch.env import use_build_environment
 
+from helpers.checklist import load_checklist
 from helpers.launch import check, scaletrain, set_deadline, train
 from helpers.runs import SMALL_CORPUS, base_overrides, cp_overrides, eval_overrides
 
@@ -127,3 +128,9 @@ def s3(s3_server, monkeypatch, request):
     for key, value in s3_server.env.items():
         monkeypatch.setenv(key, value)
     return with_bucket(s3_server, f"test-{hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]}")
+
+
+@pytest.fixture
+def checklist(monkeypatch):
+    """scripts/gpu_checklist.py as a module, its knobs at their defaults (test_gpu_checklist*.py)."""
+    return load_checklist(monkeypatch)

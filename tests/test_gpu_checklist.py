@@ -31,17 +31,10 @@ from helpers.checklist import (
     RUNS_1B,
     SCRIPT,
     ST,
-    load_checklist,
     results,
     slug,
 )
 from helpers.launch import run
-
-
-@pytest.fixture
-def checklist(monkeypatch):
-    return load_checklist(monkeypatch)
-
 
 # ---------------------------------------------------------------------------- the list
 

@@ -34,16 +34,9 @@ from helpers.checklist import (
     RUNS_1B,
     ST,
     filled,
-    load_checklist,
     results,
     slug,
 )
-
-
-@pytest.fixture
-def checklist(monkeypatch):
-    return load_checklist(monkeypatch)
-
 
 # ---------------------------------------------------------------------------- GPU mode, every process faked
 
