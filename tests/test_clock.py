@@ -102,7 +102,7 @@ def test_ranks_side_by_side_are_priced_as_slow_as_they_ran_beside_each_other(mon
     # This machine's own measurements held fixed: the rule is the factor, not a replay's time. A
     # replay or pass factor timed while the suite's other worker held the CPUs is measured again
     # once the machine is quiet (cpu_measured._QuietCache), so the two pricings below could read
-    # two timings of one operation (CI, 2026-12-02: every call 4.6% apart).
+    # two timings of one operation (the full suite here, 2026-12-02: every call 4.6% apart).
     monkeypatch.setattr(rates_module, "_replayed", lambda op, args, threads: 1e-6 * (1 + len(str(args)) % 7))
     monkeypatch.setattr(rates_module, "cpu_host_op", lambda threads: 5e-6)
     monkeypatch.setattr(rates_module, "cpu_in_sequence", lambda threads: 1.1)
